@@ -1,0 +1,34 @@
+# Set-up is part of every target: a fresh clone needs only `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+
+# --system-site-packages lets an installed torch be reused; install-torch.sh adds one if none.
+$(STAMP): pyproject.toml scripts/install-torch.sh | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	scripts/install-torch.sh $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test,cli]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/densematch demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python benchmarks/bench_match.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

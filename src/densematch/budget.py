@@ -1,0 +1,139 @@
+"""Memory budgets: parse them, find the memory a device has free, and scope a default.
+
+One setting drives every chunk size in densematch. ``memory=`` on a call wins; otherwise the
+value of :func:`config_context` (or the ``DENSEMATCH_MEMORY`` environment variable); otherwise a
+default derived from the memory the device has free, capped where bigger tiles stop paying off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["config_context", "get_config", "parse_memory", "resolve_memory"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+# Past these, larger tiles stop being faster (measured in benchmarks/bench_match.py): on a CPU
+# the tiles should stay near the caches; a GPU wants big tiles but needs no more than a few GiB.
+DEFAULT_CAP_CPU = 512 * 1024**2
+DEFAULT_CAP_CUDA = 8 * 1024**3
+
+_memory_setting: contextvars.ContextVar[int | str | None] = contextvars.ContextVar(
+    "densematch_memory", default=None
+)
+
+
+def parse_memory(memory: int | str, name: str = "memory") -> int:
+    """Turn a memory size into bytes.
+
+    Parameters
+    ----------
+    memory : int or str
+        Bytes as an int, or a string such as ``"512MiB"``, ``"2GB"``, ``"1.5 GiB"`` or ``"4096"``.
+        Decimal units (kB, MB, GB) are powers of 1000; binary ones (KiB, MiB, GiB, and bare
+        K, M, G) are powers of 1024.
+    name : str, default="memory"
+        The argument's name, for error messages.
+
+    Returns
+    -------
+    int
+        The size in bytes, at least 1.
+
+    Examples
+    --------
+    >>> parse_memory("64MiB")
+    67108864
+    >>> parse_memory("2GB")
+    2000000000
+    """
+    if isinstance(memory, bool) or not isinstance(memory, (int, str)):
+        raise TypeError(
+            f"{name} must be an int of bytes or a string such as '256MiB', "
+            f"got {type(memory).__name__}"
+        )
+    if isinstance(memory, int):
+        value = memory
+    else:
+        m = _MEMORY_RE.match(memory)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name} must be a size such as '256MiB', '2GB' or '1048576', got {memory!r}"
+            )
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"{name} must be a positive number of bytes, got {memory!r}")
+    return value
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the device can still hand out: CUDA's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 4 * 1024**3
+
+
+def resolve_memory(memory: int | str | None, device: torch.device) -> int:
+    """The working-memory budget of one call, in bytes.
+
+    ``memory`` if given; else the scoped :func:`config_context` value or ``DENSEMATCH_MEMORY``;
+    else half of what the device has free, capped at 512 MiB on a CPU and 8 GiB on a GPU.
+    """
+    if memory is None:
+        memory = _memory_setting.get()
+    if memory is None:
+        memory = os.environ.get("DENSEMATCH_MEMORY") or None
+    if memory is not None:
+        return parse_memory(memory)
+    cap = DEFAULT_CAP_CUDA if device.type == "cuda" else DEFAULT_CAP_CPU
+    return max(1, min(free_memory(device) // 2, cap))
+
+
+def get_config() -> dict[str, int | str | None]:
+    """The current settings, as a dict (today: ``memory``)."""
+    return {"memory": _memory_setting.get()}
+
+
+@contextlib.contextmanager
+def config_context(*, memory: int | str | None = None) -> Iterator[None]:
+    """Scope a default memory budget for every densematch call inside the block.
+
+    Examples
+    --------
+    >>> import densematch
+    >>> with densematch.config_context(memory="64MiB"):
+    ...     densematch.get_config()["memory"]
+    '64MiB'
+    """
+    if memory is not None:
+        parse_memory(memory)
+    token = _memory_setting.set(memory)
+    try:
+        yield
+    finally:
+        _memory_setting.reset(token)

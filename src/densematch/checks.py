@@ -1,0 +1,121 @@
+"""Validation at the public boundary: one message shape, "<argument> must <rule>, got <value>"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["as_tensor", "check_choice", "check_finite", "check_int", "check_mask", "check_features"]
+
+LAYOUTS = ("hwc", "chw", "flat")
+_SHAPES = {
+    "hwc": ("(H, W, C)", "(B, H, W, C)"),
+    "chw": ("(C, H, W)", "(B, C, H, W)"),
+    "flat": ("(N, C)", "(B, N, C)"),
+}
+# Elements checked per step for NaN/Inf, so the check's own temporaries stay small.
+_FINITE_CHUNK = 1 << 22
+
+
+def as_tensor(x: Any, name: str) -> torch.Tensor:
+    """A torch view of ``x`` (numpy arrays are shared, not copied where their strides allow)."""
+    if isinstance(x, np.ndarray):
+        if x.dtype == np.float16 or x.dtype.kind in "fiub":
+            try:
+                return torch.from_numpy(x)
+            except ValueError:  # negative strides
+                return torch.from_numpy(np.ascontiguousarray(x))
+        raise TypeError(f"{name} must hold numbers, got a numpy array of dtype {x.dtype}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    return x
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {listed}, got {value!r}")
+    return value
+
+
+def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        rule = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
+def check_finite(x: torch.Tensor, name: str) -> None:
+    """Raise ValueError if ``x`` holds NaN or Inf (checked in chunks, so temporaries stay small)."""
+    flat = x.reshape(-1) if x.is_contiguous() else None
+    if flat is None:
+        parts = x.unbind(0) if x.ndim > 1 else (x,)
+        for part in parts:
+            check_finite(part, name)
+        return
+    for start in range(0, flat.numel(), _FINITE_CHUNK):
+        if not bool(torch.isfinite(flat[start : start + _FINITE_CHUNK]).all()):
+            raise ValueError(
+                f"{name} must hold only finite values, got NaN or Inf; clean it first "
+                f"(for example with torch.nan_to_num)"
+            )
+
+
+def check_features(x: Any, name: str, layout: str) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+    """Validate a feature map and view it as flat rows.
+
+    Returns
+    -------
+    rows : Tensor of shape (B, N, C)
+        A view of ``x`` where the layout allows (chw gives a transposed view, not a copy).
+    grid : tuple of int
+        The spatial shape: (H, W) for hwc and chw, (N,) for flat.
+    batched : bool
+        Whether ``x`` had a leading batch dimension.
+    """
+    x = as_tensor(x, name)
+    one, many = _SHAPES[layout]
+    nd = 2 if layout == "flat" else 3
+    if x.ndim not in (nd, nd + 1):
+        raise ValueError(
+            f"{name} must have shape {one} or {many} for layout={layout!r}, got {tuple(x.shape)}"
+        )
+    if not x.is_floating_point():
+        raise TypeError(
+            f"{name} must hold floats (float16, bfloat16, float32 or float64), got {x.dtype}; "
+            f"convert with .float()"
+        )
+    batched = x.ndim == nd + 1
+    xb = x if batched else x.unsqueeze(0)
+    if layout == "hwc":
+        grid = tuple(xb.shape[1:3])
+        rows = xb.reshape(xb.shape[0], -1, xb.shape[3])
+    elif layout == "chw":
+        grid = tuple(xb.shape[2:4])
+        rows = xb.reshape(xb.shape[0], xb.shape[1], -1).transpose(1, 2)
+    else:
+        grid = (xb.shape[1],)
+        rows = xb
+    if rows.shape[1] == 0 or rows.shape[2] == 0 or rows.shape[0] == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+    check_finite(x, name)
+    return rows, grid, batched
+
+
+def check_mask(
+    mask: Any, name: str, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor | None:
+    """A boolean mask of exactly ``shape``, on ``device``."""
+    if mask is None:
+        return None
+    mask = as_tensor(mask, name)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a boolean mask, got dtype {mask.dtype}; use mask > 0")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, the map's pixels, got {tuple(mask.shape)}")
+    return mask.to(device)

@@ -1,0 +1,299 @@
+"""The tiled top-k engine: for every query row, the k best reference rows under a metric.
+
+Queries are cut into tiles of ``tile_a`` rows and references into tiles of ``tile_b`` rows. One
+(tile_a, tile_b) block of scores lives at a time, in a buffer reused for every block, and a
+running top-k per query row is merged block by block, so memory is bounded by the plan and never
+by Na * Nb. The merge is cheap: a block's row maxima (a fast vectorised reduction) say which rows
+can improve at all, and only those rows pay for an argmax or a top-k. After the first few blocks
+most rows cannot, so the block is read once more in cache rather than written and re-read from
+main memory.
+
+Everything here works on flat (N, C) rows. Layouts, batches, masks and filters live in
+:mod:`densematch.match`; this module only ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .metrics import Metric, get_metric
+
+__all__ = ["TilePlan", "plan_tiles", "topk"]
+
+# Tile caps past which larger tiles stopped being faster (benchmarks/bench_match.py --tiles).
+MAX_TILES = {"cpu": (1024, 2048), "cuda": (8192, 16384)}
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Tile sizes, and whether the prepared references are kept whole, with its byte count."""
+
+    tile_a: int
+    tile_b: int
+    whole_b: bool
+    bytes: int
+
+
+def _working_set(
+    ta: int, tb: int, *, na: int, nb: int, c: int, cp: int, k: int, item: int, in_item: int,
+    whole_b: bool,
+) -> int:
+    """Bytes one call of :func:`topk` holds at once for tiles of (ta, tb). Each term is named."""
+    row_prep = cp * item + c * in_item             # a gathered raw row, then its prepared copy
+    refs = (nb if whole_b else tb) * row_prep      # prepared references: all, or one tile
+    queries = ta * row_prep                        # one prepared tile of queries
+    scores = ta * tb * item                        # the reused block of scores
+    reduce = ta * tb * (item if k == 1 else 2 * item + 1)  # rows that improve, ties check
+    state = na * k * (item + 8)                    # running top-k: value + int64 index
+    merge = ta * 2 * k * (item + 8) * 3            # candidates of a merge, and their sorts
+    final = ta * k * c * (in_item + 4 * item)      # chosen rows regathered, repeated, differenced
+    return refs + queries + scores + reduce + state + merge + final
+
+
+def plan_tiles(
+    na: int, nb: int, c: int, k: int, budget: int, *, metric: Metric, device: torch.device,
+    dtype: torch.dtype = torch.float32, in_dtype: torch.dtype = torch.float32,
+    tiles: tuple[int | None, int | None] | None = None,
+) -> TilePlan:
+    """Choose tile sizes whose whole working set fits in ``budget`` bytes.
+
+    References are tiled first at the device's preferred size, query tiles take what is left,
+    and the reference tile halves while query tiles would drop below 64 rows. References are
+    prepared once, whole, when they take at most half the budget.
+
+    Raises
+    ------
+    ValueError
+        When even tiles of one row do not fit, naming the minimum budget.
+    """
+    cap_a, cap_b = MAX_TILES.get(device.type, MAX_TILES["cuda"])
+    fixed_a, fixed_b = tiles if tiles is not None else (None, None)
+    cap_a = min(fixed_a or cap_a, na)
+    cap_b = min(fixed_b or cap_b, nb)
+    kw = dict(na=na, nb=nb, c=c, cp=c + metric.extra_columns, k=k,
+              item=torch.finfo(dtype).bits // 8, in_item=torch.finfo(in_dtype).bits // 8)
+    minimum = _working_set(1, 1, whole_b=False, **kw)
+    if budget < minimum:
+        raise ValueError(
+            f"memory={budget} bytes cannot hold one tile: at least {minimum} bytes are needed "
+            f"for C={c}, k={k} and {na} query rows; raise memory"
+        )
+
+    def fit(tb: int, whole_b: bool) -> int:
+        spare = budget - _working_set(0, tb, whole_b=whole_b, **kw)
+        per_row = _working_set(1, tb, whole_b=whole_b, **kw) - _working_set(0, tb, whole_b=whole_b, **kw)
+        return min(cap_a, spare // per_row) if spare > 0 else 0
+
+    whole_b = _working_set(0, 0, whole_b=True, **kw) <= budget // 2 and fit(cap_b, True) >= min(na, 64)
+    tb = cap_b
+    while True:
+        ta = fit(tb, whole_b)
+        if fixed_b or tb == 1 or ta >= min(cap_a, 64):
+            break
+        tb = max(1, tb // 2)
+    if ta < 1:
+        raise ValueError(
+            f"memory={budget} bytes cannot hold one tile of tile_b={tb}: at least "
+            f"{_working_set(1, tb, whole_b=whole_b, **kw)} bytes are needed; raise memory"
+        )
+    return TilePlan(int(ta), int(tb), whole_b, _working_set(int(ta), tb, whole_b=whole_b, **kw))
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
+    return x[start:stop] if rows is None else x.index_select(0, rows[start:stop])
+
+
+def _merge_best(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> None:
+    """k = 1: keep each row's maximum; an equal score from a later tile never wins."""
+    rowmax = s.amax(1)
+    need = rowmax > best_v[:, 0]
+    rows = need.nonzero().squeeze(1)
+    n = rows.numel()
+    if n == 0:
+        return
+    if 4 * n >= s.shape[0]:
+        arg = s.argmax(1)
+        best_v[:, 0] = torch.where(need, rowmax, best_v[:, 0])
+        best_i[:, 0] = torch.where(need, arg + offset, best_i[:, 0])
+    else:
+        best_v[rows, 0] = rowmax[rows]
+        best_i[rows, 0] = s.index_select(0, rows).argmax(1) + offset
+
+
+def _topk_lowest_index(sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise top-k where equal scores go to the lowest column, best first."""
+    v, i = sub.topk(k, dim=1)
+    # topk breaks ties arbitrarily: rows with more candidates >= the k-th value than k have a
+    # tie at the boundary, and only those rows pay for a stable sort (in chunks of one tile).
+    crowded = ((sub >= v[:, -1:]).sum(1) > k).nonzero().squeeze(1)
+    item = sub.element_size()
+    step = max(1, sub.shape[0] * item // (item + 8))
+    for start in range(0, crowded.numel(), step):
+        rows = crowded[start : start + step]
+        sv, si = sub.index_select(0, rows).sort(dim=1, descending=True, stable=True)
+        v[rows], i[rows] = sv[:, :k], si[:, :k]
+    return _order(v, i)
+
+
+def _order(v: torch.Tensor, i: torch.Tensor, descending: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row by value, equal values by index; index -1 (an empty slot) goes last."""
+    key = torch.where(i < 0, torch.iinfo(torch.int64).max, i)
+    by_index = key.argsort(dim=1, stable=True)
+    v, i = v.gather(1, by_index), i.gather(1, by_index)
+    by_value = v.argsort(dim=1, descending=descending, stable=True)
+    return v.gather(1, by_value), i.gather(1, by_value)
+
+
+def _merge_topk(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> None:
+    """k > 1: merge a block's top-k into the running top-k of the rows that can improve."""
+    k = best_v.shape[1]
+    need = s.amax(1) > best_v[:, -1]
+    rows = need.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    sub = s if rows.numel() == s.shape[0] else s.index_select(0, rows)
+    v, i = _topk_lowest_index(sub, min(k, s.shape[1]))
+    cand_v = torch.cat([best_v[rows], v], dim=1)
+    cand_i = torch.cat([best_i[rows], i + offset], dim=1)
+    cand_v, cand_i = _order(cand_v, cand_i)
+    best_v[rows], best_i[rows] = cand_v[:, :k], cand_i[:, :k]
+
+
+def topk(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    metric: str | Metric,
+    k: int,
+    budget: int,
+    rows_a: torch.Tensor | None = None,
+    rows_b: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    tiles: tuple[int | None, int | None] | None = None,
+    on_tile: Callable[[int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of every query row over the reference rows, tiled within ``budget`` bytes.
+
+    Parameters
+    ----------
+    a : Tensor of shape (Na, C)
+        Query rows, any float dtype, any strides (a transposed view costs no copy).
+    b : Tensor of shape (Nb, C)
+        Reference rows, on the same device.
+    metric : str or Metric
+        One of :data:`densematch.metrics.METRICS`.
+    k : int
+        How many best rows to keep; slots beyond the references available get index -1.
+    budget : int
+        Hard cap, in bytes, on the working memory of the call (see :func:`plan_tiles`).
+    rows_a : Tensor of shape (na,), int64, optional
+        Only these query rows are ranked (the rows of the result follow this order).
+    rows_b : Tensor of shape (nb,), int64, increasing, optional
+        Only these reference rows can be chosen.
+    dtype : torch.dtype, default=torch.float32
+        The compute dtype: scores accumulate in it.
+    tiles : (int or None, int or None), optional
+        Force the tile sizes (tests use tiny tiles to force many merges).
+    on_tile : callable, optional
+        Called with the number of query rows finished after each query tile (progress bars).
+
+    Returns
+    -------
+    value : Tensor of shape (na, k), ``dtype``
+        The metric's value of each chosen pair, recomputed directly from the two rows:
+        similarity for cosine and dot, distance otherwise; NaN in empty slots.
+    index : Tensor of shape (na, k), int64
+        Row of ``b`` chosen, best first; equal scores go to the lower row; -1 in empty slots.
+    """
+    metric = get_metric(metric)
+    na = a.shape[0] if rows_a is None else rows_a.numel()
+    nb = b.shape[0] if rows_b is None else rows_b.numel()
+    c = a.shape[1]
+    device = a.device
+    value = torch.full((na, k), math.nan, dtype=dtype, device=device)
+    index = torch.full((na, k), -1, dtype=torch.int64, device=device)
+    if na == 0 or nb == 0:
+        return value, index
+    plan = plan_tiles(na, nb, c, k, budget, metric=metric, device=device, dtype=dtype,
+                      in_dtype=a.dtype if a.dtype.is_floating_point else dtype, tiles=tiles)
+    merge = _merge_best if k == 1 else _merge_topk
+    with torch.inference_mode():
+        centre = _reference_mean(b, rows_b, plan.tile_b, dtype) if metric.centred else None
+        whole = _rows(b, rows_b, 0, nb) if plan.whole_b else None
+        whole = metric.prepare(whole, "ref", dtype, centre) if whole is not None else None
+        ta = plan.tile_a
+        start = 0
+        while start < na:
+            stop = min(start + ta, na)
+            try:
+                _rank_tile(a, b, rows_a, rows_b, start, stop, metric, dtype, centre, whole,
+                           plan.tile_b, nb, value, index, merge)
+            except torch.cuda.OutOfMemoryError:
+                if ta == 1:
+                    raise
+                ta = max(1, ta // 2)
+                torch.cuda.empty_cache()
+                continue
+            _finalise(a, b, rows_a, rows_b, start, stop, metric, dtype, value, index)
+            if on_tile is not None:
+                on_tile(stop - start)
+            start = stop
+    return value, index
+
+
+def _reference_mean(
+    b: torch.Tensor, rows_b: torch.Tensor | None, tile: int, dtype: torch.dtype
+) -> torch.Tensor:
+    nb = b.shape[0] if rows_b is None else rows_b.numel()
+    total = torch.zeros(b.shape[1], dtype=dtype, device=b.device)
+    for j in range(0, nb, tile):
+        total += _rows(b, rows_b, j, j + tile).sum(0, dtype=dtype)
+    return total / nb
+
+
+def _rank_tile(
+    a: torch.Tensor, b: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None,
+    start: int, stop: int, metric: Metric, dtype: torch.dtype, centre: torch.Tensor | None,
+    whole: torch.Tensor | None, tb: int, nb: int, value: torch.Tensor, index: torch.Tensor,
+    merge: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Merge every reference tile into the running top-k of queries [start, stop)."""
+    m = stop - start
+    best_v, best_i = value[start:stop], index[start:stop]
+    best_v.fill_(-math.inf)
+    best_i.fill_(-1)
+    q = metric.prepare(_rows(a, rows_a, start, stop), "query", dtype, centre)
+    buf = torch.empty(m * min(tb, nb), dtype=dtype, device=a.device) if metric.p is None else None
+    for j in range(0, nb, tb):
+        n = min(tb, nb - j)
+        r = whole[j : j + n] if whole is not None else metric.prepare(
+            _rows(b, rows_b, j, j + n), "ref", dtype, centre)
+        s = metric.score_tile(q, r, out=None if buf is None else buf[: m * n].view(m, n))
+        merge(s, j, best_v, best_i)
+
+
+def _finalise(
+    a: torch.Tensor, b: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None,
+    start: int, stop: int, metric: Metric, dtype: torch.dtype, value: torch.Tensor,
+    index: torch.Tensor,
+) -> None:
+    """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""
+    best_v, best_i = value[start:stop], index[start:stop]
+    k = best_i.shape[1]
+    found = best_i >= 0
+    local = best_i.clamp_min(0)
+    if rows_b is not None:
+        best_i.copy_(torch.where(found, rows_b[local], best_i))
+        local = best_i.clamp_min(0)
+    q = _rows(a, rows_a, start, stop).to(dtype)
+    r = b.index_select(0, local.reshape(-1)).to(dtype)
+    v = metric.pair_value(q.repeat_interleave(k, dim=0), r).view(-1, k)
+    v = torch.where(found, v, math.nan)
+    missing = math.inf if metric.higher_is_better else -math.inf
+    v, i = _order(torch.where(found, v, -missing), best_i, descending=metric.higher_is_better)
+    best_v.copy_(torch.where(i >= 0, v, math.nan))
+    best_i.copy_(i)

@@ -1,0 +1,162 @@
+"""Metrics: how to prepare rows, score a tile, and report a value, for every metric.
+
+Inside the engine every metric is a *score* where higher is better, so one top-k serves all.
+Matrix metrics score a tile with one matrix product:
+
+- cosine: rows are L2-normalised (zero rows stay zero and score 0), score = a . b.
+- dot: score = a . b.
+- l2, sqeuclidean: both sides are centred on the reference mean (distances do not change, the
+  norms shrink, and so does the cancellation of the expansion); the query gets a column of ones
+  and the reference a column of -||b||^2 / 2, so that one product gives
+  a . b - ||b||^2 / 2 = (||a||^2 - ||a - b||^2) / 2, which ranks like -||a - b||^2.
+
+l1 and linf have no matrix form; a tile is ``-torch.cdist(a, b, p)``, which never builds the
+(tile_a, tile_b, C) broadcast. Whatever the ranking used, the reported value of every chosen pair
+is recomputed directly from the two rows (:meth:`Metric.pair_value`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["METRICS", "Metric", "get_metric"]
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Metric:
+    """How one metric scores, compares and reports.
+
+    Attributes
+    ----------
+    name : str
+        The metric's public name.
+    higher_is_better : bool
+        True for similarities (cosine, dot), False for distances.
+    p : float or None
+        The Minkowski order for metrics scored by ``torch.cdist``; None for matrix metrics.
+    """
+
+    name: str
+    higher_is_better: bool
+    p: float | None = None
+
+    @property
+    def extra_columns(self) -> int:
+        """Columns that :meth:`prepare` adds to C (1 for the l2 expansion)."""
+        return 1 if self.name in ("l2", "sqeuclidean") else 0
+
+    @property
+    def centred(self) -> bool:
+        """Whether rows are centred on the reference mean before scoring."""
+        return self.name in ("l2", "sqeuclidean")
+
+    def prepare(
+        self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows ready for :meth:`score_tile`.
+
+        Parameters
+        ----------
+        x : Tensor of shape (n, C)
+            Raw rows of any float dtype and any strides.
+        role : {"query", "ref"}
+            Queries and references are prepared differently for l2 and sqeuclidean.
+        dtype : torch.dtype
+            The compute dtype (float32 or float64).
+        centre : Tensor of shape (C,), optional
+            Subtracted from every row when the metric is centred.
+
+        Returns
+        -------
+        Tensor of shape (n, C + extra_columns), contiguous, of ``dtype``.
+        """
+        n, c = x.shape
+        if self.extra_columns:
+            out = torch.empty(n, c + 1, dtype=dtype, device=x.device)
+            body = out[:, :c]
+            body.copy_(x)
+            if centre is not None:
+                body.sub_(centre)
+            if role == "query":
+                out[:, c] = 1.0
+            else:
+                torch.linalg.vecdot(body, body, out=out[:, c]).mul_(-0.5)
+            return out
+        out = x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+        if self.name == "cosine":
+            norms = torch.linalg.vector_norm(out, dim=1, keepdim=True).clamp_min_(_EPS)
+            out.div_(norms)
+        return out
+
+    def score_tile(
+        self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Scores of shape (len(q), len(r)), higher is better, of prepared rows."""
+        if self.p is None:
+            if out is None:
+                return q @ r.T
+            return torch.mm(q, r.T, out=out)
+        return torch.cdist(q, r, p=self.p).neg_()
+
+    def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The reported value of each row pair, computed directly.
+
+        Parameters
+        ----------
+        a, b : Tensor of shape (n, C)
+            Raw rows, already in the compute dtype.
+
+        Returns
+        -------
+        Tensor of shape (n,)
+            Cosine similarity, dot product, or the distance for the other metrics.
+        """
+        if self.name == "cosine":
+            na = torch.linalg.vector_norm(a, dim=1).clamp_min_(_EPS)
+            nb = torch.linalg.vector_norm(b, dim=1).clamp_min_(_EPS)
+            return ((a / na[:, None]) * (b / nb[:, None])).sum(1)
+        if self.name == "dot":
+            return (a * b).sum(1)
+        d = a - b
+        if self.name == "sqeuclidean":
+            return d.square().sum(1)
+        return torch.linalg.vector_norm(d, ord=2 if self.p is None else self.p, dim=1)
+
+    def ratio_distance(self, value: torch.Tensor) -> torch.Tensor:
+        """The distance Lowe's ratio test compares: chord distance for cosine, Euclidean for
+        l2 and sqeuclidean, the metric's own distance for l1 and linf."""
+        if self.name == "cosine":
+            return (2.0 - 2.0 * value).clamp_min_(0.0).sqrt_()
+        if self.name == "sqeuclidean":
+            return value.clamp_min(0.0).sqrt()
+        if self.name == "dot":
+            raise ValueError("ratio is undefined for metric='dot': dot products are not distances")
+        return value
+
+
+METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in (
+        Metric("cosine", True),
+        Metric("dot", True),
+        Metric("l2", False),
+        Metric("sqeuclidean", False),
+        Metric("l1", False, p=1.0),
+        Metric("linf", False, p=float("inf")),
+    )
+}
+
+
+def get_metric(metric: str | Metric, allowed: tuple[str, ...] | None = None) -> Metric:
+    """Look up a metric by name, raising a ValueError that lists the choices."""
+    if isinstance(metric, Metric):
+        return metric
+    names = allowed or tuple(METRICS)
+    if not isinstance(metric, str) or metric not in names:
+        choices = ", ".join(repr(n) for n in names)
+        raise ValueError(f"metric must be one of {choices}, got {metric!r}")
+    return METRICS[metric]

@@ -1,0 +1,64 @@
+"""Float64 brute-force references and the tolerances the tests judge by."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+HIGHER = {"cosine": True, "dot": True}
+
+
+def reference_scores(a: torch.Tensor, b: torch.Tensor, metric: str) -> torch.Tensor:
+    """(Na, Nb) float64 scores, higher is better (distances negated), by brute force."""
+    a, b = a.double(), b.double()
+    if metric == "cosine":
+        a = a / a.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        b = b / b.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        return a @ b.T
+    if metric == "dot":
+        return a @ b.T
+    diff = a[:, None, :] - b[None, :, :]
+    if metric == "l1":
+        return -diff.abs().sum(-1)
+    if metric == "linf":
+        return -diff.abs().amax(-1)
+    sq = diff.square().sum(-1)
+    return -sq if metric == "sqeuclidean" else -sq.sqrt()
+
+
+def reported(score: torch.Tensor, metric: str) -> torch.Tensor:
+    """The value match() reports, from a reference score."""
+    return score if HIGHER.get(metric, False) else -score
+
+
+def tolerance(a: torch.Tensor, b: torch.Tensor, metric: str) -> float:
+    """How far float32 accumulation may move a score: near-ties inside it count as ties."""
+    c = a.shape[-1]
+    if metric == "cosine":
+        return 2e-6 * c + 1e-6
+    na = a.double().norm(dim=-1).max().item()
+    nb = b.double().norm(dim=-1).max().item()
+    scale = {"dot": na * nb, "sqeuclidean": (na + nb) ** 2, "l2": (na + nb),
+             "l1": (na + nb) * c**0.5, "linf": na + nb}[metric]
+    return 4e-6 * c**0.5 * scale + 1e-6
+
+
+def assert_topk_exact(
+    a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, metric: str, k: int,
+    allowed_b: torch.Tensor | None = None,
+) -> None:
+    """Each chosen index must score (by the reference) like the true k-th best, within tolerance."""
+    ref = reference_scores(a, b, metric)
+    if allowed_b is not None:
+        ref[:, ~allowed_b] = -np.inf
+    want = ref.topk(k, dim=1).values
+    got = ref.gather(1, index.reshape(-1, k).clamp_min(0))
+    tol = tolerance(a, b, metric)
+    assert (index >= 0).all()
+    if allowed_b is not None:
+        assert allowed_b[index].all(), "a masked-out pixel of b was chosen"
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    # no pixel of b chosen twice for the same query
+    if k > 1:
+        s = index.reshape(-1, k).sort(dim=1).values
+        assert (s[:, 1:] != s[:, :-1]).all()

@@ -1,0 +1,97 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from densematch import engine
+from densematch.metrics import METRICS, get_metric
+
+from ._reference import assert_topk_exact, reported, reference_scores, tolerance
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    na=st.integers(1, 40), nb=st.integers(1, 40), c=st.integers(1, 24), k=st.integers(1, 5),
+    metric=st.sampled_from(sorted(METRICS)), dtype=st.sampled_from(DTYPES),
+    tiles=st.tuples(st.integers(1, 9), st.integers(1, 9)), masked=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_topk_equals_brute_force(na, nb, c, k, metric, dtype, tiles, masked, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(na, c, generator=g).to(dtype)
+    b = torch.randn(nb, c, generator=g).to(dtype)
+    allowed = torch.rand(nb, generator=g) < 0.7 if masked else torch.ones(nb, dtype=torch.bool)
+    allowed[0] = True
+    rows_b = allowed.nonzero().squeeze(1) if masked else None
+    k = min(k, int(allowed.sum()))
+    value, index = engine.topk(a, b, metric=metric, k=k, budget=2**30, rows_b=rows_b, tiles=tiles)
+    assert_topk_exact(a, b, index, metric, k, allowed_b=allowed)
+    ref = reported(reference_scores(a, b, metric), metric).gather(1, index)
+    torch.testing.assert_close(value.double(), ref, rtol=0, atol=tolerance(a, b, metric))
+    # best first
+    m = get_metric(metric)
+    step = value[:, 1:] - value[:, :-1]
+    assert (step <= 1e-5 if m.higher_is_better else step >= -1e-5).all()
+
+
+@pytest.mark.parametrize("metric", sorted(METRICS))
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("tiles", [(1, 1), (2, 4), (3, 7), (7, 9), (None, None)])
+def test_exact_ties_go_to_the_lowest_index(metric, k, tiles):
+    # +-1 features and 64 reference rows keep every product, norm and mean exact in float32,
+    # so equal scores are truly equal and the tie rule alone decides
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 2, (50, 4), generator=g).float() * 2 - 1
+    b = torch.randint(0, 2, (64, 4), generator=g).float() * 2 - 1
+    _, index = engine.topk(a, b, metric=metric, k=k, budget=2**30, tiles=tiles)
+    ref = reference_scores(a, b, metric)
+    key = -ref * 1000 + torch.arange(64, dtype=torch.float64)
+    torch.testing.assert_close(index, key.argsort(dim=1)[:, :k])
+
+
+def test_fewer_references_than_k_leave_empty_slots():
+    value, index = engine.topk(torch.randn(4, 3), torch.randn(10, 3), metric="l2", k=3,
+                               budget=2**30, rows_b=torch.tensor([2, 7]))
+    assert (index[:, 2] == -1).all() and value[:, 2].isnan().all()
+    assert set(index[:, :2].reshape(-1).tolist()) <= {2, 7}
+
+
+def test_cosine_zero_vectors_score_zero():
+    a = torch.zeros(3, 5)
+    b = torch.randn(6, 5)
+    b[2] = 0
+    value, index = engine.topk(a, b, metric="cosine", k=2, budget=2**30)
+    assert not value.isnan().any() and (value == 0).all()
+    assert index[:, 0].tolist() == [0, 0, 0]
+
+
+def test_l2_expansion_survives_large_offsets():
+    # features far from the origin: the naive expansion would cancel catastrophically
+    g = torch.Generator().manual_seed(1)
+    b = torch.randn(300, 16, generator=g) + 1000.0
+    a = b[::3] + 1e-3 * torch.randn(100, 16, generator=g)
+    value, index = engine.topk(a, b, metric="l2", k=1, budget=2**30, tiles=(17, 31))
+    assert index[:, 0].tolist() == list(range(0, 300, 3))
+    assert (value >= 0).all() and not value.isnan().any()
+
+
+def test_plan_respects_budget_and_names_minimum():
+    m = get_metric("cosine")
+    plan = engine.plan_tiles(10_000, 20_000, 64, 1, 8 * 2**20, metric=m, device=torch.device("cpu"))
+    assert plan.bytes <= 8 * 2**20 and plan.tile_a >= 1 and plan.tile_b >= 1
+    with pytest.raises(ValueError, match=r"at least \d+ bytes"):
+        engine.plan_tiles(10_000, 20_000, 64, 1, 1000, metric=m, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("budget", [40_000, 200_000, 2**20, 2**30])
+def test_any_budget_gives_the_same_answer(budget):
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(300, 8, generator=g), torch.randn(257, 8, generator=g)
+    value, index = engine.topk(a, b, metric="l2", k=2, budget=budget)
+    ref_v, ref_i = engine.topk(a, b, metric="l2", k=2, budget=2**30, tiles=(300, 257))
+    assert torch.equal(index, ref_i)
+    assert not math.isnan(value.sum().item())
