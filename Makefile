@@ -11,7 +11,6 @@ $(BIN)/python:
 
 # --system-site-packages lets an installed torch be reused; install-torch.sh adds one if none.
 $(STAMP): pyproject.toml scripts/install-torch.sh | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --upgrade pip
 	scripts/install-torch.sh $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test,cli]'
 	touch $@

@@ -52,14 +52,12 @@ def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
 
 def check_finite(x: torch.Tensor, name: str) -> None:
     """Raise ValueError if ``x`` holds NaN or Inf (checked in chunks, so temporaries stay small)."""
-    flat = x.reshape(-1) if x.is_contiguous() else None
-    if flat is None:
-        parts = x.unbind(0) if x.ndim > 1 else (x,)
-        for part in parts:
-            check_finite(part, name)
+    if x.numel() == 0:
         return
-    for start in range(0, flat.numel(), _FINITE_CHUNK):
-        if not bool(torch.isfinite(flat[start : start + _FINITE_CHUNK]).all()):
+    per_slice = max(1, x.numel() // x.shape[0])
+    step = max(1, _FINITE_CHUNK // per_slice)
+    for start in range(0, x.shape[0], step):
+        if not bool(torch.isfinite(x[start : start + step]).all()):
             raise ValueError(
                 f"{name} must hold only finite values, got NaN or Inf; clean it first "
                 f"(for example with torch.nan_to_num)"
@@ -90,6 +88,8 @@ def check_features(x: Any, name: str, layout: str) -> tuple[torch.Tensor, tuple[
             f"{name} must hold floats (float16, bfloat16, float32 or float64), got {x.dtype}; "
             f"convert with .float()"
         )
+    if x.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     batched = x.ndim == nd + 1
     xb = x if batched else x.unsqueeze(0)
     if layout == "hwc":
@@ -101,8 +101,6 @@ def check_features(x: Any, name: str, layout: str) -> tuple[torch.Tensor, tuple[
     else:
         grid = (xb.shape[1],)
         rows = xb
-    if rows.shape[1] == 0 or rows.shape[2] == 0 or rows.shape[0] == 0:
-        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     check_finite(x, name)
     return rows, grid, batched
 

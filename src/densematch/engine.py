@@ -57,7 +57,7 @@ def _working_set(
 def plan_tiles(
     na: int, nb: int, c: int, k: int, budget: int, *, metric: Metric, device: torch.device,
     dtype: torch.dtype = torch.float32, in_dtype: torch.dtype = torch.float32,
-    tiles: tuple[int | None, int | None] | None = None,
+    tiles: tuple[int | None, int | None] | None = None, reserved: int = 0,
 ) -> TilePlan:
     """Choose tile sizes whose whole working set fits in ``budget`` bytes.
 
@@ -68,7 +68,8 @@ def plan_tiles(
     Raises
     ------
     ValueError
-        When even tiles of one row do not fit, naming the minimum budget.
+        When even tiles of one row do not fit, naming the minimum budget. ``reserved`` bytes of
+    the budget are already taken by the caller and count towards that minimum.
     """
     cap_a, cap_b = MAX_TILES.get(device.type, MAX_TILES["cuda"])
     fixed_a, fixed_b = tiles if tiles is not None else (None, None)
@@ -76,12 +77,14 @@ def plan_tiles(
     cap_b = min(fixed_b or cap_b, nb)
     kw = dict(na=na, nb=nb, c=c, cp=c + metric.extra_columns, k=k,
               item=torch.finfo(dtype).bits // 8, in_item=torch.finfo(in_dtype).bits // 8)
-    minimum = _working_set(1, 1, whole_b=False, **kw)
+    minimum = _working_set(1, 1, whole_b=False, **kw) + reserved
     if budget < minimum:
         raise ValueError(
             f"memory={budget} bytes cannot hold one tile: at least {minimum} bytes are needed "
             f"for C={c}, k={k} and {na} query rows; raise memory"
         )
+
+    total, budget = budget, budget - reserved
 
     def fit(tb: int, whole_b: bool) -> int:
         spare = budget - _working_set(0, tb, whole_b=whole_b, **kw)
@@ -97,8 +100,8 @@ def plan_tiles(
         tb = max(1, tb // 2)
     if ta < 1:
         raise ValueError(
-            f"memory={budget} bytes cannot hold one tile of tile_b={tb}: at least "
-            f"{_working_set(1, tb, whole_b=whole_b, **kw)} bytes are needed; raise memory"
+            f"memory={total} bytes cannot hold one tile of tile_b={tb}: at least "
+            f"{_working_set(1, tb, whole_b=whole_b, **kw) + reserved} bytes are needed; raise memory"
         )
     return TilePlan(int(ta), int(tb), whole_b, _working_set(int(ta), tb, whole_b=whole_b, **kw))
 
@@ -175,6 +178,7 @@ def topk(
     dtype: torch.dtype = torch.float32,
     tiles: tuple[int | None, int | None] | None = None,
     on_tile: Callable[[int], None] | None = None,
+    reserved: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of every query row over the reference rows, tiled within ``budget`` bytes.
 
@@ -200,6 +204,8 @@ def topk(
         Force the tile sizes (tests use tiny tiles to force many merges).
     on_tile : callable, optional
         Called with the number of query rows finished after each query tile (progress bars).
+    reserved : int, default=0
+        Bytes of ``budget`` the caller already holds (they shrink the tiles).
 
     Returns
     -------
@@ -219,7 +225,7 @@ def topk(
     if na == 0 or nb == 0:
         return value, index
     plan = plan_tiles(na, nb, c, k, budget, metric=metric, device=device, dtype=dtype,
-                      in_dtype=a.dtype if a.dtype.is_floating_point else dtype, tiles=tiles)
+                      in_dtype=a.dtype, tiles=tiles, reserved=reserved)
     merge = _merge_best if k == 1 else _merge_topk
     with torch.inference_mode():
         centre = _reference_mean(b, rows_b, plan.tile_b, dtype) if metric.centred else None

@@ -165,9 +165,10 @@ def match(
         for mask, name, grid in ((mask_a, "mask_a", grid_a), (mask_b, "mask_b", grid_b))
     ]
     budget = resolve_memory(memory, ra.device)
+    na = ra.shape[1]
+    reserved = 8 * (na + nb)  # the mask row lists
     k_rank = max(k, 2) if ratio is not None else k
 
-    na = ra.shape[1]
     index = torch.full((nbatch, na, k), -1, dtype=torch.int64, device=ra.device)
     score = torch.full((nbatch, na, k), float("nan"), dtype=torch.float32, device=ra.device)
     valid = torch.zeros((nbatch, na, k), dtype=torch.bool, device=ra.device)
@@ -175,10 +176,8 @@ def match(
     with progress_bar(progress, total=passes * nbatch * na, unit="px", desc="match") as bar:
         for i in range(nbatch):
             rows_a, rows_b = (None if mk is None else mk[i].reshape(-1).nonzero().squeeze(1) for mk in masks)
-            # the row lists are extra memory of this call too
-            spare = budget - 8 * (na + nb)
-            v, idx = engine.topk(ra[i], rb[i], metric=m, k=k_rank, budget=spare, rows_a=rows_a,
-                                 rows_b=rows_b, dtype=dtype, on_tile=bar.update)
+            v, idx = engine.topk(ra[i], rb[i], metric=m, k=k_rank, budget=budget, rows_a=rows_a,
+                                 rows_b=rows_b, dtype=dtype, on_tile=bar.update, reserved=reserved)
             ok = idx >= 0
             if ratio is not None:
                 d = m.ratio_distance(v[:, :2])
@@ -187,8 +186,9 @@ def match(
                 ok &= passes_ratio[:, None]
             v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
             if mutual:
-                _, back = engine.topk(rb[i], ra[i], metric=m, k=1, budget=spare, rows_a=rows_b,
-                                      rows_b=rows_a, dtype=dtype, on_tile=bar.update)
+                _, back = engine.topk(rb[i], ra[i], metric=m, k=1, budget=budget, rows_a=rows_b,
+                                      rows_b=rows_a, dtype=dtype, on_tile=bar.update,
+                                      reserved=reserved + 8 * nb)
                 owner = torch.full((nb,), -1, dtype=torch.int64, device=ra.device)
                 owner[rows_b if rows_b is not None else slice(None)] = back[:, 0]
                 me = (torch.arange(na, device=ra.device) if rows_a is None else rows_a)[:, None]
