@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from densematch import engine
 from densematch.metrics import METRICS, get_metric
 
-from ._reference import assert_topk_exact, reported, reference_scores, tolerance
+from ._reference import assert_topk_exact, reference_scores, reported, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["as_tensor", "check_choice", "check_finite", "check_int", "check_mask", "check_features"]
+__all__ = ["as_tensor", "check_choice", "check_features", "check_finite", "check_int", "check_mask"]
 
 LAYOUTS = ("hwc", "chw", "flat")
 _SHAPES = {

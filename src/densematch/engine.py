@@ -24,8 +24,9 @@ from .metrics import Metric, get_metric
 
 __all__ = ["TilePlan", "plan_tiles", "topk"]
 
-# Tile caps past which larger tiles stopped being faster (benchmarks/bench_match.py --tiles).
-MAX_TILES = {"cpu": (1024, 2048), "cuda": (8192, 16384)}
+# Tile caps (query rows, reference rows). On a CPU, tall and narrow blocks won: 4096 x 512 ran
+# 1.3x faster than 1024 x 2048 at C=64 (benchmarks/bench_match.py --sweep-tiles, BENCHMARKS.md).
+MAX_TILES = {"cpu": (4096, 512), "cuda": (8192, 16384)}
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,13 @@ class TilePlan:
 
 def _working_set(
     ta: int, tb: int, *, na: int, nb: int, c: int, cp: int, k: int, item: int, in_item: int,
-    whole_b: bool,
+    whole_b: bool, cdist: bool,
 ) -> int:
     """Bytes one call of :func:`topk` holds at once for tiles of (ta, tb). Each term is named."""
     row_prep = cp * item + c * in_item             # a gathered raw row, then its prepared copy
     refs = (nb if whole_b else tb) * row_prep      # prepared references: all, or one tile
     queries = ta * row_prep                        # one prepared tile of queries
-    scores = ta * tb * item                        # the reused block of scores
+    scores = ta * tb * item * (2 if cdist else 1)  # the reused block; cdist also makes its own
     reduce = ta * tb * (item if k == 1 else 2 * item + 1)  # rows that improve, ties check
     state = na * k * (item + 8)                    # running top-k: value + int64 index
     merge = ta * 2 * k * (item + 8) * 3            # candidates of a merge, and their sorts
@@ -76,7 +77,8 @@ def plan_tiles(
     cap_a = min(fixed_a or cap_a, na)
     cap_b = min(fixed_b or cap_b, nb)
     kw = dict(na=na, nb=nb, c=c, cp=c + metric.extra_columns, k=k,
-              item=torch.finfo(dtype).bits // 8, in_item=torch.finfo(in_dtype).bits // 8)
+              item=torch.finfo(dtype).bits // 8, in_item=torch.finfo(in_dtype).bits // 8,
+              cdist=metric.p is not None)
     minimum = _working_set(1, 1, whole_b=False, **kw) + reserved
     if budget < minimum:
         raise ValueError(
@@ -231,17 +233,21 @@ def topk(
         centre = _reference_mean(b, rows_b, plan.tile_b, dtype) if metric.centred else None
         whole = _rows(b, rows_b, 0, nb) if plan.whole_b else None
         whole = metric.prepare(whole, "ref", dtype, centre) if whole is not None else None
-        ta = plan.tile_a
+        ta, tb = plan.tile_a, plan.tile_b
+        buf = None
         start = 0
         while start < na:
             stop = min(start + ta, na)
             try:
+                if buf is None:  # one block of scores, reused by every tile pair
+                    buf = torch.empty(ta * tb, dtype=dtype, device=device)
                 _rank_tile(a, b, rows_a, rows_b, start, stop, metric, dtype, centre, whole,
-                           plan.tile_b, nb, value, index, merge)
+                           tb, nb, value, index, merge, buf)
             except torch.cuda.OutOfMemoryError:
+                # another process took memory since the plan: halve the query tile and retry
                 if ta == 1:
                     raise
-                ta = max(1, ta // 2)
+                ta, buf = max(1, ta // 2), None
                 torch.cuda.empty_cache()
                 continue
             _finalise(a, b, rows_a, rows_b, start, stop, metric, dtype, value, index)
@@ -265,7 +271,7 @@ def _rank_tile(
     a: torch.Tensor, b: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None,
     start: int, stop: int, metric: Metric, dtype: torch.dtype, centre: torch.Tensor | None,
     whole: torch.Tensor | None, tb: int, nb: int, value: torch.Tensor, index: torch.Tensor,
-    merge: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None],
+    merge: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None], buf: torch.Tensor,
 ) -> None:
     """Merge every reference tile into the running top-k of queries [start, stop)."""
     m = stop - start
@@ -273,12 +279,11 @@ def _rank_tile(
     best_v.fill_(-math.inf)
     best_i.fill_(-1)
     q = metric.prepare(_rows(a, rows_a, start, stop), "query", dtype, centre)
-    buf = torch.empty(m * min(tb, nb), dtype=dtype, device=a.device) if metric.p is None else None
     for j in range(0, nb, tb):
         n = min(tb, nb - j)
         r = whole[j : j + n] if whole is not None else metric.prepare(
             _rows(b, rows_b, j, j + n), "ref", dtype, centre)
-        s = metric.score_tile(q, r, out=None if buf is None else buf[: m * n].view(m, n))
+        s = metric.score_tile(q, r, out=buf[: m * n].view(m, n))
         merge(s, j, best_v, best_i)
 
 

@@ -100,7 +100,11 @@ class Metric:
             if out is None:
                 return q @ r.T
             return torch.mm(q, r.T, out=out)
-        return torch.cdist(q, r, p=self.p).neg_()
+        if out is None:
+            return torch.cdist(q, r, p=self.p).neg_()
+        # torch.cdist has no out=; its kernel does, and writing into the caller's reused buffer
+        # keeps the allocator from churning one fresh block per tile
+        return torch.ops.aten._cdist_forward.out(q, r, self.p, None, out=out).neg_()
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The reported value of each row pair, computed directly.

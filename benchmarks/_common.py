@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: timing with warm-up and medians, the machine, JSON results."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timeit(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median and spread of ``repeats`` timed calls after ``warmup`` untimed ones, in seconds."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "repeats": repeats}
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def matmul_gflops(device: str = "cpu", n: int = 2048, repeats: int = 5) -> float:
+    """This machine's float32 matmul rate, measured on (n x n) @ (n x n)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    t = timeit(lambda: a @ b, repeats=repeats)["median"]
+    return 2 * n**3 / t / 1e9
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
