@@ -58,8 +58,10 @@ def sweep_tiles(args: argparse.Namespace) -> None:
         a = torch.randn(h * w, c, device=args.device)
         b = torch.randn(h * w, c, device=args.device)
         for tiles in [(1024, 2048), (2048, 2048), (4096, 1024), (4096, 512), (8192, 512), (4096, 256)]:
-            t = timeit(lambda a=a, b=b, tiles=tiles: engine.topk(
-                a, b, metric="cosine", k=1, budget=2**31, tiles=tiles), repeats=args.repeats)
+            t = timeit(
+                lambda a=a, b=b, tiles=tiles: engine.topk(a, b, metric="cosine", k=1, budget=2**31, tiles=tiles),
+                repeats=args.repeats,
+            )
             rows.append({"size": size, "tile_a": tiles[0], "tile_b": tiles[1], "median_s": round(t["median"], 4)})
             print(rows[-1], flush=True)
     print(table(rows, ["size", "tile_a", "tile_b", "median_s"]))
@@ -95,8 +97,10 @@ def main() -> None:
         n = h * w
         flops = 2 * n * n * c
         ref = densematch.match(a, b).index.reshape(-1)
-        methods = {"densematch": lambda a=a, b=b: densematch.match(a, b).index,
-                   "blockwise": lambda a=a, b=b: blockwise(a, b)}
+        methods = {
+            "densematch": lambda a=a, b=b: densematch.match(a, b).index,
+            "blockwise": lambda a=a, b=b: blockwise(a, b),
+        }
         if faiss is not None and args.device == "cpu":
             methods["faiss"] = lambda a=a, b=b: faiss_flat_ip(a, b)
         if n * n * 4 <= 4 * 2**30:
@@ -106,12 +110,18 @@ def main() -> None:
             t = timeit(fn, repeats=args.repeats)
             agree = (fn().reshape(-1).cpu() == ref.cpu()).float().mean().item()
             base = base or t["median"]
-            rows.append({
-                "size": size, "method": name, "median_s": round(t["median"], 4),
-                "min_s": round(t["min"], 4), "max_s": round(t["max"], 4),
-                "gflops": round(flops / t["median"] / 1e9, 1),
-                "vs_densematch": round(t["median"] / base, 2), "agree": round(agree, 5),
-            })
+            rows.append(
+                {
+                    "size": size,
+                    "method": name,
+                    "median_s": round(t["median"], 4),
+                    "min_s": round(t["min"], 4),
+                    "max_s": round(t["max"], 4),
+                    "gflops": round(flops / t["median"] / 1e9, 1),
+                    "vs_densematch": round(t["median"] / base, 2),
+                    "agree": round(agree, 5),
+                }
+            )
             print(rows[-1], flush=True)
     path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
     print(f"\nmachine: {info}\nfloat32 matmul: {info['matmul_gflops']} GFLOP/s\n")

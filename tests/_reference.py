@@ -38,13 +38,18 @@ def tolerance(a: torch.Tensor, b: torch.Tensor, metric: str) -> float:
         return 2e-6 * c + 1e-6
     na = a.double().norm(dim=-1).max().item()
     nb = b.double().norm(dim=-1).max().item()
-    scale = {"dot": na * nb, "sqeuclidean": (na + nb) ** 2, "l2": (na + nb),
-             "l1": (na + nb) * c**0.5, "linf": na + nb}[metric]
+    scale = {"dot": na * nb, "sqeuclidean": (na + nb) ** 2, "l2": (na + nb), "l1": (na + nb) * c**0.5, "linf": na + nb}[
+        metric
+    ]
     return 4e-6 * c**0.5 * scale + 1e-6
 
 
 def assert_topk_exact(
-    a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, metric: str, k: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    index: torch.Tensor,
+    metric: str,
+    k: int,
     allowed_b: torch.Tensor | None = None,
 ) -> None:
     """Each chosen index must score (by the reference) like the true k-th best, within tolerance."""

@@ -15,9 +15,14 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 @settings(max_examples=80, deadline=None)
 @given(
-    na=st.integers(1, 40), nb=st.integers(1, 40), c=st.integers(1, 24), k=st.integers(1, 5),
-    metric=st.sampled_from(sorted(METRICS)), dtype=st.sampled_from(DTYPES),
-    tiles=st.tuples(st.integers(1, 9), st.integers(1, 9)), masked=st.booleans(),
+    na=st.integers(1, 40),
+    nb=st.integers(1, 40),
+    c=st.integers(1, 24),
+    k=st.integers(1, 5),
+    metric=st.sampled_from(sorted(METRICS)),
+    dtype=st.sampled_from(DTYPES),
+    tiles=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+    masked=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_topk_equals_brute_force(na, nb, c, k, metric, dtype, tiles, masked, seed):
@@ -54,8 +59,9 @@ def test_exact_ties_go_to_the_lowest_index(metric, k, tiles):
 
 
 def test_fewer_references_than_k_leave_empty_slots():
-    value, index = engine.topk(torch.randn(4, 3), torch.randn(10, 3), metric="l2", k=3,
-                               budget=2**30, rows_b=torch.tensor([2, 7]))
+    value, index = engine.topk(
+        torch.randn(4, 3), torch.randn(10, 3), metric="l2", k=3, budget=2**30, rows_b=torch.tensor([2, 7])
+    )
     assert (index[:, 2] == -1).all() and value[:, 2].isnan().all()
     assert set(index[:, :2].reshape(-1).tolist()) <= {2, 7}
 
@@ -93,5 +99,6 @@ def test_any_budget_gives_the_same_answer(budget):
     a, b = torch.randn(300, 8, generator=g), torch.randn(257, 8, generator=g)
     value, index = engine.topk(a, b, metric="l2", k=2, budget=budget)
     ref_v, ref_i = engine.topk(a, b, metric="l2", k=2, budget=2**30, tiles=(300, 257))
+    torch.testing.assert_close(value, ref_v)
     assert torch.equal(index, ref_i)
     assert not math.isnan(value.sum().item())

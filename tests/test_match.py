@@ -62,10 +62,16 @@ class TestShapesAndLayouts:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    ha=st.integers(1, 9), wa=st.integers(1, 9), hb=st.integers(1, 9), wb=st.integers(1, 9),
-    c=st.integers(1, 20), k=st.integers(1, 4), metric=st.sampled_from(METRICS),
+    ha=st.integers(1, 9),
+    wa=st.integers(1, 9),
+    hb=st.integers(1, 9),
+    wb=st.integers(1, 9),
+    c=st.integers(1, 20),
+    k=st.integers(1, 4),
+    metric=st.sampled_from(METRICS),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
-    budget=st.sampled_from([6_000, 30_000, None]), seed=st.integers(0, 2**31 - 1),
+    budget=st.sampled_from([6_000, 30_000, None]),
+    seed=st.integers(0, 2**31 - 1),
 )
 def test_match_equals_brute_force(ha, wa, hb, wb, c, k, metric, dtype, budget, seed):
     g = torch.Generator().manual_seed(seed)

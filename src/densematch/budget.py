@@ -18,11 +18,20 @@ import torch
 __all__ = ["config_context", "get_config", "parse_memory", "resolve_memory"]
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kb": 1000, "kib": 1024,
-    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
-    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
 }
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
@@ -31,9 +40,7 @@ _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 DEFAULT_CAP_CPU = 512 * 1024**2
 DEFAULT_CAP_CUDA = 8 * 1024**3
 
-_memory_setting: contextvars.ContextVar[int | str | None] = contextvars.ContextVar(
-    "densematch_memory", default=None
-)
+_memory_setting: contextvars.ContextVar[int | str | None] = contextvars.ContextVar("densematch_memory", default=None)
 
 
 def parse_memory(memory: int | str, name: str = "memory") -> int:
@@ -61,19 +68,14 @@ def parse_memory(memory: int | str, name: str = "memory") -> int:
     2000000000
     """
     if isinstance(memory, bool) or not isinstance(memory, (int, str)):
-        raise TypeError(
-            f"{name} must be an int of bytes or a string such as '256MiB', "
-            f"got {type(memory).__name__}"
-        )
+        raise TypeError(f"{name} must be an int of bytes or a string such as '256MiB', got {type(memory).__name__}")
     if isinstance(memory, int):
         value = memory
     else:
         m = _MEMORY_RE.match(memory)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
-            raise ValueError(
-                f"{name} must be a size such as '256MiB', '2GB' or '1048576', got {memory!r}"
-            )
+            raise ValueError(f"{name} must be a size such as '256MiB', '2GB' or '1048576', got {memory!r}")
         value = int(float(m.group(1)) * _UNITS[unit])
     if value < 1:
         raise ValueError(f"{name} must be a positive number of bytes, got {memory!r}")

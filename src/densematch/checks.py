@@ -80,13 +80,10 @@ def check_features(x: Any, name: str, layout: str) -> tuple[torch.Tensor, tuple[
     one, many = _SHAPES[layout]
     nd = 2 if layout == "flat" else 3
     if x.ndim not in (nd, nd + 1):
-        raise ValueError(
-            f"{name} must have shape {one} or {many} for layout={layout!r}, got {tuple(x.shape)}"
-        )
+        raise ValueError(f"{name} must have shape {one} or {many} for layout={layout!r}, got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise TypeError(
-            f"{name} must hold floats (float16, bfloat16, float32 or float64), got {x.dtype}; "
-            f"convert with .float()"
+            f"{name} must hold floats (float16, bfloat16, float32 or float64), got {x.dtype}; convert with .float()"
         )
     if x.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
@@ -105,9 +102,7 @@ def check_features(x: Any, name: str, layout: str) -> tuple[torch.Tensor, tuple[
     return rows, grid, batched
 
 
-def check_mask(
-    mask: Any, name: str, shape: tuple[int, ...], device: torch.device
-) -> torch.Tensor | None:
+def check_mask(mask: Any, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
     """A boolean mask of exactly ``shape``, on ``device``."""
     if mask is None:
         return None

@@ -40,25 +40,44 @@ class TilePlan:
 
 
 def _working_set(
-    ta: int, tb: int, *, na: int, nb: int, c: int, cp: int, k: int, item: int, in_item: int,
-    whole_b: bool, cdist: bool,
+    ta: int,
+    tb: int,
+    *,
+    na: int,
+    nb: int,
+    c: int,
+    cp: int,
+    k: int,
+    item: int,
+    in_item: int,
+    whole_b: bool,
+    cdist: bool,
 ) -> int:
     """Bytes one call of :func:`topk` holds at once for tiles of (ta, tb). Each term is named."""
-    row_prep = cp * item + c * in_item             # a gathered raw row, then its prepared copy
-    refs = (nb if whole_b else tb) * row_prep      # prepared references: all, or one tile
-    queries = ta * row_prep                        # one prepared tile of queries
+    row_prep = cp * item + c * in_item  # a gathered raw row, then its prepared copy
+    refs = (nb if whole_b else tb) * row_prep  # prepared references: all, or one tile
+    queries = ta * row_prep  # one prepared tile of queries
     scores = ta * tb * item * (2 if cdist else 1)  # the reused block; cdist also makes its own
     reduce = ta * tb * (item if k == 1 else 2 * item + 1)  # rows that improve, ties check
-    state = na * k * (item + 8)                    # running top-k: value + int64 index
-    merge = ta * 2 * k * (item + 8) * 3            # candidates of a merge, and their sorts
-    final = ta * k * c * (in_item + 4 * item)      # chosen rows regathered, repeated, differenced
+    state = na * k * (item + 8)  # running top-k: value + int64 index
+    merge = ta * 2 * k * (item + 8) * 3  # candidates of a merge, and their sorts
+    final = ta * k * c * (in_item + 4 * item)  # chosen rows regathered, repeated, differenced
     return refs + queries + scores + reduce + state + merge + final
 
 
 def plan_tiles(
-    na: int, nb: int, c: int, k: int, budget: int, *, metric: Metric, device: torch.device,
-    dtype: torch.dtype = torch.float32, in_dtype: torch.dtype = torch.float32,
-    tiles: tuple[int | None, int | None] | None = None, reserved: int = 0,
+    na: int,
+    nb: int,
+    c: int,
+    k: int,
+    budget: int,
+    *,
+    metric: Metric,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    in_dtype: torch.dtype = torch.float32,
+    tiles: tuple[int | None, int | None] | None = None,
+    reserved: int = 0,
 ) -> TilePlan:
     """Choose tile sizes whose whole working set fits in ``budget`` bytes.
 
@@ -76,9 +95,16 @@ def plan_tiles(
     fixed_a, fixed_b = tiles if tiles is not None else (None, None)
     cap_a = min(fixed_a or cap_a, na)
     cap_b = min(fixed_b or cap_b, nb)
-    kw = dict(na=na, nb=nb, c=c, cp=c + metric.extra_columns, k=k,
-              item=torch.finfo(dtype).bits // 8, in_item=torch.finfo(in_dtype).bits // 8,
-              cdist=metric.p is not None)
+    kw = dict(
+        na=na,
+        nb=nb,
+        c=c,
+        cp=c + metric.extra_columns,
+        k=k,
+        item=torch.finfo(dtype).bits // 8,
+        in_item=torch.finfo(in_dtype).bits // 8,
+        cdist=metric.p is not None,
+    )
     minimum = _working_set(1, 1, whole_b=False, **kw) + reserved
     if budget < minimum:
         raise ValueError(
@@ -226,8 +252,19 @@ def topk(
     index = torch.full((na, k), -1, dtype=torch.int64, device=device)
     if na == 0 or nb == 0:
         return value, index
-    plan = plan_tiles(na, nb, c, k, budget, metric=metric, device=device, dtype=dtype,
-                      in_dtype=a.dtype, tiles=tiles, reserved=reserved)
+    plan = plan_tiles(
+        na,
+        nb,
+        c,
+        k,
+        budget,
+        metric=metric,
+        device=device,
+        dtype=dtype,
+        in_dtype=a.dtype,
+        tiles=tiles,
+        reserved=reserved,
+    )
     merge = _merge_best if k == 1 else _merge_topk
     with torch.inference_mode():
         centre = _reference_mean(b, rows_b, plan.tile_b, dtype) if metric.centred else None
@@ -241,8 +278,9 @@ def topk(
             try:
                 if buf is None:  # one block of scores, reused by every tile pair
                     buf = torch.empty(ta * tb, dtype=dtype, device=device)
-                _rank_tile(a, b, rows_a, rows_b, start, stop, metric, dtype, centre, whole,
-                           tb, nb, value, index, merge, buf)
+                _rank_tile(
+                    a, b, rows_a, rows_b, start, stop, metric, dtype, centre, whole, tb, nb, value, index, merge, buf
+                )
             except torch.cuda.OutOfMemoryError:
                 # another process took memory since the plan: halve the query tile and retry
                 if ta == 1:
@@ -257,9 +295,7 @@ def topk(
     return value, index
 
 
-def _reference_mean(
-    b: torch.Tensor, rows_b: torch.Tensor | None, tile: int, dtype: torch.dtype
-) -> torch.Tensor:
+def _reference_mean(b: torch.Tensor, rows_b: torch.Tensor | None, tile: int, dtype: torch.dtype) -> torch.Tensor:
     nb = b.shape[0] if rows_b is None else rows_b.numel()
     total = torch.zeros(b.shape[1], dtype=dtype, device=b.device)
     for j in range(0, nb, tile):
@@ -268,10 +304,22 @@ def _reference_mean(
 
 
 def _rank_tile(
-    a: torch.Tensor, b: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None,
-    start: int, stop: int, metric: Metric, dtype: torch.dtype, centre: torch.Tensor | None,
-    whole: torch.Tensor | None, tb: int, nb: int, value: torch.Tensor, index: torch.Tensor,
-    merge: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None], buf: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rows_a: torch.Tensor | None,
+    rows_b: torch.Tensor | None,
+    start: int,
+    stop: int,
+    metric: Metric,
+    dtype: torch.dtype,
+    centre: torch.Tensor | None,
+    whole: torch.Tensor | None,
+    tb: int,
+    nb: int,
+    value: torch.Tensor,
+    index: torch.Tensor,
+    merge: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None],
+    buf: torch.Tensor,
 ) -> None:
     """Merge every reference tile into the running top-k of queries [start, stop)."""
     m = stop - start
@@ -281,15 +329,21 @@ def _rank_tile(
     q = metric.prepare(_rows(a, rows_a, start, stop), "query", dtype, centre)
     for j in range(0, nb, tb):
         n = min(tb, nb - j)
-        r = whole[j : j + n] if whole is not None else metric.prepare(
-            _rows(b, rows_b, j, j + n), "ref", dtype, centre)
+        r = whole[j : j + n] if whole is not None else metric.prepare(_rows(b, rows_b, j, j + n), "ref", dtype, centre)
         s = metric.score_tile(q, r, out=buf[: m * n].view(m, n))
         merge(s, j, best_v, best_i)
 
 
 def _finalise(
-    a: torch.Tensor, b: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None,
-    start: int, stop: int, metric: Metric, dtype: torch.dtype, value: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rows_a: torch.Tensor | None,
+    rows_b: torch.Tensor | None,
+    start: int,
+    stop: int,
+    metric: Metric,
+    dtype: torch.dtype,
+    value: torch.Tensor,
     index: torch.Tensor,
 ) -> None:
     """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""

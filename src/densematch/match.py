@@ -176,8 +176,18 @@ def match(
     with progress_bar(progress, total=passes * nbatch * na, unit="px", desc="match") as bar:
         for i in range(nbatch):
             rows_a, rows_b = (None if mk is None else mk[i].reshape(-1).nonzero().squeeze(1) for mk in masks)
-            v, idx = engine.topk(ra[i], rb[i], metric=m, k=k_rank, budget=budget, rows_a=rows_a,
-                                 rows_b=rows_b, dtype=dtype, on_tile=bar.update, reserved=reserved)
+            v, idx = engine.topk(
+                ra[i],
+                rb[i],
+                metric=m,
+                k=k_rank,
+                budget=budget,
+                rows_a=rows_a,
+                rows_b=rows_b,
+                dtype=dtype,
+                on_tile=bar.update,
+                reserved=reserved,
+            )
             ok = idx >= 0
             if ratio is not None:
                 d = m.ratio_distance(v[:, :2])
@@ -186,9 +196,18 @@ def match(
                 ok &= passes_ratio[:, None]
             v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
             if mutual:
-                _, back = engine.topk(rb[i], ra[i], metric=m, k=1, budget=budget, rows_a=rows_b,
-                                      rows_b=rows_a, dtype=dtype, on_tile=bar.update,
-                                      reserved=reserved + 8 * nb)
+                _, back = engine.topk(
+                    rb[i],
+                    ra[i],
+                    metric=m,
+                    k=1,
+                    budget=budget,
+                    rows_a=rows_b,
+                    rows_b=rows_a,
+                    dtype=dtype,
+                    on_tile=bar.update,
+                    reserved=reserved + 8 * nb,
+                )
                 owner = torch.full((nb,), -1, dtype=torch.int64, device=ra.device)
                 owner[rows_b if rows_b is not None else slice(None)] = back[:, 0]
                 me = (torch.arange(na, device=ra.device) if rows_a is None else rows_a)[:, None]

@@ -92,9 +92,7 @@ class Metric:
             out.div_(norms)
         return out
 
-    def score_tile(
-        self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of shape (len(q), len(r)), higher is better, of prepared rows."""
         if self.p is None:
             if out is None:

@@ -21,8 +21,6 @@ def progress_bar(enabled: bool, **options: Any) -> Iterator[Any]:
     try:
         from tqdm.auto import tqdm
     except ImportError as err:
-        raise ImportError(
-            "progress=True needs tqdm; install it with pip install 'densematch[progress]'"
-        ) from err
+        raise ImportError("progress=True needs tqdm; install it with pip install 'densematch[progress]'") from err
     with tqdm(**options) as bar:
         yield bar
