@@ -69,3 +69,40 @@ def test_match_250x250x64_stays_under_64MiB(metric, mutual):
     extra = peak_extra(MATCH.format(metric=metric, mutual=mutual))
     outputs = 250 * 250 * (8 + 16 + 4 + 1)
     assert extra <= 64 * 2**20 + outputs, f"peak working memory {extra / 2**20:.1f} MiB"
+
+
+L1_TRAIN = """
+g = torch.Generator().manual_seed(0)
+x = torch.randn(4, 128, 64, 64, generator=g, requires_grad=True)
+p = torch.randn(256, 128, generator=g, requires_grad=True)
+def run(small):
+    xs = x[:, :, :4, :4] if small else x
+    d = densematch.pairwise_distance(xs, p, "l1", memory="64MiB")
+    d.backward(torch.ones_like(d))
+"""
+
+
+@pytest.mark.slow
+def test_l1_forward_backward_never_builds_the_broadcast():
+    # the broadcast would be 4*64*64*256*128 floats = 2 GiB
+    extra = peak_extra(L1_TRAIN)
+    output = 4 * 256 * 64 * 64 * 4
+    grads = 4 * 128 * 64 * 64 * 4 + 256 * 128 * 4
+    # output + its gradient, x's gradient and its float copy, and the tiles
+    assert extra <= 2 * output + 2 * grads + 64 * 2**20, f"peak {extra / 2**20:.1f} MiB"
+
+
+NEAREST = """
+g = torch.Generator().manual_seed(0)
+x = torch.randn(2, 16, 128, 128, generator=g)
+p = torch.randn(4096, 16, generator=g)
+def run(small):
+    densematch.nearest_prototype(x[:, :, :4, :4] if small else x, p, "l2", memory="32MiB")
+"""
+
+
+@pytest.mark.slow
+def test_nearest_prototype_never_builds_the_full_tensor():
+    # (N, F, H, W) would be 2*4096*128*128 floats = 512 MiB
+    extra = peak_extra(NEAREST)
+    assert extra <= 32 * 2**20 + 2 * 128 * 128 * (8 + 4) * 2, f"peak {extra / 2**20:.1f} MiB"

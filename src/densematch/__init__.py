@@ -1,6 +1,7 @@
 """densematch: exact, memory-bounded dense matching, alignment and prototype distances."""
 
 from .budget import config_context, get_config, parse_memory
+from .distance import PrototypeDistance, nearest_prototype, pairwise_distance
 from .match import DenseMatcher, Matches, match
 
 __version__ = "0.1.0"
@@ -8,9 +9,12 @@ __version__ = "0.1.0"
 __all__ = [
     "DenseMatcher",
     "Matches",
+    "PrototypeDistance",
     "__version__",
     "config_context",
     "get_config",
     "match",
+    "nearest_prototype",
+    "pairwise_distance",
     "parse_memory",
 ]

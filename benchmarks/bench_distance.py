@@ -1,0 +1,119 @@
+"""Pixel-to-prototype distances: densematch against the usual recipes, time and peak memory.
+
+Run: python benchmarks/bench_distance.py [--repeats 5] [--quick]
+
+Each (size, metric, method, pass) runs in its own subprocess, so its peak memory (VmHWM above
+the RSS after the inputs exist) is its own. Passes: "fwd" (no grad) and "fwd+bwd" (the gradient
+of the sum with respect to x and the prototypes). Recipes:
+- densematch.pairwise_distance
+- cdist: torch.cdist on (N, HW, D) against (F, D), permuted to (N, F, H, W) (l2, l1)
+- conv1x1: ||x||^2 - 2 conv1x1(x, P) + ||p||^2, clamped, sqrt (l2, as prototype networks write it)
+- broadcast: (N, H, W, 1, D) - (F, D), reduced over D (skipped where it needs over 6 GiB)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import machine, save, table
+
+CHILD = textwrap.dedent(
+    """
+    import json, statistics, time, torch, densematch
+    n, d, h, w, f = {size}
+    metric, method, passes, repeats = {metric!r}, {method!r}, {passes!r}, {repeats}
+    torch.manual_seed(0)
+    x = torch.randn(n, d, h, w, requires_grad=passes == "fwd+bwd")
+    p = torch.randn(f, d, requires_grad=passes == "fwd+bwd")
+
+    def recipe(x, p):
+        if method == "densematch":
+            return densematch.pairwise_distance(x, p, metric, check_finite=False)
+        if method == "cdist":
+            flat = x.flatten(2).transpose(1, 2)
+            return torch.cdist(flat, p, p=2.0 if metric == "l2" else 1.0).transpose(1, 2).view(n, f, h, w)
+        if method == "conv1x1":
+            xp = torch.nn.functional.conv2d(x, p[:, :, None, None])
+            sq = x.square().sum(1, keepdim=True) - 2 * xp + p.square().sum(1)[None, :, None, None]
+            return sq.clamp_min(0).sqrt()
+        diff = x.permute(0, 2, 3, 1)[..., None, :] - p
+        out = diff.norm(dim=-1) if metric == "l2" else diff.abs().sum(-1)
+        return out.permute(0, 3, 1, 2)
+
+    def once():
+        if passes == "fwd":
+            with torch.no_grad():
+                recipe(x, p)
+        else:
+            recipe(x, p).sum().backward()
+
+    def status(field):
+        with open("/proc/self/status") as fh:
+            return next(int(l.split()[1]) * 1024 for l in fh if l.startswith(field))
+
+    before = status("VmRSS:")
+    once()
+    peak = status("VmHWM:") - before
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({{"median_s": statistics.median(times), "min_s": min(times), "peak_mib": peak / 2**20}}))
+    """
+)
+
+METHODS = {"l2": ["densematch", "cdist", "conv1x1", "broadcast"], "l1": ["densematch", "cdist", "broadcast"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="the small size only, 3 repeats")
+    args = ap.parse_args()
+    sizes = [(4, 64, 96, 96, 256)] + ([] if args.quick else [(8, 128, 96, 96, 512)])
+    repeats = 3 if args.quick else args.repeats
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    rows = []
+    for size in sizes:
+        n, d, h, w, f = size
+        for metric, methods in METHODS.items():
+            for passes in ("fwd", "fwd+bwd"):
+                base = None
+                for method in methods:
+                    label = {"size": f"N={n} D={d} {h}x{w} F={f}", "metric": metric, "pass": passes, "method": method}
+                    if method == "broadcast" and n * h * w * f * d * 4 * (3 if passes == "fwd+bwd" else 1) > 6 * 2**30:
+                        rows.append({**label, "median_s": "skipped (>6 GiB)"})
+                        continue
+                    code = CHILD.format(size=size, metric=metric, method=method, passes=passes, repeats=repeats)
+                    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+                    if out.returncode != 0:
+                        rows.append({**label, "median_s": f"failed: {out.stderr.strip().splitlines()[-1][:60]}"})
+                        continue
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    base = base or r["median_s"]
+                    rows.append(
+                        {
+                            **label,
+                            "median_s": round(r["median_s"], 4),
+                            "min_s": round(r["min_s"], 4),
+                            "peak_mib": round(r["peak_mib"], 1),
+                            "vs_densematch": round(r["median_s"] / base, 2),
+                        }
+                    )
+                    print(rows[-1], flush=True)
+    info = machine()
+    path = save("distance", {"machine": info, "command": " ".join(sys.argv), "rows": rows})
+    print(f"\nmachine: {info}\n")
+    print(table(rows, ["size", "metric", "pass", "method", "median_s", "min_s", "peak_mib", "vs_densematch"]))
+    print(f"\nsaved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+import pytest
+import torch
+
+import densematch
+from densematch import PrototypeDistance, nearest_prototype, pairwise_distance
+
+METRICS = ["l2", "sqeuclidean", "l1", "linf", "cosine", "dot"]
+
+
+def broadcast_reference(x: torch.Tensor, p: torch.Tensor, metric: str) -> torch.Tensor:
+    """The recipe the library replaces, in float64: (N, H, W, F, D) broadcast, reduced over D."""
+    xr = x.double().permute(0, 2, 3, 1)[..., None, :]
+    p = p.double().reshape(p.shape[0], -1)
+    diff = xr - p
+    out = {
+        "l2": lambda: diff.norm(dim=-1),
+        "sqeuclidean": lambda: diff.square().sum(-1),
+        "l1": lambda: diff.abs().sum(-1),
+        "linf": lambda: diff.abs().amax(-1),
+        "cosine": lambda: (
+            1
+            - (
+                xr
+                / xr.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+                * (p / p.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+            ).sum(-1)
+        ),
+        "dot": lambda: (xr * p).sum(-1),
+    }[metric]()
+    return out.permute(0, 3, 1, 2)
+
+
+class TestPairwiseDistance:
+    @pytest.mark.parametrize("metric", METRICS)
+    @pytest.mark.parametrize("channels_last", [False, True])
+    def test_matches_float64_broadcast(self, metric, channels_last):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 24, 9, 11, generator=g) * 2 + 0.5
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        p = torch.randn(17, 24, 1, 1, generator=g)
+        d = pairwise_distance(x, p, metric, memory="200KiB")
+        ref = broadcast_reference(x, p, metric)
+        assert d.shape == (3, 17, 9, 11) and d.dtype == torch.float32
+        assert d.is_contiguous(memory_format=torch.channels_last) == channels_last
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(d.double(), ref, rtol=0, atol=1e-4 * scale)
+
+    def test_real_image_patches(self, camera_small):
+        from .conftest import patch_features
+
+        x = patch_features(camera_small).permute(2, 0, 1)[None]  # (1, 25, 64, 64)
+        protos = x.flatten(2)[0, :, ::97].T  # real patches as prototypes
+        for metric in METRICS:
+            d = pairwise_distance(x, protos, metric)
+            ref = broadcast_reference(x, protos, metric)
+            torch.testing.assert_close(d.double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+
+    def test_identical_vectors_give_zero_never_negative_or_nan(self):
+        p = torch.randn(5, 32) * 1000 + 5000  # large norms: the expansion cancels badly
+        x = p.T.reshape(1, 32, 1, 5).clone()
+        for metric in ["l2", "sqeuclidean"]:
+            d = pairwise_distance(x, p, metric)
+            diag = d[0, torch.arange(5), 0, torch.arange(5)]
+            assert (d >= 0).all() and not d.isnan().any()
+            assert diag.abs().max() < 1e-3 * (p.norm(dim=1).max() if metric == "l2" else 1)
+
+    def test_l2_gradient_at_zero_distance_is_zero(self):
+        p = torch.randn(4, 6, requires_grad=True)
+        x = p.detach().T.reshape(1, 6, 2, 2).clone().requires_grad_()
+        pairwise_distance(x, p, "l2").sum().backward()
+        assert torch.isfinite(x.grad).all() and torch.isfinite(p.grad).all()
+        d, _ = nearest_prototype(x, p, "l2")
+        gx, gp = torch.autograd.grad(d.sum(), (x, p))
+        assert (gx == 0).all() and (gp == 0).all()
+
+    def test_cosine_zero_vectors(self):
+        x = torch.zeros(1, 4, 2, 2)
+        p = torch.randn(3, 4)
+        p[1] = 0
+        d = pairwise_distance(x, p, "cosine")
+        assert not d.isnan().any() and (d == 1).all()
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_half_inputs_compute_in_float32_and_do_not_overflow(self, dtype):
+        g = torch.Generator().manual_seed(1)
+        x = (torch.randn(2, 64, 4, 4, generator=g) * 300).to(dtype)  # ||x||^2 ~ 6e6 > fp16 max
+        p = (torch.randn(8, 64, generator=g) * 300).to(dtype)
+        d = pairwise_distance(x, p, "l2")
+        assert d.dtype == dtype and torch.isfinite(d).all()
+        ref = broadcast_reference(x, p, "l2")
+        torch.testing.assert_close(d.double(), ref, rtol=1e-2, atol=0)
+
+    def test_autocast_stays_float32(self):
+        x, p = torch.randn(2, 16, 5, 5), torch.randn(7, 16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            d = pairwise_distance(x, p, "l2")
+        assert d.dtype == torch.float32
+        torch.testing.assert_close(d.double(), broadcast_reference(x, p, "l2"), rtol=0, atol=1e-4)
+
+    @pytest.mark.parametrize("metric", METRICS)
+    def test_gradcheck(self, metric):
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(2, 5, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+        p = torch.randn(6, 5, dtype=torch.float64, generator=g, requires_grad=True)
+        # a tiny budget forces many tiles in both passes
+        assert torch.autograd.gradcheck(lambda x, p: pairwise_distance(x, p, metric, memory=6000), (x, p))
+
+    @pytest.mark.parametrize("metric", METRICS)
+    def test_gradients_match_the_broadcast_recipe(self, metric):
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(2, 12, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)
+        p = torch.randn(9, 12, dtype=torch.float64, generator=g, requires_grad=True)
+        w = torch.randn(2, 9, 6, 5, dtype=torch.float64, generator=g)
+        ours = torch.autograd.grad((pairwise_distance(x, p, metric) * w).sum(), (x, p))
+        ref = torch.autograd.grad((broadcast_reference(x, p, metric) * w).sum(), (x, p))
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b)
+
+    def test_module_trains_like_the_broadcast_recipe(self):
+        torch.manual_seed(0)
+        layer = PrototypeDistance(4, 3, metric="l1")
+        twin = torch.nn.Parameter(layer.prototypes.detach().clone())
+        x = torch.randn(2, 3, 8, 8)
+        opts = torch.optim.Adam(layer.parameters(), lr=0.1), torch.optim.Adam([twin], lr=0.1)
+        losses = []
+        for _ in range(30):
+            pair = layer(x).amin(1).mean(), broadcast_reference(x, twin, "l1").amin(1).mean()
+            for opt, loss in zip(opts, pair, strict=True):
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            losses.append([v.item() for v in pair])
+        losses = torch.tensor(losses)
+        torch.testing.assert_close(losses[:, 0], losses[:, 1], rtol=1e-4, atol=1e-5)
+        assert losses[-1, 0] < 0.95 * losses[0, 0]
+        assert "metric='l1'" in repr(layer)
+
+
+class TestNearestPrototype:
+    @pytest.mark.parametrize("metric", METRICS)
+    @pytest.mark.parametrize("k", [1, 3])
+    def test_true_nearest(self, metric, k):
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(2, 10, 7, 6, generator=g)
+        p = torch.randn(40, 10, generator=g)
+        d, i = nearest_prototype(x, p, metric, k=k, memory="100KiB")
+        ref = broadcast_reference(x, p, metric)
+        best = ref.topk(k, dim=1, largest=metric == "dot").values
+        got = ref.gather(1, i if k > 1 else i[:, None])
+        assert d.shape == i.shape == ((2, k, 7, 6) if k > 1 else (2, 7, 6))
+        torch.testing.assert_close(got, best, rtol=0, atol=1e-5)
+        torch.testing.assert_close(d.double(), got if k > 1 else got[:, 0], rtol=0, atol=1e-5)
+
+    def test_distance_recomputed_exactly_far_from_origin(self):
+        g = torch.Generator().manual_seed(5)
+        p = torch.randn(50, 16, generator=g) + 3000.0
+        x = (p[[3, 17, 42]] + 1e-2 * torch.randn(3, 16, generator=g)).T.reshape(1, 16, 1, 3)
+        d, i = nearest_prototype(x, p, "l2")
+        assert i.reshape(-1).tolist() == [3, 17, 42]
+        ref = broadcast_reference(x, p, "l2").amin(1)
+        torch.testing.assert_close(d.double(), ref, rtol=1e-3, atol=0)
+
+    def test_differentiable(self):
+        x = torch.randn(1, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+        p = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x, p: nearest_prototype(x, p, "l1")[0], (x, p))
+
+    def test_matches_argmin_of_pairwise(self):
+        x, p = torch.randn(3, 8, 6, 6), torch.randn(12, 8)
+        for metric in ["l2", "l1", "cosine"]:
+            _, i = nearest_prototype(x, p, metric)
+            assert torch.equal(i, pairwise_distance(x, p, metric).argmin(1))
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        ("x", "p", "kwargs", "error", "pattern"),
+        [
+            (torch.randn(2, 3, 4), torch.randn(5, 3), {}, ValueError, r"x must have shape \(N, D, H, W\)"),
+            (torch.randn(1, 3, 4, 4), torch.randn(5, 3, 2), {}, ValueError, "prototypes must have shape"),
+            (torch.randn(1, 3, 4, 4), torch.randn(5, 3, 2, 2), {}, ValueError, "prototypes must have shape"),
+            (torch.randn(1, 3, 4, 4), torch.randn(5, 4), {}, ValueError, "prototypes must have D=3"),
+            (torch.randn(1, 3, 4, 4), torch.randn(0, 3), {}, ValueError, "at least one prototype"),
+            (torch.full((1, 3, 4, 4), float("nan")), torch.randn(5, 3), {}, ValueError, "x must hold only finite"),
+            (torch.randn(1, 3, 4, 4), torch.full((5, 3), float("inf")), {}, ValueError, "prototypes must hold only"),
+            (torch.randn(1, 3, 4, 4), torch.randn(5, 3), {"metric": "L3"}, ValueError, "metric must be one of"),
+            (torch.ones(1, 3, 4, 4, dtype=torch.int64), torch.randn(5, 3), {}, TypeError, "x must hold floats"),
+            (torch.randn(1, 3, 0, 4), torch.randn(5, 3), {}, ValueError, "x must not be empty"),
+            (torch.randn(1, 3, 4, 4), torch.randn(5, 3), {"memory": 100}, ValueError, "cannot hold one tile"),
+        ],
+    )
+    def test_errors(self, x, p, kwargs, error, pattern):
+        with pytest.raises(error, match=pattern):
+            pairwise_distance(x, p, **kwargs)
+        with pytest.raises(error, match=pattern):
+            nearest_prototype(x, p, **kwargs)
+
+    def test_check_finite_can_be_switched_off(self):
+        x = torch.full((1, 3, 2, 2), float("nan"))
+        assert pairwise_distance(x, torch.randn(2, 3), check_finite=False).isnan().all()
+        assert densematch.PrototypeDistance(2, 3)(x).isnan().all()
+
+    def test_k_out_of_range(self):
+        with pytest.raises(ValueError, match="k must be between 1 and 5"):
+            nearest_prototype(torch.randn(1, 3, 2, 2), torch.randn(5, 3), k=6)
