@@ -1,0 +1,586 @@
+"""Stretch-and-shift alignment of a template into an image, found globally.
+
+Convention (as in the brief): template pixel (r, c) looks at image coordinate
+((r + shift_y + 0.5) / scale_h - 0.5, (c + shift_x + 0.5) / scale_w - 0.5), sampled bilinearly:
+the image resized by (scale_h, scale_w) as ``torch.nn.functional.interpolate`` does with
+``scale_factor`` and ``align_corners=False``, then cropped at (shift_y, shift_x).
+
+Because that warp is separable, a warped image is two small matrix products,
+``Ry @ image @ Rx.T``, with Ry (h, H) and Rx (w, W) bilinear weights. The search has three steps:
+
+1. Exhaustive search on a grid: for every scale pair of a fine grid, the squared error (or the
+   NCC) at every integer shift at once, as FFT correlations of the stretched image with the
+   template; at half resolution for templates of 48 pixels and more.
+2. The best local minima over the scale grid become candidates.
+3. Each candidate is refined continuously (Levenberg-Marquardt on the four parameters, with
+   gain and bias for NCC) at full resolution, and the best by the requested objective wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .budget import resolve_memory
+from .checks import as_tensor, check_choice, check_finite
+
+__all__ = ["Alignment", "align", "warp"]
+
+OBJECTIVES = ("l1", "l2", "ncc")
+_CANDIDATES = 4
+_ITERATIONS = 25
+
+
+@dataclass
+class Alignment:
+    """The result of :func:`align`.
+
+    Attributes
+    ----------
+    scale_h, scale_w, shift_y, shift_x : float, or Tensor of shape (B,) for batches
+        The warp, in the convention of :func:`align`.
+    error : float, or Tensor of shape (B,)
+        The objective at the answer, a weighted mean per template pixel (and channel): mean
+        absolute difference for "l1", mean squared difference for "l2", 1 - NCC for "ncc".
+    warped : Tensor
+        The stretched and cropped image, shaped like the template.
+    landscape : Tensor of shape (B, n_h, n_w)
+        The grid search's best error for each (scale_h, scale_w) of the grid (squared error,
+        or 1 - NCC), at the search resolution: the error landscape, for pictures.
+    scales_h, scales_w : Tensor of shape (n_h,) and (n_w,)
+        The grid's scales.
+    """
+
+    scale_h: float | torch.Tensor
+    scale_w: float | torch.Tensor
+    shift_y: float | torch.Tensor
+    shift_x: float | torch.Tensor
+    error: float | torch.Tensor
+    warped: torch.Tensor
+    landscape: torch.Tensor
+    scales_h: torch.Tensor
+    scales_w: torch.Tensor
+
+    def as_dict(self) -> dict[str, Any]:
+        """The warp and error as plain Python numbers (lists for batches)."""
+        return {
+            k: (v.tolist() if isinstance(v, torch.Tensor) else v)
+            for k, v in (
+                ("scale_h", self.scale_h),
+                ("scale_w", self.scale_w),
+                ("shift_y", self.shift_y),
+                ("shift_x", self.shift_x),
+                ("error", self.error),
+            )
+        }
+
+
+def _sampling_matrix(
+    n_out: int, n_in: int, scale: torch.Tensor, shift: torch.Tensor, derivative: bool = False
+) -> torch.Tensor:
+    """(M, n_out, n_in) bilinear weights of output pixels i at input coordinate
+    (i + shift + 0.5) / scale - 0.5, clamped to the input like ``interpolate``; with
+    ``derivative=True``, their derivative with respect to that coordinate."""
+    i = torch.arange(n_out, dtype=scale.dtype, device=scale.device)
+    y = ((i + shift[:, None] + 0.5) / scale[:, None] - 0.5).clamp(0, n_in - 1)
+    i0 = y.floor().clamp(max=max(n_in - 2, 0))
+    frac = y - i0
+    i0 = i0.long()
+    i1 = (i0 + 1).clamp(max=n_in - 1)
+    out = torch.zeros(scale.shape[0], n_out, n_in, dtype=scale.dtype, device=scale.device)
+    if derivative:
+        w0, w1 = -torch.ones_like(frac), torch.ones_like(frac)
+        w0 = torch.where(i1 == i0, 0.0, w0)
+        w1 = torch.where(i1 == i0, 0.0, w1)
+    else:
+        w0, w1 = 1 - frac, frac
+    out.scatter_add_(2, i0[..., None], w0[..., None])
+    out.scatter_add_(2, i1[..., None], w1[..., None])
+    return out
+
+
+def warp(image: Any, scale_h: Any, scale_w: Any, shift_y: Any, shift_x: Any, size: tuple[int, int]) -> torch.Tensor:
+    """The image stretched by (scale_h, scale_w) and cropped at (shift_y, shift_x).
+
+    Parameters
+    ----------
+    image : Tensor or ndarray of shape (H, W), (B, H, W) or (B, C, H, W)
+    scale_h, scale_w, shift_y, shift_x : float or Tensor of shape (B,)
+    size : (int, int)
+        The crop's (h, w).
+
+    Returns
+    -------
+    Tensor of shape (h, w), (B, h, w) or (B, C, h, w), float32 (float64 for float64 images)
+
+    Examples
+    --------
+    >>> img = torch.rand(20, 30)
+    >>> ref = torch.nn.functional.interpolate(img[None, None], scale_factor=(1.5, 0.5), mode="bilinear")
+    >>> out = warp(img, 1.5, 0.5, 3, 2, (10, 8))
+    >>> bool(torch.allclose(out, ref[0, 0, 3:13, 2:10], atol=1e-6))
+    True
+    """
+    x = _as_image(image, "image")
+    ndim = x.ndim
+    x4 = x.reshape(-1, 1, *x.shape[-2:]) if ndim < 4 else x
+    b = x4.shape[0]
+    params = [
+        torch.as_tensor(v, dtype=x4.dtype, device=x4.device).reshape(-1).expand(b)
+        for v in (scale_h, scale_w, shift_y, shift_x)
+    ]
+    out = _warp(x4, *params, size)
+    return out.reshape(*x.shape[:-2], *size)
+
+
+def _warp(
+    x: torch.Tensor, sh: torch.Tensor, sw: torch.Tensor, sy: torch.Tensor, sx: torch.Tensor, size: tuple[int, int]
+) -> torch.Tensor:
+    """(M, C, h, w) from images x (M, C, H, W) and per-image parameters (M,)."""
+    ry = _sampling_matrix(size[0], x.shape[-2], sh, sy)
+    rx = _sampling_matrix(size[1], x.shape[-1], sw, sx)
+    return ry[:, None] @ x @ rx[:, None].transpose(-1, -2)
+
+
+def _as_image(x: Any, name: str) -> torch.Tensor:
+    """Float images; integers scaled to [0, 1] by their type's maximum, booleans to 0 / 1."""
+    t = as_tensor(x, name)
+    if t.dtype == torch.bool:
+        return t.float()
+    if not t.is_floating_point():
+        if t.is_complex():
+            raise TypeError(f"{name} must hold real numbers, got {t.dtype}")
+        return t.float() / float(torch.iinfo(t.dtype).max)
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def _check_range(value: Any, name: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a pair (low, high) of positive floats, got {value!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi < lo:
+        raise ValueError(f"{name} must be a pair (low, high) with 0 < low <= high, got {value!r}")
+    return lo, hi
+
+
+def align(
+    template: Any,
+    image: Any,
+    *,
+    scale_h: tuple[float, float] = (0.8, 1.2),
+    scale_w: tuple[float, float] = (0.8, 1.2),
+    objective: str = "l1",
+    template_mask: Any = None,
+    memory: int | str | None = None,
+) -> Alignment:
+    """Find the stretch and shift that fit `template` into `image`, globally, to sub-pixel precision.
+
+    Parameters
+    ----------
+    template : Tensor or ndarray of shape (h, w), (B, h, w) or (B, C, h, w)
+        Float, or integer (scaled to [0, 1] by the type's maximum), or bool.
+    image : Tensor or ndarray of shape (H, W), (B, H, W) or (B, C, H, W)
+        The same layout, B and C as `template`.
+    scale_h, scale_w : (float, float), default=(0.8, 1.2)
+        The ranges searched, inclusive.
+    objective : {"l1", "l2", "ncc"}, default="l1"
+        Mean absolute or squared difference, or zero-mean normalised cross-correlation (robust to
+        brightness and contrast).
+    template_mask : Tensor or ndarray of shape (h, w) or template's shape, optional
+        Non-negative weights of template pixels; 0 ignores a pixel.
+    memory : int or str, optional
+        Cap on the grid search's working memory; batches are searched in chunks that fit.
+
+    Returns
+    -------
+    Alignment
+        ``scale_h``, ``scale_w``, ``shift_y``, ``shift_x`` and ``error`` (floats, or (B,) tensors
+        for batched input), ``warped`` shaped like the template, and the search's landscape.
+
+    Notes
+    -----
+    Convention: template pixel (r, c) looks at image coordinate ((r + shift_y + 0.5) / scale_h - 0.5,
+    (c + shift_x + 0.5) / scale_w - 0.5), bilinear; only placements with the template wholly inside
+    the stretched image count: 0 <= shift_y <= H * scale_h - h, and likewise for x.
+
+    The grid search is exhaustive over shifts and dense in scale (steps of at most one pixel of
+    stretch across the template at the search resolution), so it finds the basin of the global
+    optimum; refinement then reaches sub-pixel precision. For "l1" the refinement minimises the
+    squared error and the candidates are ranked by the absolute error.
+
+    Examples
+    --------
+    >>> img = torch.rand(60, 60)
+    >>> tpl = warp(img, 1.1, 0.9, 4.25, 3.5, (48, 40))
+    >>> a = align(tpl, img)
+    >>> round(a.scale_h, 3), round(a.scale_w, 3), round(a.shift_y, 2), round(a.shift_x, 2)
+    (1.1, 0.9, 4.25, 3.5)
+    """
+    objective = check_choice(objective, "objective", OBJECTIVES)
+    lo_h, hi_h = _check_range(scale_h, "scale_h")
+    lo_w, hi_w = _check_range(scale_w, "scale_w")
+    t = _as_image(template, "template")
+    x = _as_image(image, "image")
+    if t.ndim not in (2, 3, 4):
+        raise ValueError(f"template must have shape (h, w), (B, h, w) or (B, C, h, w), got {tuple(t.shape)}")
+    if x.ndim != t.ndim:
+        raise ValueError(
+            f"image must have the template's layout ({t.ndim} dims, as {tuple(t.shape)}), got {tuple(x.shape)}"
+        )
+    if t.shape[: t.ndim - 2] != x.shape[: x.ndim - 2]:
+        raise ValueError(
+            f"template and image must have the same batch and channels, got {tuple(t.shape[:-2])} "
+            f"and {tuple(x.shape[:-2])}"
+        )
+    if t.numel() == 0 or x.numel() == 0:
+        raise ValueError(f"template and image must not be empty, got {tuple(t.shape)} and {tuple(x.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"template and image must be on one device, got {t.device} and {x.device}")
+    check_finite(t, "template")
+    check_finite(x, "image")
+    h, w = t.shape[-2:]
+    hh, ww = x.shape[-2:]
+    if h > hh * lo_h or w > ww * lo_w:
+        raise ValueError(
+            f"template of {h}x{w} does not fit in the image of {hh}x{ww} stretched by the smallest "
+            f"scales ({lo_h}, {lo_w}); it needs h <= H * scale_h[0] and w <= W * scale_w[0]"
+        )
+    dtype = torch.float64 if torch.float64 in (t.dtype, x.dtype) else torch.float32
+    t4 = t.to(dtype).reshape(-1, *t.shape[-3:]) if t.ndim == 4 else t.to(dtype).reshape(-1, 1, h, w)
+    x4 = x.to(dtype).reshape(-1, *x.shape[-3:]) if x.ndim == 4 else x.to(dtype).reshape(-1, 1, hh, ww)
+    mask = _check_template_mask(template_mask, t4, t.shape, dtype)
+    budget = resolve_memory(memory, x.device)
+
+    with torch.inference_mode():
+        result = _align(t4, x4, mask, (lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None)
+    sh, sw, sy, sx, err, warped, landscape, grid_h, grid_w = result
+    warped = warped.reshape(t.shape)
+    if t.ndim == 2:
+        return Alignment(sh.item(), sw.item(), sy.item(), sx.item(), err.item(), warped, landscape, grid_h, grid_w)
+    return Alignment(sh, sw, sy, sx, err, warped, landscape, grid_h, grid_w)
+
+
+def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Weights of shape (B, 1, h, w): ones when no mask is given."""
+    b, _, h, w = t4.shape
+    if mask is None:
+        return torch.ones(b, 1, h, w, dtype=dtype, device=t4.device)
+    m = as_tensor(mask, "template_mask")
+    m = m.to(t4.device, dtype)
+    if tuple(m.shape) == (h, w):
+        m = m.expand(b, h, w)
+    elif tuple(m.shape) == tuple(shape[:1]) + (h, w) and len(shape) >= 3:
+        pass
+    else:
+        raise ValueError(
+            f"template_mask must have shape ({h}, {w}) or the template's {tuple(shape)}, got {tuple(m.shape)}"
+        )
+    check_finite(m, "template_mask")
+    if (m < 0).any():
+        raise ValueError("template_mask must hold non-negative weights, got negative values")
+    if (m.reshape(b, -1).sum(1) <= 0).any():
+        raise ValueError("template_mask must keep some pixels: it is all zero (for at least one pair)")
+    return m.reshape(b, 1, h, w).contiguous()
+
+
+def _scale_grid(lo: float, hi: float, n_pixels: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Scales from lo to hi, so that neighbours move the template's far edge by <= 1 pixel."""
+    if hi == lo:
+        return torch.tensor([lo], dtype=dtype, device=device)
+    step = min(0.02, 1.0 / max(n_pixels, 1))
+    n = int(math.ceil((hi - lo) / step)) + 1
+    return torch.linspace(lo, hi, n, dtype=dtype, device=device)
+
+
+def _align(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    range_h: tuple[float, float],
+    range_w: tuple[float, float],
+    objective: str,
+    budget: int,
+    uniform: bool,
+) -> tuple[torch.Tensor, ...]:
+    b, c, h, w = t.shape
+    factor = 2 if min(h, w) >= 48 else 1
+    tc, xc = _downsample(t, factor), _downsample(x, factor)
+    mc = None if uniform else _downsample(mask, factor)
+    grid_h = _scale_grid(*range_h, tc.shape[-2], x.device, x.dtype)
+    grid_w = _scale_grid(*range_w, tc.shape[-1], x.device, x.dtype)
+    cand, landscape = _grid_search(tc, xc, mc, grid_h, grid_w, objective == "ncc", budget)
+    # candidates at full resolution: scales carry over, shifts scale with the factor
+    sh, sw, sy, sx = cand.unbind(-1)
+    m = cand.shape[1]
+    sy, sx = sy * factor, sx * factor
+    rep = lambda v: v.repeat_interleave(m, dim=0)  # noqa: E731
+    params = _refine(
+        rep(t),
+        rep(x),
+        rep(mask),
+        sh.reshape(-1),
+        sw.reshape(-1),
+        sy.reshape(-1),
+        sx.reshape(-1),
+        range_h,
+        range_w,
+        objective == "ncc",
+    )
+    err, warped = _objective(rep(t), rep(x), rep(mask), params, objective)
+    best = err.view(b, m).argmin(1)
+    pick = torch.arange(b, device=x.device) * m + best
+    sh, sw, sy, sx = (p[pick] for p in params)
+    return sh, sw, sy, sx, err[pick], warped[pick], landscape, grid_h, grid_w
+
+
+def _downsample(v: torch.Tensor, factor: int) -> torch.Tensor:
+    if factor == 1:
+        return v
+    hh, ww = (v.shape[-2] // factor) * factor, (v.shape[-1] // factor) * factor
+    return F.avg_pool2d(v[..., :hh, :ww], factor)
+
+
+def _grid_search(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    grid_h: torch.Tensor,
+    grid_w: torch.Tensor,
+    ncc: bool,
+    budget: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x) and the landscape (B, nh, nw)."""
+    b, c, h, w = t.shape
+    hh, ww = x.shape[-2:]
+    nh, nw = grid_h.numel(), grid_w.numel()
+    uniform = mask is None
+    if mask is None:
+        mask = torch.ones(b, 1, h, w, dtype=t.dtype, device=t.device)
+    # rows and columns of the stretched image that any valid crop can touch
+    rows = min(int(math.floor(hh * grid_h.max().item())), hh * 4)
+    cols = min(int(math.floor(ww * grid_w.max().item())), ww * 4)
+    zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
+    ry = _sampling_matrix(rows, hh, grid_h, zeros_h)  # (nh, rows, H)
+    rx = _sampling_matrix(cols, ww, grid_w, zeros_w)  # (nw, cols, W)
+    # valid integer shifts: 0 <= s <= H * scale - h
+    max_y = torch.floor(hh * grid_h - h + 1e-6).long()
+    max_x = torch.floor(ww * grid_w - w + 1e-6).long()
+    n_y, n_x = int(max_y.max().item()) + 1, int(max_x.max().item()) + 1
+    ok_y = torch.arange(n_y, device=x.device) <= max_y[:, None]  # (nh, n_y)
+    ok_x = torch.arange(n_x, device=x.device) <= max_x[:, None]  # (nw, n_x)
+    valid = ok_y[:, None, :, None] & ok_x[None, :, None, :]  # (nh, nw, n_y, n_x)
+    # FFT size covering every crop without wrap-around, rounded up to a fast length
+    fh, fw = _fast_length(rows), _fast_length(cols)
+    item = x.element_size()
+    per_pair = nh * nw * fh * fw * item * (6 * c + 8)  # stretched images, squares, spectra
+    chunk = max(1, min(b, budget // max(per_pair, 1)))
+    land, cands = [], []
+    for s in range(0, b, chunk):
+        e = min(b, s + chunk)
+        score = _shift_scores(t[s:e], x[s:e], mask[s:e], ry, rx, (fh, fw), (n_y, n_x), ncc, uniform)
+        score = score.masked_fill(~valid, math.inf)  # (bc, nh, nw, n_y, n_x)
+        flat = score.flatten(3)
+        best, where = flat.min(3)  # (bc, nh, nw)
+        land.append(best)
+        cands.append(_pick_candidates(best, where, grid_h, grid_w, n_x))
+    return torch.cat(cands), torch.cat(land)
+
+
+def _fast_length(n: int) -> int:
+    """The smallest length >= n whose only prime factors are 2, 3 and 5 (fast FFT sizes)."""
+    while True:
+        m = n
+        for f in (2, 3, 5):
+            while m % f == 0:
+                m //= f
+        if m == 1:
+            return n
+        n += 1
+
+
+def _window_sums(v: torch.Tensor, size: tuple[int, int], n_shift: tuple[int, int]) -> torch.Tensor:
+    """Sums of v over every (h, w) window at shifts [0, n_y) x [0, n_x), from an integral image."""
+    ii = F.pad(v.cumsum(-1).cumsum(-2), (1, 0, 1, 0))
+    (h, w), (ny, nx) = size, n_shift
+    return ii[..., h : h + ny, w : w + nx] - ii[..., :ny, w : w + nx] - ii[..., h : h + ny, :nx] + ii[..., :ny, :nx]
+
+
+def _shift_scores(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    ry: torch.Tensor,
+    rx: torch.Tensor,
+    fft_size: tuple[int, int],
+    n_shift: tuple[int, int],
+    ncc: bool,
+    uniform: bool,
+) -> torch.Tensor:
+    """(B, nh, nw, n_y, n_x): weighted squared error, or 1 - NCC, at every integer shift.
+
+    sum_w (T - S)^2 = sum_w T^2 - 2 sum_w T S + sum_w S^2: the cross term is an FFT correlation;
+    the last is a window sum of S^2 when the weights are uniform, another correlation if not.
+    """
+    b, c, h, w = t.shape
+    # stretched images (B, C, nh, nw, rows, cols), by two batched matrix products
+    s = torch.einsum("hrH,bcHW->bchrW", ry, x)
+    s = torch.einsum("bchrW,wkW->bchwrk", s, rx)
+    spec = lambda v: torch.fft.rfft2(v, s=fft_size)  # noqa: E731
+
+    def corr(img_spec: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        # circular cross-correlation, valid for shifts that keep the kernel inside the image
+        k = spec(kernel)[:, :, None, None].conj()
+        out = torch.fft.irfft2(img_spec * k, s=fft_size)
+        return out[..., : n_shift[0], : n_shift[1]]
+
+    def weighted_sum(v: torch.Tensor) -> torch.Tensor:  # sum_w v over the window at each shift
+        if uniform:
+            return _window_sums(v, (h, w), n_shift).sum(1)
+        return corr(spec(v), mask.expand_as(t)).sum(1)
+
+    s_spec = spec(s)
+    wt = mask * t
+    cross = corr(s_spec, wt).sum(1)  # sum_w T S
+    energy = weighted_sum(s * s)  # sum_w S^2
+    total = mask.sum((1, 2, 3)) * c  # sum of weights over pixels and channels
+    if not ncc:
+        tt = (wt * t).sum((1, 2, 3))
+        return (tt[:, None, None, None, None] - 2 * cross + energy).clamp_min(0) / total[:, None, None, None, None]
+    mean_s = weighted_sum(s) / total[:, None, None, None, None]
+    mean_t = wt.sum((1, 2, 3)) / total
+    var_t = (wt * t).sum((1, 2, 3)) / total - mean_t**2
+    cov = cross / total[:, None, None, None, None] - mean_s * mean_t[:, None, None, None, None]
+    var_s = (energy / total[:, None, None, None, None] - mean_s**2).clamp_min(0)
+    denom = (var_s * var_t[:, None, None, None, None]).sqrt().clamp_min(1e-12)
+    return 1 - cov / denom
+
+
+def _pick_candidates(
+    best: torch.Tensor, where: torch.Tensor, grid_h: torch.Tensor, grid_w: torch.Tensor, n_x: int
+) -> torch.Tensor:
+    """The best local minima of the (scale_h, scale_w) landscape, as (B, M, 4) parameters."""
+    b, nh, nw = best.shape
+    pooled = -F.max_pool2d(-best[:, None], 3, stride=1, padding=1)[:, 0]
+    minima = best <= pooled
+    ranked = torch.where(minima, best, math.inf).flatten(1)
+    m = min(_CANDIDATES, nh * nw)
+    _, idx = ranked.topk(m, dim=1, largest=False)
+    # where a landscape has fewer minima than M, fill from the plain ranking
+    fallback = best.flatten(1).topk(m, dim=1, largest=False).indices
+    idx = torch.where(torch.isfinite(ranked.gather(1, idx)), idx, fallback)
+    ih, iw = idx // nw, idx % nw
+    shift = where.flatten(1).gather(1, idx)
+    sy, sx = (shift // n_x).to(grid_h.dtype), (shift % n_x).to(grid_h.dtype)
+    return torch.stack((grid_h[ih], grid_w[iw], sy, sx), dim=-1)
+
+
+def _refine(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    sh: torch.Tensor,
+    sw: torch.Tensor,
+    sy: torch.Tensor,
+    sx: torch.Tensor,
+    range_h: tuple[float, float],
+    range_w: tuple[float, float],
+    photometric: bool,
+) -> tuple[torch.Tensor, ...]:
+    """Levenberg-Marquardt on (scale_h, scale_w, shift_y, shift_x) [+ gain, bias], batched."""
+    m, c, h, w = t.shape
+    hh, ww = x.shape[-2:]
+    r_idx = torch.arange(h, dtype=x.dtype, device=x.device)
+    c_idx = torch.arange(w, dtype=x.dtype, device=x.device)
+    n_par = 6 if photometric else 4
+    p = torch.zeros(m, n_par, dtype=x.dtype, device=x.device)
+    p[:, 0], p[:, 1], p[:, 2], p[:, 3] = sh, sw, sy, sx
+    if photometric:
+        p[:, 4] = 1.0
+    lam = torch.full((m,), 1e-3, dtype=x.dtype, device=x.device)
+    sqrt_w = mask.sqrt()
+
+    def project(q: torch.Tensor) -> torch.Tensor:
+        q = q.clone()
+        q[:, 0] = q[:, 0].clamp(*range_h)
+        q[:, 1] = q[:, 1].clamp(*range_w)
+        q[:, 2] = torch.minimum(q[:, 2].clamp_min(0), hh * q[:, 0] - h)
+        q[:, 3] = torch.minimum(q[:, 3].clamp_min(0), ww * q[:, 1] - w)
+        return q
+
+    def residual(q: torch.Tensor, jac: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ry = _sampling_matrix(h, hh, q[:, 0], q[:, 2])
+        rx = _sampling_matrix(w, ww, q[:, 1], q[:, 3])
+        a = ry[:, None] @ x  # (m, c, h, W)
+        warped = a @ rx[:, None].transpose(-1, -2)
+        model = warped * q[:, 4, None, None, None] + q[:, 5, None, None, None] if photometric else warped
+        res = (sqrt_w * (model - t)).reshape(m, -1)
+        if not jac:
+            return res, None
+        dry = _sampling_matrix(h, hh, q[:, 0], q[:, 2], derivative=True)
+        drx = _sampling_matrix(w, ww, q[:, 1], q[:, 3], derivative=True)
+        gy = (dry[:, None] @ x) @ rx[:, None].transpose(-1, -2)  # d warped / d row coordinate
+        gx = a @ drx[:, None].transpose(-1, -2)
+        gain = q[:, 4, None, None, None] if photometric else 1.0
+        gy, gx = gy * gain, gx * gain
+        dy_dsh = -(r_idx + q[:, 2, None] + 0.5) / q[:, 0, None] ** 2  # (m, h)
+        dx_dsw = -(c_idx + q[:, 3, None] + 0.5) / q[:, 1, None] ** 2
+        cols = [
+            gy * dy_dsh[:, None, :, None],
+            gx * dx_dsw[:, None, None, :],
+            gy / q[:, 0, None, None, None],
+            gx / q[:, 1, None, None, None],
+        ]
+        if photometric:
+            cols += [warped, torch.ones_like(warped)]
+        j = torch.stack([(sqrt_w * col).reshape(m, -1) for col in cols], dim=-1)
+        return res, j
+
+    p = project(p)
+    res, j = residual(p, True)
+    cost = res.square().sum(1)
+    eye = torch.eye(n_par, dtype=x.dtype, device=x.device)
+    for _ in range(_ITERATIONS):
+        jtj = j.transpose(1, 2) @ j
+        jtr = (j.transpose(1, 2) @ res[..., None])[..., 0]
+        damp = jtj * eye * lam[:, None, None] + eye * 1e-12
+        step = torch.linalg.solve(jtj + damp, -jtr[..., None])[..., 0]
+        trial = project(p + step)
+        res_t, j_t = residual(trial, True)
+        cost_t = res_t.square().sum(1)
+        better = cost_t < cost
+        p = torch.where(better[:, None], trial, p)
+        res = torch.where(better[:, None], res_t, res)
+        j = torch.where(better[:, None, None], j_t, j)
+        gain = (cost - torch.where(better, cost_t, cost)) / cost.clamp_min(1e-30)
+        cost = torch.where(better, cost_t, cost)
+        lam = torch.where(better, lam * 0.3, lam * 10).clamp(1e-9, 1e9)
+        # stop once no candidate moves by more than a thousandth of a pixel or improves
+        moved = (step[:, :4].abs() * torch.tensor([h, w, 1.0, 1.0], dtype=x.dtype, device=x.device)).amax(1)
+        if bool(((moved < 1e-3) | (~better & (lam >= 1e6)) | (better & (gain < 1e-9))).all()):
+            break
+    return p[:, 0], p[:, 1], p[:, 2], p[:, 3]
+
+
+def _objective(
+    t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, params: tuple[torch.Tensor, ...], objective: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The objective (M,) at the parameters, and the warped images (M, C, h, w)."""
+    warped = _warp(x, *params, t.shape[-2:])
+    total = mask.sum((1, 2, 3)) * t.shape[1]
+    diff = warped - t
+    if objective == "l1":
+        return (mask * diff.abs()).sum((1, 2, 3)) / total, warped
+    if objective == "l2":
+        return (mask * diff.square()).sum((1, 2, 3)) / total, warped
+    mw = (mask * warped).sum((1, 2, 3)) / total
+    mt = (mask * t).sum((1, 2, 3)) / total
+    dw = warped - mw[:, None, None, None]
+    dt = t - mt[:, None, None, None]
+    cov = (mask * dw * dt).sum((1, 2, 3))
+    var = ((mask * dw * dw).sum((1, 2, 3)) * (mask * dt * dt).sum((1, 2, 3))).sqrt().clamp_min(1e-12)
+    return 1 - cov / var, warped

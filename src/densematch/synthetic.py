@@ -1,0 +1,125 @@
+"""Alignment cases with a known answer, from real photographs and random binary masks.
+
+Used by the tests and benchmarks/bench_align.py; photographs come from scikit-image's bundled
+samples (no network), so this module needs scikit-image for kind="photo".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AlignmentCase", "alignment_cases", "reference_warp"]
+
+PHOTOS = (
+    "camera",
+    "astronaut",
+    "coffee",
+    "chelsea",
+    "rocket",
+    "coins",
+    "moon",
+    "immunohistochemistry",
+    "hubble_deep_field",
+    "grass",
+    "gravel",
+    "brick",
+)
+SIZES = (((100, 100), (125, 125)), ((64, 80), (80, 100)), ((90, 120), (120, 150)))
+
+
+@dataclass
+class AlignmentCase:
+    """One template and image with the warp that made the template."""
+
+    template: torch.Tensor
+    image: torch.Tensor
+    scale_h: float
+    scale_w: float
+    shift_y: float
+    shift_x: float
+    source: str
+    noise: float
+
+
+def reference_warp(
+    image: torch.Tensor, scale_h: float, scale_w: float, shift_y: float, shift_x: float, size: tuple[int, int]
+) -> torch.Tensor:
+    """The brief's convention through ``grid_sample`` (an implementation independent of align's)."""
+    hh, ww = image.shape[-2:]
+    r = torch.arange(size[0], dtype=torch.float64)
+    c = torch.arange(size[1], dtype=torch.float64)
+    y = ((r + shift_y + 0.5) / scale_h - 0.5).clamp(0, hh - 1)
+    x = ((c + shift_x + 0.5) / scale_w - 0.5).clamp(0, ww - 1)
+    # grid_sample with align_corners=True maps -1..1 onto pixel centres 0..n-1
+    gy = (2 * y / max(hh - 1, 1) - 1)[:, None].expand(size)
+    gx = (2 * x / max(ww - 1, 1) - 1)[None, :].expand(size)
+    grid = torch.stack((gx, gy), -1)[None]
+    out = F.grid_sample(image[None, None].double(), grid, mode="bilinear", align_corners=True)
+    return out[0, 0].to(image.dtype)
+
+
+@functools.cache
+def _photo(name: str) -> np.ndarray:
+    from skimage import color, data
+
+    img = getattr(data, name)()
+    if img.ndim == 3:
+        img = color.rgb2gray(img[..., :3])
+    img = img.astype(np.float64)
+    return (img - img.min()) / max(np.ptp(img), 1e-12)
+
+
+def _ellipses(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    hh, ww = shape
+    yy, xx = np.mgrid[:hh, :ww]
+    out = np.zeros(shape, dtype=bool)
+    for _ in range(rng.integers(3, 9)):
+        cy, cx = rng.uniform(0, hh), rng.uniform(0, ww)
+        ay, ax = rng.uniform(0.08, 0.35) * hh, rng.uniform(0.08, 0.35) * ww
+        theta = rng.uniform(0, np.pi)
+        dy, dx = yy - cy, xx - cx
+        u = dy * np.cos(theta) + dx * np.sin(theta)
+        v = -dy * np.sin(theta) + dx * np.cos(theta)
+        out |= (u / ay) ** 2 + (v / ax) ** 2 <= 1
+    return out.astype(np.float64)
+
+
+def alignment_cases(
+    n: int,
+    *,
+    seed: int = 0,
+    kinds: tuple[str, ...] = ("photo", "mask"),
+    sizes: tuple = SIZES,
+    scale_range: tuple[float, float] = (0.82, 1.18),
+    noise: tuple[float, ...] = (0.0, 0.02),
+    photos: tuple[str, ...] = PHOTOS,
+) -> Iterator[AlignmentCase]:
+    """Yield `n` cases cycling through kinds, sizes and noise levels, with continuous scales in
+    `scale_range` and fractional shifts anywhere the template fits."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        (h, w), (hh, ww) = sizes[(i // len(kinds)) % len(sizes)]
+        sigma = noise[(i // (len(kinds) * len(sizes))) % len(noise)]
+        if kind == "photo":
+            name = photos[rng.integers(len(photos))]
+            src = _photo(name)
+            y0, x0 = rng.integers(0, src.shape[0] - hh + 1), rng.integers(0, src.shape[1] - ww + 1)
+            image = src[y0 : y0 + hh, x0 : x0 + ww]
+        else:
+            name = "ellipses"
+            image = _ellipses(rng, (hh, ww))
+        sh, sw = rng.uniform(*scale_range, size=2)
+        sy = rng.uniform(0, hh * sh - h)
+        sx = rng.uniform(0, ww * sw - w)
+        img = torch.from_numpy(image).float()
+        tpl = reference_warp(img, sh, sw, sy, sx, (h, w))
+        if sigma:
+            tpl = tpl + sigma * torch.from_numpy(rng.standard_normal((h, w))).float()
+        yield AlignmentCase(tpl, img, float(sh), float(sw), float(sy), float(sx), name, sigma)
