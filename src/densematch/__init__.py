@@ -1,5 +1,6 @@
 """densematch: exact, memory-bounded dense matching, alignment and prototype distances."""
 
+from .align import Alignment, align, warp
 from .budget import config_context, get_config, parse_memory
 from .distance import PrototypeDistance, nearest_prototype, pairwise_distance
 from .match import DenseMatcher, Matches, match
@@ -7,14 +8,17 @@ from .match import DenseMatcher, Matches, match
 __version__ = "0.1.0"
 
 __all__ = [
+    "Alignment",
     "DenseMatcher",
     "Matches",
     "PrototypeDistance",
     "__version__",
+    "align",
     "config_context",
     "get_config",
     "match",
     "nearest_prototype",
     "pairwise_distance",
     "parse_memory",
+    "warp",
 ]

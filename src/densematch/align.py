@@ -33,6 +33,9 @@ __all__ = ["Alignment", "align", "warp"]
 OBJECTIVES = ("l1", "l2", "ncc")
 _CANDIDATES = 4
 _ITERATIONS = 25
+_CPU_CHUNK = 64 * 2**20
+_MAX_STEP = 0.02
+_EDGE_STEP = 1.0
 
 
 @dataclass
@@ -274,7 +277,7 @@ def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dt
     m = m.to(t4.device, dtype)
     if tuple(m.shape) == (h, w):
         m = m.expand(b, h, w)
-    elif tuple(m.shape) == tuple(shape[:1]) + (h, w) and len(shape) >= 3:
+    elif tuple(m.shape) == (*tuple(shape[:1]), h, w) and len(shape) >= 3:
         pass
     else:
         raise ValueError(
@@ -292,8 +295,8 @@ def _scale_grid(lo: float, hi: float, n_pixels: int, device: torch.device, dtype
     """Scales from lo to hi, so that neighbours move the template's far edge by <= 1 pixel."""
     if hi == lo:
         return torch.tensor([lo], dtype=dtype, device=device)
-    step = min(0.02, 1.0 / max(n_pixels, 1))
-    n = int(math.ceil((hi - lo) / step)) + 1
+    step = min(_MAX_STEP, _EDGE_STEP / max(n_pixels, 1))
+    n = math.ceil((hi - lo) / step) + 1
     return torch.linspace(lo, hi, n, dtype=dtype, device=device)
 
 
@@ -307,7 +310,7 @@ def _align(
     budget: int,
     uniform: bool,
 ) -> tuple[torch.Tensor, ...]:
-    b, c, h, w = t.shape
+    b, _c, h, w = t.shape
     factor = 2 if min(h, w) >= 48 else 1
     tc, xc = _downsample(t, factor), _downsample(x, factor)
     mc = None if uniform else _downsample(mask, factor)
@@ -362,8 +365,8 @@ def _grid_search(
     if mask is None:
         mask = torch.ones(b, 1, h, w, dtype=t.dtype, device=t.device)
     # rows and columns of the stretched image that any valid crop can touch
-    rows = min(int(math.floor(hh * grid_h.max().item())), hh * 4)
-    cols = min(int(math.floor(ww * grid_w.max().item())), ww * 4)
+    rows = min(math.floor(hh * grid_h.max().item()), hh * 4)
+    cols = min(math.floor(ww * grid_w.max().item()), ww * 4)
     zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
     ry = _sampling_matrix(rows, hh, grid_h, zeros_h)  # (nh, rows, H)
     rx = _sampling_matrix(cols, ww, grid_w, zeros_w)  # (nw, cols, W)
@@ -378,7 +381,9 @@ def _grid_search(
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
     per_pair = nh * nw * fh * fw * item * (6 * c + 8)  # stretched images, squares, spectra
-    chunk = max(1, min(b, budget // max(per_pair, 1)))
+    # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
+    cap = budget if x.device.type == "cuda" else min(budget, _CPU_CHUNK)
+    chunk = max(1, min(b, cap // max(per_pair, 1)))
     land, cands = [], []
     for s in range(0, b, chunk):
         e = min(b, s + chunk)
@@ -426,7 +431,7 @@ def _shift_scores(
     sum_w (T - S)^2 = sum_w T^2 - 2 sum_w T S + sum_w S^2: the cross term is an FFT correlation;
     the last is a window sum of S^2 when the weights are uniform, another correlation if not.
     """
-    b, c, h, w = t.shape
+    _b, c, h, w = t.shape
     # stretched images (B, C, nh, nw, rows, cols), by two batched matrix products
     s = torch.einsum("hrH,bcHW->bchrW", ry, x)
     s = torch.einsum("bchrW,wkW->bchwrk", s, rx)
@@ -464,7 +469,7 @@ def _pick_candidates(
     best: torch.Tensor, where: torch.Tensor, grid_h: torch.Tensor, grid_w: torch.Tensor, n_x: int
 ) -> torch.Tensor:
     """The best local minima of the (scale_h, scale_w) landscape, as (B, M, 4) parameters."""
-    b, nh, nw = best.shape
+    _b, nh, nw = best.shape
     pooled = -F.max_pool2d(-best[:, None], 3, stride=1, padding=1)[:, 0]
     minima = best <= pooled
     ranked = torch.where(minima, best, math.inf).flatten(1)
@@ -492,7 +497,7 @@ def _refine(
     photometric: bool,
 ) -> tuple[torch.Tensor, ...]:
     """Levenberg-Marquardt on (scale_h, scale_w, shift_y, shift_x) [+ gain, bias], batched."""
-    m, c, h, w = t.shape
+    m, _c, h, w = t.shape
     hh, ww = x.shape[-2:]
     r_idx = torch.arange(h, dtype=x.dtype, device=x.device)
     c_idx = torch.arange(w, dtype=x.dtype, device=x.device)
@@ -512,22 +517,25 @@ def _refine(
         q[:, 3] = torch.minimum(q[:, 3].clamp_min(0), ww * q[:, 1] - w)
         return q
 
-    def residual(q: torch.Tensor, jac: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def residual(q: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cost (n,), J^T J (n, P, P) and J^T r (n, P) of the candidates ``sel`` at ``q``."""
+        xs, ts, ws = x[sel], t[sel], sqrt_w[sel]
+        n = q.shape[0]
         ry = _sampling_matrix(h, hh, q[:, 0], q[:, 2])
         rx = _sampling_matrix(w, ww, q[:, 1], q[:, 3])
-        a = ry[:, None] @ x  # (m, c, h, W)
-        warped = a @ rx[:, None].transpose(-1, -2)
-        model = warped * q[:, 4, None, None, None] + q[:, 5, None, None, None] if photometric else warped
-        res = (sqrt_w * (model - t)).reshape(m, -1)
-        if not jac:
-            return res, None
         dry = _sampling_matrix(h, hh, q[:, 0], q[:, 2], derivative=True)
         drx = _sampling_matrix(w, ww, q[:, 1], q[:, 3], derivative=True)
-        gy = (dry[:, None] @ x) @ rx[:, None].transpose(-1, -2)  # d warped / d row coordinate
-        gx = a @ drx[:, None].transpose(-1, -2)
-        gain = q[:, 4, None, None, None] if photometric else 1.0
-        gy, gx = gy * gain, gx * gain
-        dy_dsh = -(r_idx + q[:, 2, None] + 0.5) / q[:, 0, None] ** 2  # (m, h)
+        a = ry[:, None] @ xs  # (n, c, h, W)
+        warped = a @ rx[:, None].transpose(-1, -2)
+        gy = (dry[:, None] @ xs) @ rx[:, None].transpose(-1, -2)  # d warped / d row coordinate
+        gx = a @ drx[:, None].transpose(-1, -2)  # d warped / d column coordinate
+        if photometric:
+            gain, bias = q[:, 4, None, None, None], q[:, 5, None, None, None]
+            model, gy, gx = warped * gain + bias, gy * gain, gx * gain
+        else:
+            model = warped
+        res = (ws * (model - ts)).reshape(n, -1)
+        dy_dsh = -(r_idx + q[:, 2, None] + 0.5) / q[:, 0, None] ** 2  # (n, h)
         dx_dsw = -(c_idx + q[:, 3, None] + 0.5) / q[:, 1, None] ** 2
         cols = [
             gy * dy_dsh[:, None, :, None],
@@ -537,31 +545,36 @@ def _refine(
         ]
         if photometric:
             cols += [warped, torch.ones_like(warped)]
-        j = torch.stack([(sqrt_w * col).reshape(m, -1) for col in cols], dim=-1)
-        return res, j
+        j = torch.stack([(ws * col).reshape(n, -1) for col in cols], dim=-1)
+        return res.square().sum(1), j.transpose(1, 2) @ j, (j.transpose(1, 2) @ res[..., None])[..., 0]
 
+    every = torch.arange(m, device=x.device)
     p = project(p)
-    res, j = residual(p, True)
-    cost = res.square().sum(1)
+    cost, jtj, jtr = residual(p, every)
     eye = torch.eye(n_par, dtype=x.dtype, device=x.device)
+    scale = torch.tensor([h, w, 1.0, 1.0], dtype=x.dtype, device=x.device)
+    active = every
     for _ in range(_ITERATIONS):
-        jtj = j.transpose(1, 2) @ j
-        jtr = (j.transpose(1, 2) @ res[..., None])[..., 0]
-        damp = jtj * eye * lam[:, None, None] + eye * 1e-12
-        step = torch.linalg.solve(jtj + damp, -jtr[..., None])[..., 0]
-        trial = project(p + step)
-        res_t, j_t = residual(trial, True)
-        cost_t = res_t.square().sum(1)
-        better = cost_t < cost
-        p = torch.where(better[:, None], trial, p)
-        res = torch.where(better[:, None], res_t, res)
-        j = torch.where(better[:, None, None], j_t, j)
-        gain = (cost - torch.where(better, cost_t, cost)) / cost.clamp_min(1e-30)
-        cost = torch.where(better, cost_t, cost)
-        lam = torch.where(better, lam * 0.3, lam * 10).clamp(1e-9, 1e9)
-        # stop once no candidate moves by more than a thousandth of a pixel or improves
-        moved = (step[:, :4].abs() * torch.tensor([h, w, 1.0, 1.0], dtype=x.dtype, device=x.device)).amax(1)
-        if bool(((moved < 1e-3) | (~better & (lam >= 1e6)) | (better & (gain < 1e-9))).all()):
+        # only candidates still moving are computed: batches stop paying for the slowest
+        lam_a = lam[active]
+        system = jtj[active] + (jtj[active] * eye) * lam_a[:, None, None] + eye * 1e-12
+        step = torch.linalg.solve(system, -jtr[active][..., None])[..., 0]
+        trial = project(p[active] + step)
+        cost_t, jtj_t, jtr_t = residual(trial, active)
+        old = cost[active]
+        better = cost_t < old
+        gain = torch.where(better, (old - cost_t) / old.clamp_min(1e-30), 0.0)
+        keep = better[:, None]
+        p[active] = torch.where(keep, trial, p[active])
+        jtj[active] = torch.where(keep[..., None], jtj_t, jtj[active])
+        jtr[active] = torch.where(keep, jtr_t, jtr[active])
+        cost[active] = torch.where(better, cost_t, old)
+        lam[active] = torch.where(better, lam_a * 0.3, lam_a * 10).clamp(1e-9, 1e9)
+        # done: moved by under a thousandth of a pixel, stopped improving, or gave up
+        moved = (step[:, :4].abs() * scale).amax(1)
+        done = (better & ((moved < 1e-3) | (gain < 1e-9))) | (~better & (lam_a * 10 >= 1e6))
+        active = active[~done]
+        if active.numel() == 0:
             break
     return p[:, 0], p[:, 1], p[:, 2], p[:, 3]
 

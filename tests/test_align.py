@@ -1,0 +1,113 @@
+import numpy as np
+import pytest
+import torch
+
+from densematch import align, warp
+from densematch.synthetic import SIZES, alignment_cases, reference_warp
+
+
+def within(a, case, scale_tol=0.005, shift_tol=0.5) -> bool:
+    return (
+        abs(a.scale_h - case.scale_h) <= scale_tol
+        and abs(a.scale_w - case.scale_w) <= scale_tol
+        and abs(a.shift_y - case.shift_y) <= shift_tol
+        and abs(a.shift_x - case.shift_x) <= shift_tol
+    )
+
+
+class TestWarp:
+    def test_integer_crop_equals_interpolate(self):
+        img = torch.rand(37, 41)
+        ref = torch.nn.functional.interpolate(img[None, None], scale_factor=(1.17, 0.86), mode="bilinear")
+        torch.testing.assert_close(warp(img, 1.17, 0.86, 5, 3, (20, 25)), ref[0, 0, 5:25, 3:28])
+
+    def test_fractional_shift_equals_grid_sample(self):
+        img = torch.rand(30, 30)
+        out = warp(img, 0.91, 1.13, 2.37, 4.81, (22, 24))
+        torch.testing.assert_close(out, reference_warp(img, 0.91, 1.13, 2.37, 4.81, (22, 24)))
+
+
+class TestAlign:
+    def test_recovers_known_warps_of_photos_and_masks(self):
+        # every size of the brief, photographs and ellipse masks, with and without noise
+        cases = list(alignment_cases(24, seed=123))
+        hits = [within(align(c.template, c.image), c) for c in cases]
+        assert sum(hits) >= 23, hits
+
+    def test_result_fields(self):
+        c = next(alignment_cases(1, seed=4, kinds=("mask",)))
+        a = align(c.template, c.image)
+        assert isinstance(a.scale_h, float) and a.warped.shape == c.template.shape
+        expected = (a.warped - c.template).abs().mean().item()
+        assert a.error == pytest.approx(expected, abs=1e-6)
+        again = warp(c.image, a.scale_h, a.scale_w, a.shift_y, a.shift_x, tuple(c.template.shape))
+        torch.testing.assert_close(a.warped, again)
+        assert a.landscape.shape == (1, a.scales_h.numel(), a.scales_w.numel())
+        assert set(a.as_dict()) == {"scale_h", "scale_w", "shift_y", "shift_x", "error"}
+
+    @pytest.mark.parametrize("objective", ["l2", "ncc"])
+    def test_other_objectives(self, objective):
+        c = next(alignment_cases(1, seed=8, kinds=("photo",)))
+        tpl = c.template * 0.6 + 0.25 if objective == "ncc" else c.template  # brightness and contrast
+        a = align(tpl, c.image, objective=objective)
+        assert within(a, c) and a.error < 0.05
+
+    def test_mask_ignores_an_occluded_region(self):
+        c = next(alignment_cases(1, seed=9, kinds=("photo",), sizes=(SIZES[0],), noise=(0.0,)))
+        tpl = c.template.clone()
+        tpl[20:70, 10:60] = 1.0  # an occluder
+        mask = torch.ones_like(tpl)
+        mask[20:70, 10:60] = 0
+        assert within(align(tpl, c.image, template_mask=mask), c)
+
+    def test_batches_and_channels(self):
+        cases = list(alignment_cases(3, seed=10, sizes=(SIZES[0],)))
+        t = torch.stack([c.template for c in cases])
+        x = torch.stack([c.image for c in cases])
+        a = align(t, x, memory="8MiB")  # forces one pair per chunk of the search
+        assert a.scale_h.shape == (3,) and a.warped.shape == t.shape
+        for i, c in enumerate(cases):
+            single = align(c.template, c.image)
+            assert abs(single.scale_h - a.scale_h[i].item()) < 1e-4
+            assert abs(single.shift_x - a.shift_x[i].item()) < 1e-2
+        rgb = align(t[:, None].expand(3, 3, 100, 100), x[:, None].expand(3, 3, 125, 125))
+        assert torch.allclose(rgb.scale_w, a.scale_w, atol=1e-4) and rgb.warped.shape == (3, 3, 100, 100)
+
+    def test_integer_and_numpy_images(self):
+        c = next(alignment_cases(1, seed=11, kinds=("photo",), noise=(0.0,)))
+        as_u8 = lambda v: (v.clamp(0, 1) * 255).round().to(torch.uint8).numpy()  # noqa: E731
+        a = align(as_u8(c.template), as_u8(c.image))
+        assert within(a, c, 0.005, 0.5)
+        assert isinstance(as_u8(c.template), np.ndarray)
+
+    def test_scale_ranges_are_respected(self):
+        c = next(alignment_cases(1, seed=12, kinds=("photo",)))
+        a = align(c.template, c.image, scale_h=(c.scale_h, c.scale_h), scale_w=(0.9, 0.95))
+        assert a.scale_h == pytest.approx(c.scale_h, abs=1e-6) and 0.9 - 1e-6 <= a.scale_w <= 0.95 + 1e-6
+
+
+class TestBadInput:
+    t, x = torch.rand(20, 20), torch.rand(30, 30)
+
+    @pytest.mark.parametrize(
+        ("args", "kwargs", "error", "pattern"),
+        [
+            ((torch.rand(40, 40), torch.rand(30, 30)), {}, ValueError, "does not fit in the image"),
+            ((t, x), {"scale_h": (0.0, 1.2)}, ValueError, "scale_h must be a pair"),
+            ((t, x), {"scale_w": (1.2, 0.8)}, ValueError, "scale_w must be a pair"),
+            ((t, x), {"scale_w": 1.0}, TypeError, "scale_w must be a pair"),
+            ((torch.full((20, 20), float("nan")), x), {}, ValueError, "template must hold only finite"),
+            ((t, torch.full((30, 30), float("inf"))), {}, ValueError, "image must hold only finite"),
+            ((torch.rand(2, 20, 20), torch.rand(3, 30, 30)), {}, ValueError, "same batch and channels"),
+            ((torch.rand(2, 3, 20, 20), torch.rand(2, 1, 30, 30)), {}, ValueError, "same batch and channels"),
+            ((torch.rand(20, 20), torch.rand(2, 30, 30)), {}, ValueError, "image must have the template's layout"),
+            ((torch.rand(0, 20), x), {}, ValueError, "must not be empty"),
+            ((t, x), {"template_mask": torch.ones(10, 10)}, ValueError, "template_mask must have shape"),
+            ((t, x), {"template_mask": torch.zeros(20, 20)}, ValueError, "template_mask must keep some pixels"),
+            ((t, x), {"objective": "l3"}, ValueError, "objective must be one of 'l1', 'l2', 'ncc'"),
+            ((t, [1, 2]), {}, TypeError, "image must be a torch.Tensor"),
+        ],
+    )
+    def test_errors(self, args, kwargs, error, pattern):
+        with pytest.raises(error, match=pattern):
+            align(*args, **kwargs)
