@@ -1,0 +1,105 @@
+"""Reading inputs and writing results; every file is written to a temporary name, then renamed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+__all__ = ["IMAGE_SUFFIXES", "atomic_write", "is_image", "load_array", "load_image", "save_npy", "save_npz"]
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp")
+ARRAY_SUFFIXES = (".npy", ".pt", ".pth")
+
+
+def is_image(path: str | os.PathLike) -> bool:
+    return Path(path).suffix.lower() in IMAGE_SUFFIXES
+
+
+def _existing(path: str | os.PathLike, what: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{what} {str(p)!r} does not exist")
+    if not p.is_file():
+        raise ValueError(f"{what} {str(p)!r} is not a file")
+    return p
+
+
+def load_array(path: str | os.PathLike, what: str = "input") -> np.ndarray:
+    """An array from .npy or .pt (a tensor saved with torch.save)."""
+    p = _existing(path, what)
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".npy":
+            return np.load(p, allow_pickle=False)
+        if suffix in (".pt", ".pth"):
+            import torch
+
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+            if not isinstance(obj, torch.Tensor):
+                raise ValueError(f"{what} {str(p)!r} must hold one tensor, got {type(obj).__name__}")
+            return obj.detach().float().numpy() if obj.dtype == torch.bfloat16 else obj.detach().numpy()
+    except (OSError, EOFError, RuntimeError, ValueError, __import__("pickle").UnpicklingError) as err:
+        if isinstance(err, ValueError) and str(err).startswith(what):
+            raise
+        raise ValueError(f"{what} {str(p)!r} could not be read as an array: {err}") from None
+    raise ValueError(f"{what} {str(p)!r} must be a .npy or .pt array, or an image ({', '.join(IMAGE_SUFFIXES)})")
+
+
+def load_image(path: str | os.PathLike, what: str = "image", grey: bool = False) -> np.ndarray:
+    """An image as float32 in [0, 1]: (H, W) when grey, else (H, W, 3). Needs Pillow."""
+    p = _existing(path, what)
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as err:
+        raise ImportError("reading images needs Pillow: pip install 'densematch[images]'") from err
+    try:
+        with Image.open(p) as img:
+            img = img.convert("L" if grey else "RGB")
+            return np.asarray(img, dtype=np.float32) / 255.0
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"{what} {str(p)!r} could not be read as an image: {err}") from None
+
+
+def load_any(path: str | os.PathLike, what: str, grey: bool = False) -> np.ndarray:
+    """An image (float in [0, 1]) or an array, by the file's suffix."""
+    return load_image(path, what, grey) if is_image(path) else load_array(path, what)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """Open a temporary file beside `path`; rename it to `path` only if the block succeeds."""
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"output directory {str(directory)!r} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def save_npz(path: str | os.PathLike, **arrays: np.ndarray) -> None:
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
+
+
+def save_npy(path: str | os.PathLike, array: np.ndarray) -> None:
+    with atomic_write(path) as f:
+        np.save(f, array)
+
+
+def save_with(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write through ``write(file)`` atomically (figures: ``lambda f: fig.savefig(f, format="png")``)."""
+    with atomic_write(path) as f:
+        write(f)

@@ -1,0 +1,189 @@
+"""The real command, in a subprocess: help, each command on small real images, and each error."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from densematch import warp
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "densematch.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    from PIL import Image
+    from skimage import data
+
+    d = tmp_path_factory.mktemp("img")
+    cam = data.camera()[::4, ::4].astype(np.float32) / 255  # 128 x 128
+    img = torch.from_numpy(cam)
+    Image.fromarray((cam[10:90, 20:100] * 255).astype(np.uint8)).save(d / "a.png")
+    Image.fromarray((cam[4:100, 12:110] * 255).astype(np.uint8)).save(d / "b.png")
+    big = img[:125, :125]
+    tpl = warp(big, 1.06, 0.95, 5.5, 3.25, (100, 100))
+    np.save(d / "template.npy", tpl.numpy())
+    np.save(d / "image.npy", big.numpy())
+    rng = np.random.default_rng(0)
+    np.save(d / "fa.npy", rng.normal(size=(12, 14, 8)).astype(np.float32))
+    np.save(d / "fb.npy", rng.normal(size=(10, 9, 8)).astype(np.float32))
+    np.save(d / "fc.npy", rng.normal(size=(10, 9, 5)).astype(np.float32))
+    np.save(d / "x.npy", rng.normal(size=(2, 8, 6, 7)).astype(np.float32))
+    np.save(d / "p.npy", rng.normal(size=(5, 8)).astype(np.float32))
+    return d
+
+
+def test_help_and_version():
+    out = run("--help")
+    assert out.returncode == 0 and all(c in out.stdout for c in ("match", "align", "distance", "demo", "bench"))
+    for cmd in ("match", "align", "distance", "demo", "bench"):
+        h = run(cmd, "--help")
+        assert h.returncode == 0 and "--quiet" in h.stdout
+    assert "--mutual" in run("match", "--help").stdout and "--scale-h" in run("align", "--help").stdout
+    v = run("--version")
+    assert v.returncode == 0 and v.stdout.startswith("densematch ")
+
+
+def test_match_images_writes_npz_and_picture(images, tmp_path):
+    out = run(
+        "match",
+        str(images / "a.png"),
+        str(images / "b.png"),
+        "--features",
+        "patch",
+        "--mutual",
+        "-o",
+        str(tmp_path / "m.npz"),
+        "--viz",
+        str(tmp_path / "m.png"),
+    )
+    assert out.returncode == 0, out.stderr
+    z = np.load(tmp_path / "m.npz")
+    assert z["coords"].shape == (80, 80, 2) and z["coords"].dtype == np.int64
+    assert z["score"].dtype == np.float32 and z["valid"].dtype == bool
+    # a is b shifted by (6, 8): mutual matches of textured pixels land there
+    hit = (z["coords"][..., 0] == np.arange(80)[:, None] + 6) & (z["coords"][..., 1] == np.arange(80) + 8)
+    assert hit[z["valid"]].mean() > 0.9
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_match_features_equal_the_library(images, tmp_path):
+    import densematch
+
+    out = run(
+        "match",
+        str(images / "fa.npy"),
+        str(images / "fb.npy"),
+        "--metric",
+        "l2",
+        "--k",
+        "2",
+        "-o",
+        str(tmp_path / "m.npz"),
+        "--quiet",
+    )
+    assert out.returncode == 0 and out.stdout == ""
+    z = np.load(tmp_path / "m.npz")
+    ref = densematch.match(np.load(images / "fa.npy"), np.load(images / "fb.npy"), metric="l2", k=2)
+    assert np.array_equal(z["index"], ref.index.numpy()) and z["coords"].shape == (12, 14, 2, 2)
+
+
+def test_align_json_and_picture(images, tmp_path):
+    out = run(
+        "align", str(images / "template.npy"), str(images / "image.npy"), "--json", "--viz", str(tmp_path / "a.png")
+    )
+    assert out.returncode == 0, out.stderr
+    ans = json.loads(out.stdout)
+    assert set(ans) == {"scale_h", "scale_w", "shift_y", "shift_x", "error"}
+    assert abs(ans["scale_h"] - 1.06) < 1e-3 and abs(ans["shift_x"] - 3.25) < 0.05
+    assert (tmp_path / "a.png").exists()
+    text = run("align", str(images / "template.npy"), str(images / "image.npy"), "--objective", "ncc")
+    assert text.returncode == 0 and "scale_h 1.06" in text.stdout
+
+
+def test_distance_full_and_nearest(images, tmp_path):
+    out = run("distance", str(images / "x.npy"), str(images / "p.npy"), "-o", str(tmp_path / "d.npy"))
+    assert out.returncode == 0, out.stderr
+    assert np.load(tmp_path / "d.npy").shape == (2, 5, 6, 7)
+    out = run(
+        "distance",
+        str(images / "x.npy"),
+        str(images / "p.npy"),
+        "--nearest",
+        "--metric",
+        "l1",
+        "-o",
+        str(tmp_path / "n.npz"),
+    )
+    z = np.load(tmp_path / "n.npz")
+    assert out.returncode == 0 and z["index"].shape == (2, 6, 7) and z["index"].max() < 5
+
+
+def test_demo_writes_pictures(tmp_path):
+    out = run("demo", "--out", str(tmp_path / "demo"))
+    assert out.returncode == 0, out.stderr
+    assert "align:" in out.stdout and "match:" in out.stdout and "distance:" in out.stdout
+    for name in ("match.png", "align.png", "distance.png"):
+        assert (tmp_path / "demo" / name).stat().st_size > 10_000
+
+
+def test_bench_prints_a_table():
+    out = run("bench", "--quick")
+    assert out.returncode == 0, out.stderr
+    assert "match" in out.stdout and "torch.cdist" in out.stdout and "align" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (("match", "missing.npy", "{d}/fb.npy"), "A 'missing.npy' does not exist"),
+        (("match", "{d}/a.png", "{d}/b.png"), "is an image: pass --features"),
+        (("match", "{d}/fa.npy", "{d}/fc.npy"), "same number of channels, got 8 and 5"),
+        (("match", "{d}/fa.npy", "{d}/fb.npy", "--k", "0"), "k must be between 1 and 90"),
+        (("match", "{d}/fa.npy", "{d}/fb.npy", "--metric", "l3"), "invalid choice: 'l3'"),
+        (("match", "{d}/p.npy", "{d}/fb.npy"), "must hold features of shape (H, W, C)"),
+        (("match", "{d}/fa.npy", "{d}/bad.npy"), "could not be read as an array"),
+        (("align", "{d}/image.npy", "{d}/template.npy"), "does not fit in the image"),
+        (("distance", "{d}/x.npy", "{d}/fb.npy"), "prototypes must have shape"),
+        (("distance", "{d}/x.npy", "{d}/p.npy", "--metric", "cos"), "invalid choice: 'cos'"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(images, args, pattern, tmp_path):
+    (images / "bad.npy").write_bytes(b"not an array")
+    out = run(
+        *(a.format(d=images) for a in args),
+        "-o" if args[0] == "match" else "--quiet",
+        *([str(tmp_path / "never.npz")] if args[0] == "match" else []),
+    )
+    assert out.returncode != 0
+    assert pattern in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2
+    assert not (tmp_path / "never.npz").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_failed_write_leaves_no_file(images, tmp_path, monkeypatch):
+    from densematch import io
+
+    target = tmp_path / "out.npz"
+
+    def explode(f, **arrays):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(io.np, "savez", explode)
+    with pytest.raises(OSError, match="disk full"):
+        io.save_npz(target, a=np.zeros(3))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_debug_shows_the_traceback(images):
+    out = run("match", "missing.npy", str(images / "fb.npy"), "--debug")
+    assert out.returncode != 0 and "Traceback" in out.stderr

@@ -1,0 +1,64 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import densematch
+from densematch.budget import parse_memory, resolve_memory
+
+
+def test_import_loads_no_optional_dependency():
+    code = (
+        "import sys, densematch; bad = [m for m in ('tqdm', 'matplotlib', 'PIL', 'skimage', 'triton', 'faiss') "
+        "if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_names():
+    for name in densematch.__all__:
+        assert hasattr(densematch, name), name
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("64MiB", 64 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("1.5 GiB", int(1.5 * 2**30)),
+        ("4096", 4096),
+        ("512k", 512 * 1024),
+        (123, 123),
+    ],
+)
+def test_parse_memory(text, value):
+    assert parse_memory(text) == value
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ("lots", ValueError),
+        ("-1MiB", ValueError),
+        (0, ValueError),
+        (True, TypeError),
+        (1.5, TypeError),
+        ("3 parsecs", ValueError),
+    ],
+)
+def test_parse_memory_rejects(bad, error):
+    with pytest.raises(error, match="memory must be"):
+        parse_memory(bad)
+
+
+def test_default_budget_comes_from_free_memory_and_is_capped(monkeypatch):
+    monkeypatch.delenv("DENSEMATCH_MEMORY", raising=False)
+    cpu = torch.device("cpu")
+    assert 1 <= resolve_memory(None, cpu) <= 512 * 2**20
+    monkeypatch.setenv("DENSEMATCH_MEMORY", "3MiB")
+    assert resolve_memory(None, cpu) == 3 * 2**20
+    with densematch.config_context(memory="5MiB"):
+        assert resolve_memory(None, cpu) == 5 * 2**20
+        assert resolve_memory("7MiB", cpu) == 7 * 2**20
