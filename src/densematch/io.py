@@ -82,11 +82,18 @@ def atomic_write(path: str | os.PathLike) -> Iterator[IO[bytes]]:
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def save_npz(path: str | os.PathLike, **arrays: np.ndarray) -> None:
