@@ -59,8 +59,9 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def matmul_gflops(device: str = "cpu", n: int = 2048, repeats: int = 5) -> float:
-    """This machine's float32 matmul rate, measured on (n x n) @ (n x n)."""
+def matmul_gflops(device: str = "cpu", n: int = 2048, repeats: int = 15) -> float:
+    """This machine's float32 matmul rate, measured on (n x n) @ (n x n): the median of
+    ``repeats`` (the machine is shared, so single runs swing by a factor of two)."""
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     t = timeit(lambda: a @ b, repeats=repeats)["median"]
