@@ -18,18 +18,10 @@ import sys
 import torch
 
 import densematch
+from densematch.demo import blockwise_argmax
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from _common import machine, matmul_gflops, save, table, timeit
-
-
-def blockwise(a: torch.Tensor, b: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    a = torch.nn.functional.normalize(a.reshape(-1, a.shape[-1]), dim=1)
-    b = torch.nn.functional.normalize(b.reshape(-1, b.shape[-1]), dim=1)
-    out = torch.empty(a.shape[0], dtype=torch.int64, device=a.device)
-    for i in range(0, a.shape[0], block):
-        out[i : i + block] = (a[i : i + block] @ b.T).argmax(1)
-    return out
 
 
 def cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -99,7 +91,7 @@ def main() -> None:
         ref = densematch.match(a, b).index.reshape(-1)
         methods = {
             "densematch": lambda a=a, b=b: densematch.match(a, b).index,
-            "blockwise": lambda a=a, b=b: blockwise(a, b),
+            "blockwise": lambda a=a, b=b: blockwise_argmax(a, b),
         }
         if faiss is not None and args.device == "cpu":
             methods["faiss"] = lambda a=a, b=b: faiss_flat_ip(a, b)

@@ -265,11 +265,8 @@ def topk(
         tiles=tiles,
         reserved=reserved,
     )
-    merge = _merge_best if k == 1 else _merge_topk
     with torch.inference_mode():
-        centre = _reference_mean(b, rows_b, plan.tile_b, dtype) if metric.centred else None
-        whole = _rows(b, rows_b, 0, nb) if plan.whole_b else None
-        whole = metric.prepare(whole, "ref", dtype, centre) if whole is not None else None
+        search = _Search(a, b, rows_a, rows_b, metric, dtype, plan, k)
         ta, tb = plan.tile_a, plan.tile_b
         buf = None
         start = 0
@@ -278,9 +275,7 @@ def topk(
             try:
                 if buf is None:  # one block of scores, reused by every tile pair
                     buf = torch.empty(ta * tb, dtype=dtype, device=device)
-                _rank_tile(
-                    a, b, rows_a, rows_b, start, stop, metric, dtype, centre, whole, tb, nb, value, index, merge, buf
-                )
+                search.rank(value[start:stop], index[start:stop], start, buf)
             except torch.cuda.OutOfMemoryError:
                 # another process took memory since the plan: halve the query tile and retry
                 if ta == 1:
@@ -288,77 +283,71 @@ def topk(
                 ta, buf = max(1, ta // 2), None
                 torch.cuda.empty_cache()
                 continue
-            _finalise(a, b, rows_a, rows_b, start, stop, metric, dtype, value, index)
+            search.finalise(value[start:stop], index[start:stop], start)
             if on_tile is not None:
                 on_tile(stop - start)
             start = stop
     return value, index
 
 
-def _reference_mean(b: torch.Tensor, rows_b: torch.Tensor | None, tile: int, dtype: torch.dtype) -> torch.Tensor:
-    nb = b.shape[0] if rows_b is None else rows_b.numel()
-    total = torch.zeros(b.shape[1], dtype=dtype, device=b.device)
-    for j in range(0, nb, tile):
-        total += _rows(b, rows_b, j, j + tile).sum(0, dtype=dtype)
-    return total / nb
+class _Search:
+    """One call's inputs and prepared references; ranks and finalises one query tile at a time."""
 
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        rows_a: torch.Tensor | None,
+        rows_b: torch.Tensor | None,
+        metric: Metric,
+        dtype: torch.dtype,
+        plan: TilePlan,
+        k: int,
+    ) -> None:
+        self.a, self.b, self.rows_a, self.rows_b = a, b, rows_a, rows_b
+        self.metric, self.dtype, self.tile_b = metric, dtype, plan.tile_b
+        self.nb = b.shape[0] if rows_b is None else rows_b.numel()
+        self.merge = _merge_best if k == 1 else _merge_topk
+        self.centre = self._reference_mean() if metric.centred else None
+        # references prepared once when the plan allows, else tile by tile
+        self.whole: torch.Tensor | None = None
+        if plan.whole_b:
+            self.whole = self._prepare_refs(0, self.nb)
 
-def _rank_tile(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    rows_a: torch.Tensor | None,
-    rows_b: torch.Tensor | None,
-    start: int,
-    stop: int,
-    metric: Metric,
-    dtype: torch.dtype,
-    centre: torch.Tensor | None,
-    whole: torch.Tensor | None,
-    tb: int,
-    nb: int,
-    value: torch.Tensor,
-    index: torch.Tensor,
-    merge: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None],
-    buf: torch.Tensor,
-) -> None:
-    """Merge every reference tile into the running top-k of queries [start, stop)."""
-    m = stop - start
-    best_v, best_i = value[start:stop], index[start:stop]
-    best_v.fill_(-math.inf)
-    best_i.fill_(-1)
-    q = metric.prepare(_rows(a, rows_a, start, stop), "query", dtype, centre)
-    for j in range(0, nb, tb):
-        n = min(tb, nb - j)
-        r = whole[j : j + n] if whole is not None else metric.prepare(_rows(b, rows_b, j, j + n), "ref", dtype, centre)
-        s = metric.score_tile(q, r, out=buf[: m * n].view(m, n))
-        merge(s, j, best_v, best_i)
+    def _reference_mean(self) -> torch.Tensor:
+        total = torch.zeros(self.b.shape[1], dtype=self.dtype, device=self.b.device)
+        for j in range(0, self.nb, self.tile_b):
+            total += _rows(self.b, self.rows_b, j, j + self.tile_b).sum(0, dtype=self.dtype)
+        return total / self.nb
 
+    def _prepare_refs(self, start: int, stop: int) -> torch.Tensor:
+        if self.whole is not None:
+            return self.whole[start:stop]
+        return self.metric.prepare(_rows(self.b, self.rows_b, start, stop), "ref", self.dtype, self.centre)
 
-def _finalise(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    rows_a: torch.Tensor | None,
-    rows_b: torch.Tensor | None,
-    start: int,
-    stop: int,
-    metric: Metric,
-    dtype: torch.dtype,
-    value: torch.Tensor,
-    index: torch.Tensor,
-) -> None:
-    """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""
-    best_v, best_i = value[start:stop], index[start:stop]
-    k = best_i.shape[1]
-    found = best_i >= 0
-    local = best_i.clamp_min(0)
-    if rows_b is not None:
-        best_i.copy_(torch.where(found, rows_b[local], best_i))
+    def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
+        """Merge every reference tile into the running top-k of the query tile at ``start``."""
+        m = best_v.shape[0]
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        q = self.metric.prepare(_rows(self.a, self.rows_a, start, start + m), "query", self.dtype, self.centre)
+        for j in range(0, self.nb, self.tile_b):
+            n = min(self.tile_b, self.nb - j)
+            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
+            self.merge(s, j, best_v, best_i)
+
+    def finalise(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int) -> None:
+        """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""
+        k = best_i.shape[1]
+        found = best_i >= 0
         local = best_i.clamp_min(0)
-    q = _rows(a, rows_a, start, stop).to(dtype)
-    r = b.index_select(0, local.reshape(-1)).to(dtype)
-    v = metric.pair_value(q.repeat_interleave(k, dim=0), r).view(-1, k)
-    v = torch.where(found, v, math.nan)
-    missing = math.inf if metric.higher_is_better else -math.inf
-    v, i = _order(torch.where(found, v, -missing), best_i, descending=metric.higher_is_better)
-    best_v.copy_(torch.where(i >= 0, v, math.nan))
-    best_i.copy_(i)
+        if self.rows_b is not None:
+            best_i.copy_(torch.where(found, self.rows_b[local], best_i))
+            local = best_i.clamp_min(0)
+        q = _rows(self.a, self.rows_a, start, start + best_i.shape[0]).to(self.dtype)
+        r = self.b.index_select(0, local.reshape(-1)).to(self.dtype)
+        v = self.metric.pair_value(q.repeat_interleave(k, dim=0), r).view(-1, k)
+        missing = math.inf if self.metric.higher_is_better else -math.inf
+        v, i = _order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
+        best_v.copy_(torch.where(i >= 0, v, math.nan))
+        best_i.copy_(i)
