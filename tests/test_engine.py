@@ -102,3 +102,23 @@ def test_any_budget_gives_the_same_answer(budget):
     torch.testing.assert_close(value, ref_v)
     assert torch.equal(index, ref_i)
     assert not math.isnan(value.sum().item())
+
+
+def test_out_of_memory_in_a_tile_halves_the_tile_and_retries(monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(100, 6, generator=g), torch.randn(80, 6, generator=g)
+    want = engine.topk(a, b, metric="l2", k=2, budget=2**30)
+    real_rank = engine._Search.rank
+    sizes = []
+
+    def flaky(self, best_v, best_i, start, buf):
+        sizes.append(best_v.shape[0])
+        if best_v.shape[0] > 30:  # as if the GPU ran out of memory for big tiles
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_rank(self, best_v, best_i, start, buf)
+
+    monkeypatch.setattr(engine._Search, "rank", flaky)
+    got = engine.topk(a, b, metric="l2", k=2, budget=2**30, tiles=(100, 16))
+    assert sizes[:3] == [100, 50, 25]
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0])
