@@ -190,12 +190,10 @@ def match(
             )
             ok = idx >= 0
             if ratio is not None:
-                d = m.ratio_distance(v[:, :2])
-                second = idx[:, 1] >= 0
-                passes_ratio = ~second | ((d[:, 1] > 0) & (d[:, 0] <= ratio * d[:, 1]))
-                ok &= passes_ratio[:, None]
+                ok &= _passes_ratio(m.ratio_distance(v[:, :2]), idx, ratio)[:, None]
             v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
             if mutual:
+                # the second bounded pass: the best pixel of a for every allowed pixel of b
                 _, back = engine.topk(
                     rb[i],
                     ra[i],
@@ -208,10 +206,7 @@ def match(
                     on_tile=bar.update,
                     reserved=reserved + 8 * nb,
                 )
-                owner = torch.full((nb,), -1, dtype=torch.int64, device=ra.device)
-                owner[rows_b if rows_b is not None else slice(None)] = back[:, 0]
-                me = (torch.arange(na, device=ra.device) if rows_a is None else rows_a)[:, None]
-                ok &= owner[idx.clamp_min(0)] == me
+                ok &= _is_mutual(idx, back[:, 0], rows_a, rows_b, na, nb)
             target = slice(None) if rows_a is None else rows_a
             index[i, target] = idx
             score[i, target] = v.float()
@@ -224,6 +219,22 @@ def match(
         coords = torch.stack((index.div(width, rounding_mode="floor"), index.remainder(width)), dim=-1)
         coords = torch.where(index[..., None] >= 0, coords, -1)
     return Matches(index=index, coords=coords, score=score, valid=valid)
+
+
+def _passes_ratio(d: torch.Tensor, idx: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Lowe's test on the best two distances d (n, 2): d1 <= ratio * d2, and d2 > 0 (a second
+    candidate at distance 0 makes the match ambiguous); a pixel with no second candidate passes."""
+    return (idx[:, 1] < 0) | ((d[:, 1] > 0) & (d[:, 0] <= ratio * d[:, 1]))
+
+
+def _is_mutual(
+    idx: torch.Tensor, back: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None, na: int, nb: int
+) -> torch.Tensor:
+    """(n, k) True where the best pixel of a for b-pixel idx is the querying pixel itself."""
+    owner = torch.full((nb,), -1, dtype=torch.int64, device=idx.device)
+    owner[rows_b if rows_b is not None else slice(None)] = back
+    me = torch.arange(na, device=idx.device) if rows_a is None else rows_a
+    return owner[idx.clamp_min(0)] == me[:, None]
 
 
 def _batch_mask(
