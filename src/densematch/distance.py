@@ -172,24 +172,31 @@ class _PairwiseDistance(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, p: torch.Tensor, metric: str, dtype: torch.dtype, cols: int, cols_backward: int
     ) -> torch.Tensor:
-        n, _d, h, w = x.shape
-        f = p.shape[0]
-        hw = h * w
+        n, d, h, w = x.shape
+        f, hw = p.shape[0], h * w
         channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        # the output is laid out like x: NCHW, or channels_last as a (N, HW, F) buffer
-        buf = torch.empty((n, hw, f) if channels_last else (n, f, hw), dtype=x.dtype, device=x.device)
-        out = buf.transpose(1, 2) if channels_last else buf
         bank = _Bank(p, metric, dtype)
         x3 = x.detach().flatten(2)  # (N, D, HW): a view for NCHW and channels_last alike
-        for i in range(n):
-            for s in range(0, hw, cols):
-                o = out[i, :, s : s + cols]
-                direct = o.dtype == dtype and o.is_contiguous()
-                tile = o if direct else torch.empty(o.shape, dtype=dtype, device=x.device)
-                bank.forward_tile(x3[i, :, s : s + cols].to(dtype), tile)
-                if not direct:
-                    o.copy_(tile)
-        result = out.view(n, f, h, w)
+        if metric in _P and cols >= hw and x.dtype == dtype:
+            # whole maps fit: one batched kernel call writes the output in x's layout directly
+            rows = x3.transpose(1, 2).contiguous()  # (N, HW, D): a view already if channels_last
+            bank_n = bank.p.expand(n, f, d).contiguous()
+            buf = torch.ops.aten._cdist_forward(
+                *((rows, bank_n) if channels_last else (bank_n, rows)), _P[metric], None
+            )
+        else:
+            # the output is laid out like x: NCHW, or channels_last as a (N, HW, F) buffer
+            buf = torch.empty((n, hw, f) if channels_last else (n, f, hw), dtype=x.dtype, device=x.device)
+            out = buf.transpose(1, 2) if channels_last else buf
+            for i in range(n):
+                for s in range(0, hw, cols):
+                    o = out[i, :, s : s + cols]
+                    direct = o.dtype == dtype and o.is_contiguous()
+                    tile = o if direct else torch.empty(o.shape, dtype=dtype, device=x.device)
+                    bank.forward_tile(x3[i, :, s : s + cols].to(dtype), tile)
+                    if not direct:
+                        o.copy_(tile)
+        result = (buf.transpose(1, 2) if channels_last else buf).view(n, f, h, w)
         ctx.save_for_backward(x, p, result)
         ctx.settings = (metric, dtype, cols_backward)
         return result
