@@ -73,6 +73,18 @@ class TestAlign:
         rgb = align(t[:, None].expand(3, 3, 100, 100), x[:, None].expand(3, 3, 125, 125))
         assert torch.allclose(rgb.scale_w, a.scale_w, atol=1e-4) and rgb.warped.shape == (3, 3, 100, 100)
 
+    def test_memory_bounds_the_search_in_chunks(self):
+        cases = list(alignment_cases(2, seed=13, sizes=(SIZES[0],)))
+        t = torch.stack([c.template for c in cases])
+        x = torch.stack([c.image for c in cases])
+        free = align(t, x)
+        tight = align(t, x, memory="7MiB")  # one scale row of the search at a time
+        for field in ("scale_h", "scale_w", "shift_y", "shift_x"):
+            torch.testing.assert_close(getattr(tight, field), getattr(free, field))
+        torch.testing.assert_close(tight.landscape, free.landscape)
+        with pytest.raises(ValueError, match=r"memory=1048576 bytes cannot hold the search of one scale row"):
+            align(t, x, memory="1MiB")
+
     def test_integer_and_numpy_images(self):
         c = next(alignment_cases(1, seed=11, kinds=("photo",), noise=(0.0,)))
         as_u8 = lambda v: (v.clamp(0, 1) * 255).round().to(torch.uint8).numpy()  # noqa: E731

@@ -1,9 +1,9 @@
 """densematch: exact, memory-bounded dense matching, alignment and prototype distances."""
 
-from .align import Alignment, align, warp
+from ._align import Alignment, align, warp
+from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
+from ._match import DenseMatcher, Matches, match
 from .budget import config_context, get_config, parse_memory
-from .distance import PrototypeDistance, nearest_prototype, pairwise_distance
-from .match import DenseMatcher, Matches, match
 
 __version__ = "0.1.0"
 

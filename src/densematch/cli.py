@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 from . import __version__
-from .align import OBJECTIVES, align
-from .distance import DISTANCE_METRICS, nearest_prototype, pairwise_distance
+from ._align import OBJECTIVES, align
+from ._distance import DISTANCE_METRICS, nearest_prototype, pairwise_distance
+from ._match import MATCH_METRICS, match
 from .features import FEATURES, dense_features
 from .io import is_image, load_any, load_array, load_image, save_npy, save_npz
-from .match import MATCH_METRICS, match
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .align import align, warp
-from .distance import nearest_prototype, pairwise_distance
+from ._align import align, warp
+from ._distance import nearest_prototype, pairwise_distance
+from ._match import match
 from .features import dense_features
-from .match import match
 
 __all__ = ["blockwise_argmax", "run_bench", "run_demo"]
 

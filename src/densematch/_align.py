@@ -318,26 +318,30 @@ def _align(
     grid_w = _scale_grid(*range_w, tc.shape[-1], x.device, x.dtype)
     cand, landscape = _grid_search(tc, xc, mc, grid_h, grid_w, objective == "ncc", budget)
     # candidates at full resolution: scales carry over, shifts scale with the factor
-    sh, sw, sy, sx = cand.unbind(-1)
     m = cand.shape[1]
-    sy, sx = sy * factor, sx * factor
-    rep = lambda v: v.repeat_interleave(m, dim=0)  # noqa: E731
-    params = _refine(
-        rep(t),
-        rep(x),
-        rep(mask),
-        sh.reshape(-1),
-        sw.reshape(-1),
-        sy.reshape(-1),
-        sx.reshape(-1),
-        range_h,
-        range_w,
-        objective == "ncc",
-    )
-    err, warped = _objective(rep(t), rep(x), rep(mask), params, objective)
-    best = err.view(b, m).argmin(1)
-    pick = torch.arange(b, device=x.device) * m + best
-    sh, sw, sy, sx = (p[pick] for p in params)
+    cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, factor, factor], dtype=cand.dtype, device=cand.device)
+    owner = torch.arange(b, device=x.device).repeat_interleave(m)
+    n_par = 6 if objective == "ncc" else 4
+    hh, ww = x.shape[-2:]
+    # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
+    per_cand = x.element_size() * (4 * (h * hh + w * ww) + _c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
+    if per_cand > budget:
+        raise ValueError(
+            f"memory={budget} bytes cannot hold the refinement of one candidate: "
+            f"at least {per_cand} bytes are needed; raise memory"
+        )
+    step = max(1, budget // per_cand)
+    params, errs, warps = [], [], []
+    for s in range(0, b * m, step):
+        part = slice(s, s + step)
+        p = _refine(t, x, mask, owner[part], cand[part], range_h, range_w, objective == "ncc")
+        err, warped = _objective(t, x, mask, owner[part], p, objective)
+        params.append(torch.stack(p, 1))
+        errs.append(err)
+        warps.append(warped)
+    params_all, err, warped = torch.cat(params), torch.cat(errs), torch.cat(warps)
+    pick = torch.arange(b, device=x.device) * m + err.view(b, m).argmin(1)
+    sh, sw, sy, sx = params_all[pick].unbind(1)
     return sh, sw, sy, sx, err[pick], warped[pick], landscape, grid_h, grid_w
 
 
@@ -380,17 +384,28 @@ def _grid_search(
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
-    per_pair = nh * nw * fh * fw * item * (6 * c + 8)  # stretched images, squares, spectra
+    per_row = nw * fh * fw * item * (6 * c + 8)  # one pair, one scale_h: images, squares, spectra
+    if per_row > budget:
+        raise ValueError(
+            f"memory={budget} bytes cannot hold the search of one scale row: at least {per_row} bytes "
+            f"are needed for a {hh}x{ww} image; raise memory"
+        )
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
-    cap = budget if x.device.type == "cuda" else min(budget, _CPU_CHUNK)
-    chunk = max(1, min(b, cap // max(per_pair, 1)))
+    cap = budget if x.device.type == "cuda" else max(per_row, min(budget, _CPU_CHUNK))
+    rows_per_chunk = max(1, cap // per_row)
+    step_h = min(nh, rows_per_chunk)
+    step_b = max(1, min(b, rows_per_chunk // nh))
     land, cands = [], []
-    for s in range(0, b, chunk):
-        e = min(b, s + chunk)
-        score = _shift_scores(t[s:e], x[s:e], mask[s:e], ry, rx, (fh, fw), (n_y, n_x), ncc, uniform)
-        score = score.masked_fill(~valid, math.inf)  # (bc, nh, nw, n_y, n_x)
-        flat = score.flatten(3)
-        best, where = flat.min(3)  # (bc, nh, nw)
+    for s in range(0, b, step_b):
+        e = min(b, s + step_b)
+        bests, wheres = [], []
+        for r in range(0, nh, step_h):
+            q = slice(r, r + step_h)
+            score = _shift_scores(t[s:e], x[s:e], mask[s:e], ry[q], rx, (fh, fw), (n_y, n_x), ncc, uniform)
+            best, where = score.masked_fill(~valid[q], math.inf).flatten(3).min(3)  # (bc, rows, nw)
+            bests.append(best)
+            wheres.append(where)
+        best, where = torch.cat(bests, 1), torch.cat(wheres, 1)
         land.append(best)
         cands.append(_pick_candidates(best, where, grid_h, grid_w, n_x))
     return torch.cat(cands), torch.cat(land)
@@ -488,22 +503,23 @@ def _refine(
     t: torch.Tensor,
     x: torch.Tensor,
     mask: torch.Tensor,
-    sh: torch.Tensor,
-    sw: torch.Tensor,
-    sy: torch.Tensor,
-    sx: torch.Tensor,
+    owner: torch.Tensor,
+    start: torch.Tensor,
     range_h: tuple[float, float],
     range_w: tuple[float, float],
     photometric: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """Levenberg-Marquardt on (scale_h, scale_w, shift_y, shift_x) [+ gain, bias], batched."""
-    m, _c, h, w = t.shape
+    """Levenberg-Marquardt on (scale_h, scale_w, shift_y, shift_x) [+ gain, bias], batched.
+
+    Candidate i starts at ``start[i]`` (M, 4) and fits template ``owner[i]`` into its image."""
+    m = owner.numel()
+    h, w = t.shape[-2:]
     hh, ww = x.shape[-2:]
     r_idx = torch.arange(h, dtype=x.dtype, device=x.device)
     c_idx = torch.arange(w, dtype=x.dtype, device=x.device)
     n_par = 6 if photometric else 4
     p = torch.zeros(m, n_par, dtype=x.dtype, device=x.device)
-    p[:, 0], p[:, 1], p[:, 2], p[:, 3] = sh, sw, sy, sx
+    p[:, :4] = start
     if photometric:
         p[:, 4] = 1.0
     lam = torch.full((m,), 1e-3, dtype=x.dtype, device=x.device)
@@ -519,7 +535,8 @@ def _refine(
 
     def residual(q: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cost (n,), J^T J (n, P, P) and J^T r (n, P) of the candidates ``sel`` at ``q``."""
-        xs, ts, ws = x[sel], t[sel], sqrt_w[sel]
+        pair = owner[sel]
+        xs, ts, ws = x[pair], t[pair], sqrt_w[pair]
         n = q.shape[0]
         ry = _sampling_matrix(h, hh, q[:, 0], q[:, 2])
         rx = _sampling_matrix(w, ww, q[:, 1], q[:, 3])
@@ -580,9 +597,16 @@ def _refine(
 
 
 def _objective(
-    t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, params: tuple[torch.Tensor, ...], objective: str
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    owner: torch.Tensor,
+    params: tuple[torch.Tensor, ...],
+    objective: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The objective (M,) at the parameters, and the warped images (M, C, h, w)."""
+    """The objective (M,) of candidates (template ``owner[i]``) at the parameters, and the
+    warped images (M, C, h, w)."""
+    t, x, mask = t[owner], x[owner], mask[owner]
     warped = _warp(x, *params, t.shape[-2:])
     total = mask.sum((1, 2, 3)) * t.shape[1]
     diff = warped - t
