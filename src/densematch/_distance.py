@@ -144,12 +144,6 @@ def _unit_grad(unit: torch.Tensor, norm: torch.Tensor, g: torch.Tensor, dim: int
     return (g - unit * proj.unsqueeze(dim)) / norm.unsqueeze(dim)
 
 
-def _safe_sqrt(sq: torch.Tensor) -> torch.Tensor:
-    """sqrt whose gradient at 0 is 0, not NaN (the double-where trick); NaN stays NaN."""
-    positive = sq > 0
-    return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), sq * 0.0)
-
-
 def _column_tile(budget: int, f: int, d: int, item: int, minkowski: bool) -> int:
     """Pixels per tile. The l1 / linf backward holds torch's (pixels, F, D) buffer (pass
     ``minkowski=True`` for it); the rest hold a few (F, pixels) blocks and copies of the
@@ -279,20 +273,9 @@ def pairwise_distance(
 
 
 def _pair_distance(xr: torch.Tensor, pr: torch.Tensor, metric: str) -> torch.Tensor:
-    """Distances of matched row pairs (n, D) and (n, D), computed directly, differentiable."""
-    if metric == "dot":
-        return (xr * pr).sum(-1)
-    if metric == "cosine":
-        xn = xr / torch.linalg.vector_norm(xr, dim=-1, keepdim=True).clamp_min(_EPS)
-        pn = pr / torch.linalg.vector_norm(pr, dim=-1, keepdim=True).clamp_min(_EPS)
-        return 1.0 - (xn * pn).sum(-1)
-    diff = xr - pr
-    if metric == "l1":
-        return diff.abs().sum(-1)
-    if metric == "linf":
-        return diff.abs().amax(-1)
-    sq = diff.square().sum(-1)
-    return sq if metric == "sqeuclidean" else _safe_sqrt(sq)
+    """Distances of matched row pairs (..., D), computed directly, differentiable."""
+    value = get_metric(metric).pair_value(xr, pr)
+    return 1.0 - value if metric == "cosine" else value
 
 
 def nearest_prototype(
@@ -339,14 +322,13 @@ def nearest_prototype(
     n, _d, h, w = x.shape
     k = check_int(k, "k", 1, p.shape[0])
     budget = resolve_memory(memory, x.device)
-    engine_metric = "cosine" if metric == "cosine" else metric
     index = torch.empty((n, h * w, k), dtype=torch.int64, device=x.device)
     value = torch.empty((n, h * w, k), dtype=dtype, device=x.device)
     pd = p.detach()
     with torch.autocast(device_type=x.device.type, enabled=False):
         for i in range(n):
             rows = x[i].detach().flatten(1).T  # (HW, D), a view
-            v, idx = engine.topk(rows, pd, metric=engine_metric, k=k, budget=budget, dtype=dtype)
+            v, idx = engine.topk(rows, pd, metric=metric, k=k, budget=budget, dtype=dtype)
             index[i], value[i] = idx, v
         if metric == "cosine":
             value = 1.0 - value

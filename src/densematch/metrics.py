@@ -105,28 +105,29 @@ class Metric:
         return torch.ops.aten._cdist_forward.out(q, r, self.p, None, out=out).neg_()
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """The reported value of each row pair, computed directly.
+        """The reported value of each row pair, computed directly (differentiable; the gradient
+        of a distance at 0 is 0).
 
         Parameters
         ----------
-        a, b : Tensor of shape (n, C)
-            Raw rows, already in the compute dtype.
+        a, b : Tensor of shape (..., C)
+            Raw rows, already in the compute dtype (broadcastable).
 
         Returns
         -------
-        Tensor of shape (n,)
+        Tensor of shape (...)
             Cosine similarity, dot product, or the distance for the other metrics.
         """
         if self.name == "cosine":
-            na = torch.linalg.vector_norm(a, dim=1).clamp_min_(_EPS)
-            nb = torch.linalg.vector_norm(b, dim=1).clamp_min_(_EPS)
-            return ((a / na[:, None]) * (b / nb[:, None])).sum(1)
+            na = torch.linalg.vector_norm(a, dim=-1, keepdim=True).clamp_min(_EPS)
+            nb = torch.linalg.vector_norm(b, dim=-1, keepdim=True).clamp_min(_EPS)
+            return ((a / na) * (b / nb)).sum(-1)
         if self.name == "dot":
-            return (a * b).sum(1)
+            return (a * b).sum(-1)
         d = a - b
         if self.name == "sqeuclidean":
-            return d.square().sum(1)
-        return torch.linalg.vector_norm(d, ord=2 if self.p is None else self.p, dim=1)
+            return d.square().sum(-1)
+        return torch.linalg.vector_norm(d, ord=2 if self.p is None else self.p, dim=-1)
 
     def ratio_distance(self, value: torch.Tensor) -> torch.Tensor:
         """The distance Lowe's ratio test compares: chord distance for cosine, Euclidean for
