@@ -310,7 +310,7 @@ def _align(
     budget: int,
     uniform: bool,
 ) -> tuple[torch.Tensor, ...]:
-    b, _c, h, w = t.shape
+    b, c, h, w = t.shape
     factor = 2 if min(h, w) >= 48 else 1
     tc, xc = _downsample(t, factor), _downsample(x, factor)
     mc = None if uniform else _downsample(mask, factor)
@@ -324,25 +324,24 @@ def _align(
     n_par = 6 if objective == "ncc" else 4
     hh, ww = x.shape[-2:]
     # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
-    per_cand = x.element_size() * (4 * (h * hh + w * ww) + _c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
+    per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
     if per_cand > budget:
         raise ValueError(
             f"memory={budget} bytes cannot hold the refinement of one candidate: "
             f"at least {per_cand} bytes are needed; raise memory"
         )
     step = max(1, budget // per_cand)
-    params, errs, warps = [], [], []
+    params, errs = [], []
     for s in range(0, b * m, step):
         part = slice(s, s + step)
         p = _refine(t, x, mask, owner[part], cand[part], range_h, range_w, objective == "ncc")
-        err, warped = _objective(t, x, mask, owner[part], p, objective)
         params.append(torch.stack(p, 1))
-        errs.append(err)
-        warps.append(warped)
-    params_all, err, warped = torch.cat(params), torch.cat(errs), torch.cat(warps)
+        errs.append(_objective(t, x, mask, owner[part], p, objective)[0])
+    err = torch.cat(errs)
     pick = torch.arange(b, device=x.device) * m + err.view(b, m).argmin(1)
-    sh, sw, sy, sx = params_all[pick].unbind(1)
-    return sh, sw, sy, sx, err[pick], warped[pick], landscape, grid_h, grid_w
+    sh, sw, sy, sx = torch.cat(params)[pick].unbind(1)
+    warped = _warp(x, sh, sw, sy, sx, (h, w))
+    return sh, sw, sy, sx, err[pick], warped, landscape, grid_h, grid_w
 
 
 def _downsample(v: torch.Tensor, factor: int) -> torch.Tensor:
