@@ -336,7 +336,7 @@ def _align(
         part = slice(s, s + step)
         p = _refine(t, x, mask, owner[part], cand[part], range_h, range_w, objective == "ncc")
         params.append(torch.stack(p, 1))
-        errs.append(_objective(t, x, mask, owner[part], p, objective)[0])
+        errs.append(_objective(t, x, mask, owner[part], p, objective))
     err = torch.cat(errs)
     pick = torch.arange(b, device=x.device) * m + err.view(b, m).argmin(1)
     sh, sw, sy, sx = torch.cat(params)[pick].unbind(1)
@@ -602,21 +602,20 @@ def _objective(
     owner: torch.Tensor,
     params: tuple[torch.Tensor, ...],
     objective: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The objective (M,) of candidates (template ``owner[i]``) at the parameters, and the
-    warped images (M, C, h, w)."""
+) -> torch.Tensor:
+    """The objective (M,) of candidates (template ``owner[i]``) at the parameters."""
     t, x, mask = t[owner], x[owner], mask[owner]
     warped = _warp(x, *params, t.shape[-2:])
     total = mask.sum((1, 2, 3)) * t.shape[1]
     diff = warped - t
     if objective == "l1":
-        return (mask * diff.abs()).sum((1, 2, 3)) / total, warped
+        return (mask * diff.abs()).sum((1, 2, 3)) / total
     if objective == "l2":
-        return (mask * diff.square()).sum((1, 2, 3)) / total, warped
+        return (mask * diff.square()).sum((1, 2, 3)) / total
     mw = (mask * warped).sum((1, 2, 3)) / total
     mt = (mask * t).sum((1, 2, 3)) / total
     dw = warped - mw[:, None, None, None]
     dt = t - mt[:, None, None, None]
     cov = (mask * dw * dt).sum((1, 2, 3))
     var = ((mask * dw * dw).sum((1, 2, 3)) * (mask * dt * dt).sum((1, 2, 3))).sqrt().clamp_min(1e-12)
-    return 1 - cov / var, warped
+    return 1 - cov / var
