@@ -2,10 +2,11 @@
 
 Run: python benchmarks/bench_distance.py [--repeats 5] [--quick]
 
-Each (size, metric, method, pass) runs in its own subprocess, so its peak memory (VmHWM above
-the RSS after the inputs exist) is its own. Passes: "fwd" (no grad) and "fwd+bwd" (the gradient
+Each (size, metric, method, pass) runs in its own subprocess, so its peak memory is its own:
+the high-water mark of one call after a warm-up call (VmHWM reset through /proc/self/clear_refs),
+above the RSS before it. Passes: "fwd" (no grad) and "fwd+bwd" (the gradient
 of the sum with respect to x and the prototypes). Recipes:
-- densematch.pairwise_distance
+- densematch.pairwise_distance (and, for l1, with compile=True: its torch.compile'd kernel)
 - cdist: torch.cdist on (N, HW, D) against (F, D), permuted to (N, F, H, W) (l2, l1)
 - conv1x1: ||x||^2 - 2 conv1x1(x, P) + ||p||^2, clamped, sqrt (l2, as prototype networks write it)
 - broadcast: (N, H, W, 1, D) - (F, D), reduced over D (skipped where it needs over 6 GiB)
@@ -33,8 +34,8 @@ CHILD = textwrap.dedent(
     p = torch.randn(f, d, requires_grad=passes == "fwd+bwd")
 
     def recipe(x, p):
-        if method == "densematch":
-            return densematch.pairwise_distance(x, p, metric, check_finite=False)
+        if method.startswith("densematch"):
+            return densematch.pairwise_distance(x, p, metric, check_finite=False, compile=method.endswith("compile"))
         if method == "cdist":
             flat = x.flatten(2).transpose(1, 2)
             return torch.cdist(flat, p, p=2.0 if metric == "l2" else 1.0).transpose(1, 2).view(n, f, h, w)
@@ -57,6 +58,9 @@ CHILD = textwrap.dedent(
         with open("/proc/self/status") as fh:
             return next(int(l.split()[1]) * 1024 for l in fh if l.startswith(field))
 
+    once()  # warm-up (and, for compile=True, the compilation)
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets VmHWM, the peak, to the current RSS
     before = status("VmRSS:")
     once()
     peak = status("VmHWM:") - before
@@ -69,7 +73,10 @@ CHILD = textwrap.dedent(
     """
 )
 
-METHODS = {"l2": ["densematch", "cdist", "conv1x1", "broadcast"], "l1": ["densematch", "cdist", "broadcast"]}
+METHODS = {
+    "l2": ["densematch", "cdist", "conv1x1", "broadcast"],
+    "l1": ["densematch", "densematch compile", "cdist", "broadcast"],
+}
 
 
 def main() -> None:

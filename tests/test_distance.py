@@ -204,3 +204,25 @@ class TestBadInput:
     def test_k_out_of_range(self):
         with pytest.raises(ValueError, match="k must be between 1 and 5"):
             nearest_prototype(torch.randn(1, 3, 2, 2), torch.randn(5, 3), k=6)
+
+
+class TestCompiledKernel:
+    @pytest.mark.parametrize("metric", ["l1", "linf"])
+    @pytest.mark.parametrize("channels_last", [False, True])
+    def test_compiled_forward_equals_reference_and_keeps_gradients(self, metric, channels_last):
+        g = torch.Generator().manual_seed(9)
+        x = torch.randn(2, 12, 7, 9, generator=g)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        p = torch.randn(10, 12, generator=g, requires_grad=True)
+        d = pairwise_distance(x, p, metric, compile=True)
+        ref = broadcast_reference(x, p, metric)
+        assert d.is_contiguous(memory_format=torch.channels_last) == channels_last
+        torch.testing.assert_close(d.double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+        w = torch.randn(d.shape, generator=g)
+        ours = torch.autograd.grad((d * w).sum(), (x, p))
+        want = torch.autograd.grad((pairwise_distance(x, p, metric) * w).sum(), (x, p))
+        for a, b in zip(ours, want, strict=True):
+            torch.testing.assert_close(a, b)
+        assert PrototypeDistance(10, 12, metric=metric, compile=True)(x.detach()).shape == (2, 10, 7, 9)
