@@ -22,7 +22,7 @@ _FINITE_CHUNK = 1 << 22
 def as_tensor(x: Any, name: str) -> torch.Tensor:
     """A torch view of ``x`` (numpy arrays are shared, not copied where their strides allow)."""
     if isinstance(x, np.ndarray):
-        if x.dtype == np.float16 or x.dtype.kind in "fiub":
+        if x.dtype.kind in "fiub":
             try:
                 return torch.from_numpy(x)
             except ValueError:  # negative strides

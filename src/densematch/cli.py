@@ -50,14 +50,14 @@ def _features(path: str, args: argparse.Namespace, what: str) -> tuple[torch.Ten
 
 
 def _preview(feat: torch.Tensor, img: np.ndarray | None) -> np.ndarray:
+    """What to show for a map: the image itself, its colours, or the feature norm."""
     if img is not None:
         return img
     f = feat.float()
-    return (
-        (f[..., :3] if f.shape[-1] >= 3 else f[..., 0]).numpy().clip(0, 1)
-        if f.shape[-1] in (1, 3)
-        else (f.norm(dim=-1) / f.norm(dim=-1).max().clamp_min(1e-12)).numpy()
-    )
+    if f.shape[-1] in (1, 3):
+        return f.squeeze(-1).numpy().clip(0, 1)
+    norm = f.norm(dim=-1)
+    return (norm / norm.max().clamp_min(1e-12)).numpy()
 
 
 def cmd_match(args: argparse.Namespace) -> int:
@@ -84,11 +84,11 @@ def cmd_match(args: argparse.Namespace) -> int:
     if args.viz:
         from .viz import match_figure, save_figure
 
-        first = lambda v: v[..., 0, :] if args.k > 1 else v  # noqa: E731
-        score, valid = (out["score"][..., 0], out["valid"][..., 0]) if args.k > 1 else (out["score"], out["valid"])
-        save_figure(
-            match_figure(_preview(fa, ia), _preview(fb, ib), first(out["coords"]), score, valid, args.metric), args.viz
-        )
+        coords, score, valid = out["coords"], out["score"], out["valid"]
+        if args.k > 1:  # the picture shows each pixel's best match
+            coords, score, valid = coords[..., 0, :], score[..., 0], valid[..., 0]
+        figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, valid, args.metric)
+        save_figure(figure, args.viz)
     if not args.quiet:
         v = out["valid"]
         print(
