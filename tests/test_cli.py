@@ -87,9 +87,11 @@ def test_match_features_equal_the_library(images, tmp_path):
         "2",
         "-o",
         str(tmp_path / "m.npz"),
+        "--viz",
+        str(tmp_path / "m.png"),
         "--quiet",
     )
-    assert out.returncode == 0 and out.stdout == ""
+    assert out.returncode == 0 and out.stdout == "" and (tmp_path / "m.png").stat().st_size > 10_000
     z = np.load(tmp_path / "m.npz")
     ref = densematch.match(np.load(images / "fa.npy"), np.load(images / "fb.npy"), metric="l2", k=2)
     assert np.array_equal(z["index"], ref.index.numpy()) and z["coords"].shape == (12, 14, 2, 2)
