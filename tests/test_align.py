@@ -70,7 +70,9 @@ class TestAlign:
             single = align(c.template, c.image)
             assert abs(single.scale_h - a.scale_h[i].item()) < 1e-4
             assert abs(single.shift_x - a.shift_x[i].item()) < 1e-2
-        rgb = align(t[:, None].expand(3, 3, 100, 100), x[:, None].expand(3, 3, 125, 125))
+        rgb = align(
+            t[:, None].expand(3, 3, 100, 100), x[:, None].expand(3, 3, 125, 125), template_mask=torch.ones(3, 100, 100)
+        )
         assert torch.allclose(rgb.scale_w, a.scale_w, atol=1e-4) and rgb.warped.shape == (3, 3, 100, 100)
 
     def test_memory_bounds_the_search_in_chunks(self):
@@ -115,6 +117,12 @@ class TestBadInput:
             ((torch.rand(20, 20), torch.rand(2, 30, 30)), {}, ValueError, "image must have the template's layout"),
             ((torch.rand(0, 20), x), {}, ValueError, "must not be empty"),
             ((t, x), {"template_mask": torch.ones(10, 10)}, ValueError, "template_mask must have shape"),
+            (
+                (torch.rand(2, 3, 20, 20), torch.rand(2, 3, 30, 30)),
+                {"template_mask": torch.ones(2, 3, 20, 20)},
+                ValueError,
+                r"template_mask must have shape \(20, 20\) or \(2, 20, 20\), one weight per pixel",
+            ),
             ((t, x), {"template_mask": torch.zeros(20, 20)}, ValueError, "template_mask must keep some pixels"),
             ((t, x), {"objective": "l3"}, ValueError, "objective must be one of 'l1', 'l2', 'ncc'"),
             ((t, [1, 2]), {}, TypeError, "image must be a torch.Tensor"),

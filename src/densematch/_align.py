@@ -194,8 +194,8 @@ def align(
     objective : {"l1", "l2", "ncc"}, default="l1"
         Mean absolute or squared difference, or zero-mean normalised cross-correlation (robust to
         brightness and contrast).
-    template_mask : Tensor or ndarray of shape (h, w) or template's shape, optional
-        Non-negative weights of template pixels; 0 ignores a pixel.
+    template_mask : Tensor or ndarray of shape (h, w), or (B, h, w) for batches, optional
+        Non-negative weights of template pixels (shared by the channels); 0 ignores a pixel.
     memory : int or str, optional
         Cap on the grid search's working memory; batches are searched in chunks that fit.
 
@@ -273,16 +273,12 @@ def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dt
     b, _, h, w = t4.shape
     if mask is None:
         return torch.ones(b, 1, h, w, dtype=dtype, device=t4.device)
-    m = as_tensor(mask, "template_mask")
-    m = m.to(t4.device, dtype)
-    if tuple(m.shape) == (h, w):
-        m = m.expand(b, h, w)
-    elif tuple(m.shape) == (*tuple(shape[:1]), h, w) and len(shape) >= 3:
-        pass
-    else:
-        raise ValueError(
-            f"template_mask must have shape ({h}, {w}) or the template's {tuple(shape)}, got {tuple(m.shape)}"
-        )
+    m = as_tensor(mask, "template_mask").to(t4.device, dtype)
+    allowed = [(h, w), (b, h, w)] if len(shape) >= 3 else [(h, w)]
+    if tuple(m.shape) not in allowed:
+        listed = " or ".join(str(a) for a in allowed)
+        raise ValueError(f"template_mask must have shape {listed}, one weight per pixel, got {tuple(m.shape)}")
+    m = m.expand(b, h, w)
     check_finite(m, "template_mask")
     if (m < 0).any():
         raise ValueError("template_mask must hold non-negative weights, got negative values")

@@ -88,8 +88,8 @@ def plan_tiles(
     Raises
     ------
     ValueError
-        When even tiles of one row do not fit, naming the minimum budget. ``reserved`` bytes of
-    the budget are already taken by the caller and count towards that minimum.
+        When even tiles of one row do not fit, naming the minimum budget. ``reserved`` bytes
+        of the budget are already taken by the caller and count towards that minimum.
     """
     cap_a, cap_b = MAX_TILES.get(device.type, MAX_TILES["cuda"])
     fixed_a, fixed_b = tiles if tiles is not None else (None, None)
@@ -346,7 +346,7 @@ class _Search:
             local = best_i.clamp_min(0)
         q = _rows(self.a, self.rows_a, start, start + best_i.shape[0]).to(self.dtype)
         r = self.b.index_select(0, local.reshape(-1)).to(self.dtype)
-        v = self.metric.pair_value(q.repeat_interleave(k, dim=0), r).view(-1, k)
+        v = self.metric.pair_value(q[:, None, :], r.view(-1, k, r.shape[-1]))
         missing = math.inf if self.metric.higher_is_better else -math.inf
         v, i = _order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
         best_v.copy_(torch.where(i >= 0, v, math.nan))
