@@ -1,4 +1,4 @@
-"""Memory budgets: parse them, find the memory a device has free, and scope a default.
+"""Memory budgets and settings: parse budgets, find the memory a device has free, scope defaults.
 
 One setting drives every chunk size in densematch. ``memory=`` on a call wins; otherwise the
 value of :func:`config_context` (or the ``DENSEMATCH_MEMORY`` environment variable); otherwise a
@@ -41,6 +41,10 @@ DEFAULT_CAP_CPU = 512 * 1024**2
 DEFAULT_CAP_CUDA = 8 * 1024**3
 
 _memory_setting: contextvars.ContextVar[int | str | None] = contextvars.ContextVar("densematch_memory", default=None)
+_half_setting: contextvars.ContextVar[str] = contextvars.ContextVar("densematch_half", default="auto")
+_kernel_setting: contextvars.ContextVar[str] = contextvars.ContextVar("densematch_kernel", default="auto")
+HALF_SETTINGS = ("auto", "bfloat16", "float16", "off")
+KERNEL_SETTINGS = ("auto", "torch", "triton")
 
 
 def parse_memory(memory: int | str, name: str = "memory") -> int:
@@ -117,25 +121,48 @@ def resolve_memory(memory: int | str | None, device: torch.device) -> int:
 
 
 def get_config() -> dict[str, int | str | None]:
-    """The current settings, as a dict (today: ``memory``)."""
-    return {"memory": _memory_setting.get()}
+    """The current settings, as a dict: ``memory``, ``half`` and ``kernel``."""
+    return {"memory": _memory_setting.get(), "half": _half_setting.get(), "kernel": _kernel_setting.get()}
 
 
 @contextlib.contextmanager
-def config_context(*, memory: int | str | None = None) -> Iterator[None]:
-    """Scope a default memory budget for every densematch call inside the block.
+def config_context(
+    *, memory: int | str | None = None, half: str | None = None, kernel: str | None = None
+) -> Iterator[None]:
+    """Scope settings for every densematch call inside the block.
+
+    Parameters
+    ----------
+    memory : int or str, optional
+        The default memory budget (see :func:`resolve_memory`).
+    half : {"auto", "bfloat16", "float16", "off"}, optional
+        Which half-precision operands ``precision="exact"`` and ``"fast"`` use. "auto" (the
+        default) measures, once per process, whether the device multiplies half precision faster
+        than float32; the others force a choice ("off": never half precision).
+    kernel : {"auto", "torch", "triton"}, optional
+        Which search runs: "auto" (the default) uses the fused Triton kernel on CUDA devices when
+        Triton is installed; "torch" never does; "triton" always does (on a CPU only under
+        TRITON_INTERPRET=1, Triton's interpreter, for tests).
 
     Examples
     --------
     >>> import densematch
-    >>> with densematch.config_context(memory="64MiB"):
-    ...     densematch.get_config()["memory"]
-    '64MiB'
+    >>> with densematch.config_context(memory="64MiB", half="off"):
+    ...     densematch.get_config()
+    {'memory': '64MiB', 'half': 'off', 'kernel': 'auto'}
     """
     if memory is not None:
         parse_memory(memory)
-    token = _memory_setting.set(memory)
+    for name, value, choices in (("half", half, HALF_SETTINGS), ("kernel", kernel, KERNEL_SETTINGS)):
+        if value is not None and value not in choices:
+            listed = ", ".join(repr(c) for c in choices)
+            raise ValueError(f"{name} must be one of {listed}, got {value!r}")
+    # only the settings given change, so blocks nest
+    settings = ((_memory_setting, memory), (_half_setting, half), (_kernel_setting, kernel))
+    changes = [(var, value) for var, value in settings if value is not None]
+    tokens = [(var, var.set(value)) for var, value in changes]
     try:
         yield
     finally:
-        _memory_setting.reset(token)
+        for var, token in reversed(tokens):
+            var.reset(token)

@@ -20,13 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .metrics import Metric, get_metric
+from .precision import RefNorms, row_bounds
 
 __all__ = ["TilePlan", "plan_tiles", "topk"]
 
 # Tile caps (query rows, reference rows). On a CPU, tall and narrow blocks won: 4096 x 512 ran
 # 1.3x faster than 1024 x 2048 at C=64 (benchmarks/bench_match.py --sweep-tiles, BENCHMARKS.md).
 MAX_TILES = {"cpu": (4096, 512), "cuda": (8192, 16384)}
+# Candidates kept per row by the certified half-precision search (at least 4 k): enough for the
+# near-ties of real features; a row with more is searched again in float32 (docs/precision.md).
+CANDIDATES = 32
 
 
 @dataclass(frozen=True)
@@ -52,17 +57,25 @@ def _working_set(
     in_item: int,
     whole_b: bool,
     cdist: bool,
+    half_item: int = 0,
+    cap: int = 0,
 ) -> int:
-    """Bytes one call of :func:`topk` holds at once for tiles of (ta, tb). Each term is named."""
-    row_prep = cp * item + c * in_item  # a gathered raw row, then its prepared copy
+    """Bytes one call of :func:`topk` holds at once for tiles of (ta, tb). Each term is named.
+    ``half_item`` is the byte size of half-precision operands (0: none) and ``cap`` the
+    candidates kept per row by the certified search."""
+    row_prep = cp * (item + half_item) + c * in_item  # a gathered raw row, its prepared copies
     refs = (nb if whole_b else tb) * row_prep  # prepared references: all, or one tile
     queries = ta * row_prep  # one prepared tile of queries
-    scores = ta * tb * item * (2 if cdist else 1)  # the reused block; cdist also makes its own
-    reduce = ta * tb * (item if k == 1 else 2 * item + 1)  # rows that improve, ties check
+    block_item = half_item or item
+    scores = ta * tb * block_item * (2 if cdist else 1)  # the reused block; cdist also makes its own
+    reduce = ta * tb * (block_item if k == 1 else 2 * block_item + 1)  # rows that improve, ties check
     state = na * k * (item + 8)  # running top-k: value + int64 index
     merge = ta * 2 * k * (item + 8) * 3  # candidates of a merge, and their sorts
     final = ta * k * c * (in_item + 4 * item)  # chosen rows regathered, repeated, differenced
-    return refs + queries + scores + reduce + state + merge + final
+    # candidate pool (row, column, score: 20 bytes, up to twice cap per row while pruning, and
+    # the sorts that pick the best), and the re-scoring chunk, the size of the score block
+    pool = ta * cap * 20 * 4 + (ta * tb * block_item if cap else 0)
+    return refs + queries + scores + reduce + state + merge + final + pool
 
 
 def plan_tiles(
@@ -78,6 +91,8 @@ def plan_tiles(
     in_dtype: torch.dtype = torch.float32,
     tiles: tuple[int | None, int | None] | None = None,
     reserved: int = 0,
+    half: torch.dtype | None = None,
+    cap: int = 0,
 ) -> TilePlan:
     """Choose tile sizes whose whole working set fits in ``budget`` bytes.
 
@@ -104,6 +119,8 @@ def plan_tiles(
         item=torch.finfo(dtype).bits // 8,
         in_item=torch.finfo(in_dtype).bits // 8,
         cdist=metric.p is not None,
+        half_item=0 if half is None else torch.finfo(half).bits // 8,
+        cap=cap,
     )
     minimum = _working_set(1, 1, whole_b=False, **kw) + reserved
     if budget < minimum:
@@ -138,21 +155,23 @@ def _rows(x: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> 
     return x[start:stop] if rows is None else x.index_select(0, rows[start:stop])
 
 
-def _merge_best(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> None:
-    """k = 1: keep each row's maximum; an equal score from a later tile never wins."""
+def _merge_best(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> torch.Tensor:
+    """k = 1: keep each row's maximum; an equal score from a later tile never wins. Returns the
+    block's row maxima."""
     rowmax = s.amax(1)
     need = rowmax > best_v[:, 0]
     rows = need.nonzero().squeeze(1)
     n = rows.numel()
     if n == 0:
-        return
+        return rowmax
     if 4 * n >= s.shape[0]:
         arg = s.argmax(1)
         best_v[:, 0] = torch.where(need, rowmax, best_v[:, 0])
         best_i[:, 0] = torch.where(need, arg + offset, best_i[:, 0])
     else:
-        best_v[rows, 0] = rowmax[rows]
+        best_v[rows, 0] = rowmax[rows].to(best_v.dtype)
         best_i[rows, 0] = s.index_select(0, rows).argmax(1) + offset
+    return rowmax
 
 
 def _topk_lowest_index(sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,19 +198,21 @@ def _order(v: torch.Tensor, i: torch.Tensor, descending: bool = True) -> tuple[t
     return v.gather(1, by_value), i.gather(1, by_value)
 
 
-def _merge_topk(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> None:
-    """k > 1: merge a block's top-k into the running top-k of the rows that can improve."""
+def _merge_topk(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> torch.Tensor:
+    """k > 1: merge a block's top-k into the running top-k of the rows that can improve.
+    Returns the block's row maxima."""
     k = best_v.shape[1]
-    need = s.amax(1) > best_v[:, -1]
-    rows = need.nonzero().squeeze(1)
+    rowmax = s.amax(1)
+    rows = (rowmax > best_v[:, -1]).nonzero().squeeze(1)
     if rows.numel() == 0:
-        return
+        return rowmax
     sub = s if rows.numel() == s.shape[0] else s.index_select(0, rows)
     v, i = _topk_lowest_index(sub, min(k, s.shape[1]))
-    cand_v = torch.cat([best_v[rows], v], dim=1)
+    cand_v = torch.cat([best_v[rows], v.to(best_v.dtype)], dim=1)
     cand_i = torch.cat([best_i[rows], i + offset], dim=1)
     cand_v, cand_i = _order(cand_v, cand_i)
     best_v[rows], best_i[rows] = cand_v[:, :k], cand_i[:, :k]
+    return rowmax
 
 
 def topk(
@@ -204,9 +225,13 @@ def topk(
     rows_a: torch.Tensor | None = None,
     rows_b: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
+    half: torch.dtype | None = None,
+    certify: bool = True,
     tiles: tuple[int | None, int | None] | None = None,
     on_tile: Callable[[int], None] | None = None,
     reserved: int = 0,
+    stats: dict[str, int] | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of every query row over the reference rows, tiled within ``budget`` bytes.
 
@@ -227,13 +252,27 @@ def topk(
     rows_b : Tensor of shape (nb,), int64, increasing, optional
         Only these reference rows can be chosen.
     dtype : torch.dtype, default=torch.float32
-        The compute dtype: scores accumulate in it.
+        The compute dtype: scores accumulate in it, values are reported in it.
+    half : torch.dtype, optional
+        Search candidates with operands of this dtype (bfloat16 or float16) instead; matrix
+        metrics only, with ``dtype`` float32.
+    certify : bool, default=True
+        With ``half``: keep every candidate within the rounding bound of each row's k-th best
+        (:func:`densematch.precision.row_bounds`), re-score them in float32, and search rows with
+        more than ``max(32, 4 k)`` candidates again in float32, so the result equals the float32
+        one (ties aside). False: rank by the half-precision scores (approximate).
     tiles : (int or None, int or None), optional
         Force the tile sizes (tests use tiny tiles to force many merges).
     on_tile : callable, optional
         Called with the number of query rows finished after each query tile (progress bars).
     reserved : int, default=0
         Bytes of ``budget`` the caller already holds (they shrink the tiles).
+    stats : dict, optional
+        Filled with counts of the certified search: ``rows``, ``candidates`` (kept in all),
+        ``most`` (the most for one row) and ``fallback`` (rows searched again in float32).
+    backend : {"auto", "torch", "triton"}, default="auto"
+        "triton" runs the fused kernel of :mod:`densematch.kernels` (on a CPU only under
+        TRITON_INTERPRET=1); "auto" chooses it on CUDA devices when Triton is installed.
 
     Returns
     -------
@@ -250,8 +289,14 @@ def topk(
     device = a.device
     value = torch.full((na, k), math.nan, dtype=dtype, device=device)
     index = torch.full((na, k), -1, dtype=torch.int64, device=device)
+    if half is not None and (metric.p is not None or dtype != torch.float32):
+        raise ValueError(f"half={half} needs a matrix metric and float32, got {metric.name!r} and {dtype}")
+    use_kernel = kernels.wanted(backend, device, metric, k)
+    if stats is not None:
+        stats.update(rows=na, candidates=0, most=0, fallback=0)
     if na == 0 or nb == 0:
         return value, index
+    cap = max(CANDIDATES, 4 * k) if half is not None and certify else 0
     plan = plan_tiles(
         na,
         nb,
@@ -264,9 +309,16 @@ def topk(
         in_dtype=a.dtype,
         tiles=tiles,
         reserved=reserved,
+        half=half,
+        cap=cap,
     )
     with torch.inference_mode():
-        search = _Search(a, b, rows_a, rows_b, metric, dtype, plan, k)
+        if use_kernel:
+            search: _Search = _KernelSearch(a, b, rows_a, rows_b, metric, dtype, plan, k, half, cap, stats)
+        elif half is not None:
+            search = _HalfSearch(a, b, rows_a, rows_b, metric, dtype, plan, k, half, cap, stats)
+        else:
+            search = _Search(a, b, rows_a, rows_b, metric, dtype, plan, k)
         ta, tb = plan.tile_a, plan.tile_b
         buf = None
         start = 0
@@ -274,7 +326,7 @@ def topk(
             stop = min(start + ta, na)
             try:
                 if buf is None:  # one block of scores, reused by every tile pair
-                    buf = torch.empty(ta * tb, dtype=dtype, device=device)
+                    buf = torch.empty(ta * tb, dtype=half or dtype, device=device)
                 search.rank(value[start:stop], index[start:stop], start, buf)
             except torch.cuda.OutOfMemoryError:
                 # another process took memory since the plan: halve the query tile and retry
@@ -305,7 +357,7 @@ class _Search:
         k: int,
     ) -> None:
         self.a, self.b, self.rows_a, self.rows_b = a, b, rows_a, rows_b
-        self.metric, self.dtype, self.tile_b = metric, dtype, plan.tile_b
+        self.metric, self.dtype, self.tile_b, self.k = metric, dtype, plan.tile_b, k
         self.nb = b.shape[0] if rows_b is None else rows_b.numel()
         self.merge = _merge_best if k == 1 else _merge_topk
         self.centre = self._reference_mean() if metric.centred else None
@@ -325,12 +377,18 @@ class _Search:
             return self.whole[start:stop]
         return self.metric.prepare(_rows(self.b, self.rows_b, start, stop), "ref", self.dtype, self.centre)
 
+    def _prepare_queries(self, start: int, m: int) -> torch.Tensor:
+        return self.metric.prepare(_rows(self.a, self.rows_a, start, start + m), "query", self.dtype, self.centre)
+
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         """Merge every reference tile into the running top-k of the query tile at ``start``."""
-        m = best_v.shape[0]
+        self._scan(self._prepare_queries(start, best_v.shape[0]), best_v, best_i, buf)
+
+    def _scan(self, q: torch.Tensor, best_v: torch.Tensor, best_i: torch.Tensor, buf: torch.Tensor) -> None:
+        """The float32 (or float64) search of prepared query rows ``q`` over every reference."""
+        m = q.shape[0]
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        q = self.metric.prepare(_rows(self.a, self.rows_a, start, start + m), "query", self.dtype, self.centre)
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
             s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
@@ -351,3 +409,222 @@ class _Search:
         v, i = _order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
         best_v.copy_(torch.where(i >= 0, v, math.nan))
         best_i.copy_(i)
+
+
+class _HalfSearch(_Search):
+    """Candidates from half-precision products, made exact by the rounding certificate.
+
+    Each reference tile's half scores go through the usual merge (the running k-th best), then
+    every score within twice the row's bound of it joins a pool of (row, column, score), pruned
+    as the k-th best rises. A row whose pool outgrows ``cap`` stops collecting and is searched
+    again in float32 at the end; the others' candidates are re-scored in float32.
+    """
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        rows_a: torch.Tensor | None,
+        rows_b: torch.Tensor | None,
+        metric: Metric,
+        dtype: torch.dtype,
+        plan: TilePlan,
+        k: int,
+        half: torch.dtype,
+        cap: int,
+        stats: dict[str, int] | None,
+    ) -> None:
+        super().__init__(a, b, rows_a, rows_b, metric, dtype, plan, k)
+        self.half, self.cap, self.stats = half, cap, stats
+        self.whole_h = None if self.whole is None else self.whole.to(half)
+        self.norms: RefNorms | None = None
+        if cap:
+            for j in range(0, self.nb, self.tile_b):
+                tile = RefNorms.of(self._prepare_refs(j, j + self.tile_b), half)
+                self.norms = tile if self.norms is None else self.norms.merge(tile)
+
+    def _half_refs(self, start: int, stop: int) -> torch.Tensor:
+        if self.whole_h is not None:
+            return self.whole_h[start:stop]
+        return self._prepare_refs(start, stop).to(self.half)
+
+    def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
+        m = best_v.shape[0]
+        q = self._prepare_queries(start, m)
+        qh = q.to(self.half)
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        pool = None
+        if self.cap:
+            assert self.norms is not None
+            window = 2.0 * row_bounds(q, qh, self.norms, out_dtype=self.half)
+            pool = _Pool(m, self.cap, window)
+        for j in range(0, self.nb, self.tile_b):
+            n = min(self.tile_b, self.nb - j)
+            s = torch.mm(qh, self._half_refs(j, j + n).T, out=buf[: m * n].view(m, n))
+            rowmax = self.merge(s, j, best_v, best_i)
+            if pool is not None:
+                pool.add(s, rowmax, j, best_v[:, -1])
+        if pool is not None:
+            rows, cols = pool.finish(best_v[:, -1])
+            self._settle(q, rows, cols, pool.over, best_v, best_i, buf)
+
+    def _settle(
+        self,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        over: torch.Tensor,
+        best_v: torch.Tensor,
+        best_i: torch.Tensor,
+        buf: torch.Tensor,
+    ) -> None:
+        """Re-score the candidates (rows, cols) in float32 into the running top-k, and search the
+        ``over`` rows again in float32, in the bytes of ``buf``."""
+        m, k = best_v.shape
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        score = torch.empty(rows.numel(), dtype=self.dtype, device=q.device)
+        step = max(1, buf.numel() * buf.element_size() // (8 * q.shape[1] + 8 * self.a.shape[1] + 64))
+        for s in range(0, rows.numel(), step):
+            r = self.metric.prepare(self._gather_refs(cols[s : s + step]), "ref", self.dtype, self.centre)
+            torch.linalg.vecdot(q.index_select(0, rows[s : s + step]), r, out=score[s : s + step])
+        _best_of_candidates(rows, cols, score, best_v, best_i)
+        redo = over.nonzero().squeeze(1)
+        if redo.numel():
+            # the float32 block fits in the half block's bytes: half as many rows at a time
+            flat = buf[: buf.numel() // 2 * 2].view(self.dtype) if buf.dtype != self.dtype else buf
+            if flat.numel() < self.tile_b:
+                flat = torch.empty(self.tile_b, dtype=self.dtype, device=q.device)
+            step = flat.numel() // self.tile_b
+            for s in range(0, redo.numel(), step):
+                part = redo[s : s + step]
+                v = torch.empty(part.numel(), k, dtype=self.dtype, device=q.device)
+                i = torch.empty(part.numel(), k, dtype=torch.int64, device=q.device)
+                self._scan(q.index_select(0, part), v, i, flat)
+                best_v[part], best_i[part] = v, i
+        if self.stats is not None:
+            counts = torch.bincount(rows, minlength=m)
+            self.stats["candidates"] += int(rows.numel())
+            self.stats["most"] = max(self.stats["most"], int(counts.max()) if m else 0)
+            self.stats["fallback"] += int(redo.numel())
+
+    def _gather_refs(self, cols: torch.Tensor) -> torch.Tensor:
+        """Raw rows of b at reference positions ``cols`` (positions among the allowed rows)."""
+        return self.b.index_select(0, cols if self.rows_b is None else self.rows_b[cols])
+
+
+class _KernelSearch(_HalfSearch):
+    """The fused Triton kernel's search: the kernel ranks (and, certified, lists candidates), the
+    re-scoring and the float32 fallback are :class:`_HalfSearch`'s. With ``half`` None the
+    kernel multiplies float32 in IEEE arithmetic and its top-k is final."""
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        rows_a: torch.Tensor | None,
+        rows_b: torch.Tensor | None,
+        metric: Metric,
+        dtype: torch.dtype,
+        plan: TilePlan,
+        k: int,
+        half: torch.dtype | None,
+        cap: int,
+        stats: dict[str, int] | None,
+    ) -> None:
+        super().__init__(a, b, rows_a, rows_b, metric, dtype, plan, k, half or dtype, cap, stats)
+        from .kernels.topk import topk_launch
+
+        self.launch = topk_launch
+
+    def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
+        m, k = best_v.shape
+        q = self._prepare_queries(start, m)
+        qh = q.to(self.half)
+        slots = max(2, 1 << (k - 1).bit_length())
+        val = torch.full((m, slots), -math.inf, dtype=torch.float32, device=q.device)
+        idx = torch.full((m, slots), -1, dtype=torch.int32, device=q.device)
+        cert: dict[str, torch.Tensor] = {}
+        if self.cap:
+            assert self.norms is not None
+            cert = {
+                "window": 2.0 * row_bounds(q, qh, self.norms, out_dtype=None),
+                "count": torch.zeros(m, dtype=torch.int32, device=q.device),
+                "cand": torch.full((m, self.cap), -1, dtype=torch.int32, device=q.device),
+            }
+        for j in range(0, self.nb, self.tile_b):
+            refs = self._half_refs(j, min(j + self.tile_b, self.nb))
+            self.launch(qh, refs, val, idx, k=k, offset=j, **cert)
+        if not self.cap:
+            best_v.copy_(val[:, :k])
+            best_i.copy_(idx[:, :k])
+            return
+        over = cert["count"] > self.cap
+        listed = (cert["cand"] >= 0) & ~over[:, None]
+        rows, slot = listed.nonzero().unbind(1)
+        self._settle(q, rows, cert["cand"][rows, slot].long(), over, best_v, best_i, buf)
+
+
+class _Pool:
+    """Candidates of one query tile: every (row, column) whose half score is within ``window``
+    of the row's running k-th best. Rows that collect more than ``cap`` are marked ``over``."""
+
+    def __init__(self, m: int, cap: int, window: torch.Tensor) -> None:
+        device = window.device
+        self.m, self.cap, self.window = m, cap, window
+        self.rows = torch.empty(0, dtype=torch.int64, device=device)
+        self.cols = torch.empty(0, dtype=torch.int64, device=device)
+        self.vals = torch.empty(0, dtype=torch.float32, device=device)
+        self.over = torch.zeros(m, dtype=torch.bool, device=device)
+
+    def add(self, s: torch.Tensor, rowmax: torch.Tensor, offset: int, kth: torch.Tensor) -> None:
+        """Collect from the score block ``s`` (m, n) of reference tile ``offset``."""
+        floor = kth - self.window
+        hot = ((rowmax.float() >= floor) & ~self.over).nonzero().squeeze(1)
+        if hot.numel() == 0:
+            return
+        sub = s.index_select(0, hot)
+        passing = sub >= floor[hot, None]
+        # a row with more than cap new candidates overflows at once, before any are listed
+        burst = passing.sum(1) > self.cap
+        if bool(burst.any()):
+            self.over[hot[burst]] = True
+            passing[burst] = False
+        r, col = passing.nonzero().unbind(1)
+        self.rows = torch.cat([self.rows, hot[r]])
+        self.cols = torch.cat([self.cols, col + offset])
+        self.vals = torch.cat([self.vals, sub[r, col].float()])
+        self._prune(floor)
+
+    def _prune(self, floor: torch.Tensor) -> None:
+        keep = self.vals >= floor[self.rows]
+        counts = torch.bincount(self.rows[keep], minlength=self.m)
+        self.over |= counts > self.cap
+        keep &= ~self.over[self.rows]
+        self.rows, self.cols, self.vals = self.rows[keep], self.cols[keep], self.vals[keep]
+
+    def finish(self, kth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final candidates (rows, columns), pruned with the final k-th best."""
+        self._prune(kth - self.window)
+        return self.rows, self.cols
+
+
+def _best_of_candidates(
+    rows: torch.Tensor, cols: torch.Tensor, score: torch.Tensor, best_v: torch.Tensor, best_i: torch.Tensor
+) -> None:
+    """Per row, the k best (score, column) of the candidate list, equal scores to the lower
+    column, written into best_v / best_i (rows without candidates are left as they are)."""
+    if rows.numel() == 0:
+        return
+    k = best_v.shape[1]
+    order = cols.argsort(stable=True)
+    order = order[score[order].argsort(descending=True, stable=True)]
+    order = order[rows[order].argsort(stable=True)]
+    rows, cols, score = rows[order], cols[order], score[order]
+    counts = torch.bincount(rows, minlength=best_v.shape[0])
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(rows.numel(), device=rows.device) - first[rows]
+    keep = rank < k
+    best_v[rows[keep], rank[keep]] = score[keep].to(best_v.dtype)
+    best_i[rows[keep], rank[keep]] = cols[keep]

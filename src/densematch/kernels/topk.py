@@ -1,0 +1,182 @@
+"""A fused Triton kernel: tile products plus a running top-k per row, scores never written.
+
+One program owns ``BLOCK_M`` query rows. It walks the references ``BLOCK_N`` rows at a time,
+accumulates their scores in float32 from half-precision (or float32) operands with ``tl.dot``,
+and merges the tile into the rows' running top-k, kept in registers as ``K`` (value, index)
+slots. When no row of the tile beats its k-th best, which after the first tiles is most of them,
+the merge is skipped. Equal scores go to the lower index: a tile's maxima are taken lowest column
+first, and a new score must beat (not equal) the slot it replaces.
+
+With ``CERTIFY``, every score within ``window`` (twice the rounding bound of
+:func:`densematch.precision.row_bounds`) of the row's running k-th best is listed: a counter per
+row is bumped atomically and the column is written to that row's slot of ``cand`` while it has
+room. The running k-th best only rises, so every reference the final bound admits was listed
+when it was seen; rows whose counter passes ``CAP`` are searched again by the engine.
+
+The running state lives in ``val``/``idx`` between launches, so one query tile can be merged with
+any number of reference tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+__all__ = ["topk_launch"]
+
+@triton.jit
+def _topk_kernel(
+    q_ptr,
+    r_ptr,
+    win_ptr,
+    val_ptr,
+    idx_ptr,
+    count_ptr,
+    cand_ptr,
+    m,
+    n,
+    cp,
+    offset,
+    stride_q,
+    stride_r,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    CAP: tl.constexpr,
+    CERTIFY: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    slots = tl.arange(0, KP)
+    state = rows[:, None] * KP + slots[None, :]
+    vals = tl.load(val_ptr + state, mask=row_ok[:, None], other=float("-inf"))
+    idxs = tl.load(idx_ptr + state, mask=row_ok[:, None], other=-1)
+    vals = tl.where(slots[None, :] < K, vals, float("inf"))  # padding slots are never the worst
+    win = tl.load(win_ptr + rows, mask=row_ok, other=0.0)
+    cs = tl.arange(0, BLOCK_C)
+    for n0 in range(0, n, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c0 in range(0, cp, BLOCK_C):
+            c_ok = (c0 + cs) < cp
+            qt = tl.load(
+                q_ptr + rows[:, None] * stride_q + (c0 + cs)[None, :],
+                mask=row_ok[:, None] & c_ok[None, :],
+                other=0.0,
+            )
+            rt = tl.load(
+                r_ptr + cols[None, :] * stride_r + (c0 + cs)[:, None],
+                mask=col_ok[None, :] & c_ok[:, None],
+                other=0.0,
+            )
+            if UPCAST:
+                # the interpreter's dot mishandles half operands; half products are exact in
+                # float32, so upcasting computes the same sums
+                qt = qt.to(tl.float32)
+                rt = rt.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(qt, rt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(qt, rt, acc)
+        inside = col_ok[None, :] & row_ok[:, None]
+        s = tl.where(inside, acc, float("-inf"))
+        gcols = offset + cols
+        if tl.max((tl.max(s, 1) > tl.min(vals, 1)).to(tl.int32), 0) > 0:  # some row improves
+            work = s
+            for _ in tl.static_range(K):
+                tmax = tl.max(work, 1)
+                targ = tl.min(tl.where(work == tmax[:, None], gcols[None, :], 2147483647), 1)
+                worst = tl.min(vals, 1)
+                # the slot to give up: the worst value, the highest index among equal worst
+                is_worst = vals == worst[:, None]
+                widx = tl.max(tl.where(is_worst, idxs, -2), 1)
+                wslot = tl.max(tl.where(is_worst & (idxs == widx[:, None]), slots[None, :], -1), 1)
+                put = (tmax > worst)[:, None] & (slots[None, :] == wslot[:, None])
+                vals = tl.where(put, tmax[:, None], vals)
+                idxs = tl.where(put, targ[:, None], idxs)
+                work = tl.where(gcols[None, :] == targ[:, None], float("-inf"), work)
+        if CERTIFY:
+            floor = tl.min(vals, 1) - win
+            hit = (s >= floor[:, None]) & inside
+            slot = tl.atomic_add(count_ptr + rows[:, None] + 0 * cols[None, :], 1, mask=hit)
+            tl.store(cand_ptr + rows[:, None] * CAP + slot, gcols[None, :] + 0 * rows[:, None], mask=hit & (slot < CAP))
+    tl.store(val_ptr + state, vals, mask=row_ok[:, None])
+    tl.store(idx_ptr + state, idxs, mask=row_ok[:, None])
+
+
+def topk_launch(
+    q: torch.Tensor,
+    r: torch.Tensor,
+    val: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    k: int,
+    offset: int,
+    window: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+    cand: torch.Tensor | None = None,
+) -> None:
+    """Merge the references ``r`` into the running top-k of the queries ``q``, in place.
+
+    Parameters
+    ----------
+    q : Tensor of shape (m, C), contiguous rows
+        Prepared queries, float16, bfloat16 or float32 (float32 is multiplied in IEEE float32).
+    r : Tensor of shape (n, C), contiguous rows, the dtype of ``q``
+        Prepared references; their indices are ``offset + arange(n)``.
+    val : Tensor of shape (m, KP), float32
+        Running scores, KP = max(2, next power of two >= k); -inf where empty. Updated.
+    idx : Tensor of shape (m, KP), int32
+        Running indices; -1 where empty. Updated. Slots are in no particular order.
+    k : int
+        1 <= k <= 8.
+    window, count, cand : Tensors of shape (m,) float32, (m,) int32, (m, CAP) int32, optional
+        The certificate: list every reference within ``window`` of the row's running k-th
+        best; ``count`` is bumped for each, ``cand`` holds the first CAP columns.
+    """
+    m, cp = q.shape
+    n = r.shape[0]
+    kp = val.shape[1]
+    certify = window is not None
+    if not certify:
+        window = torch.zeros(m, dtype=torch.float32, device=q.device)
+        count = torch.zeros(1, dtype=torch.int32, device=q.device)
+        cand = torch.zeros(1, dtype=torch.int32, device=q.device)
+    assert count is not None and cand is not None
+    interp = interpreting()
+    block_m, block_n = (16, 16) if interp else (128, 64)
+    block_c = min(64, max(16, triton.next_power_of_2(cp)))
+    _topk_kernel[(triton.cdiv(m, block_m),)](
+        q,
+        r,
+        window,
+        val,
+        idx,
+        count,
+        cand,
+        m,
+        n,
+        cp,
+        offset,
+        q.stride(0),
+        r.stride(0),
+        K=k,
+        KP=kp,
+        CAP=cand.shape[1] if certify else 1,
+        CERTIFY=certify,
+        UPCAST=interp and q.dtype != torch.float32,
+        IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_C=block_c,
+        num_warps=8 if block_m * block_n >= 8192 else 4,
+    )
