@@ -17,8 +17,9 @@ from torch import nn
 
 from . import engine
 from .budget import resolve_memory
-from .checks import as_tensor, check_finite, check_int
+from .checks import as_tensor, check_choice, check_finite, check_int
 from .metrics import get_metric
+from .precision import PRECISIONS, resolve_precision
 
 __all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
 
@@ -320,6 +321,7 @@ def nearest_prototype(
     k: int = 1,
     memory: int | str | None = None,
     check_finite: bool = True,
+    precision: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` nearest prototypes of every pixel, without building the (N, F, H, W) tensor.
 
@@ -335,6 +337,10 @@ def nearest_prototype(
         Cap on working memory, as in :func:`densematch.match`.
     check_finite : bool, default=True
         Raise on NaN or Inf.
+    precision : {"exact", "float32", "fast"}, default="exact"
+        How the search ranks, as in :func:`densematch.match` ("exact" equals "float32" up to
+        ties; "fast" is approximate). Float64 inputs are searched in float64 whatever this says.
+        The returned distances are always recomputed directly in the compute dtype.
 
     Returns
     -------
@@ -353,6 +359,8 @@ def nearest_prototype(
     (torch.Size([2, 3, 5, 7]), torch.Size([2, 3, 5, 7]))
     """
     x, p, dtype = _check_inputs(x, prototypes, metric, check_finite)
+    check_choice(precision, "precision", PRECISIONS[:3])
+    prec = resolve_precision(precision, x.device, metric, x.shape[1], float64=dtype == torch.float64)
     n, _d, h, w = x.shape
     k = check_int(k, "k", 1, p.shape[0])
     budget = resolve_memory(memory, x.device)
@@ -362,7 +370,9 @@ def nearest_prototype(
     with torch.autocast(device_type=x.device.type, enabled=False):
         for i in range(n):
             rows = x[i].detach().flatten(1).T  # (HW, D), a view
-            v, idx = engine.topk(rows, pd, metric=metric, k=k, budget=budget, dtype=dtype)
+            v, idx = engine.topk(
+                rows, pd, metric=metric, k=k, budget=budget, dtype=dtype, half=prec.half, certify=prec.certify
+            )
             index[i], value[i] = idx, v
         if metric == "cosine":
             value = 1.0 - value
@@ -423,10 +433,16 @@ class PrototypeDistance(nn.Module):
             x, self.prototypes, self.metric, memory=self.memory, check_finite=self.check_finite, compile=self.compiled
         )
 
-    def nearest(self, x: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def nearest(self, x: torch.Tensor, k: int = 1, precision: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest prototypes of every pixel (see :func:`nearest_prototype`)."""
         return nearest_prototype(
-            x, self.prototypes, self.metric, k=k, memory=self.memory, check_finite=self.check_finite
+            x,
+            self.prototypes,
+            self.metric,
+            k=k,
+            memory=self.memory,
+            check_finite=self.check_finite,
+            precision=precision,
         )
 
     def extra_repr(self) -> str:

@@ -22,7 +22,7 @@ import torch
 
 from . import kernels
 from .metrics import Metric, get_metric
-from .precision import RefNorms, row_bounds
+from .precision import query_terms, ref_terms, unit_roundoff
 
 __all__ = ["TilePlan", "plan_tiles", "topk"]
 
@@ -72,9 +72,12 @@ def _working_set(
     state = na * k * (item + 8)  # running top-k: value + int64 index
     merge = ta * 2 * k * (item + 8) * 3  # candidates of a merge, and their sorts
     final = ta * k * c * (in_item + 4 * item)  # chosen rows regathered, repeated, differenced
-    # candidate pool (row, column, score: 20 bytes, up to twice cap per row while pruning, and
-    # the sorts that pick the best), and the re-scoring chunk, the size of the score block
-    pool = ta * cap * 20 * 4 + (ta * tb * block_item if cap else 0)
+    # certified search: candidate pool (row, column, score: 20 bytes, up to twice cap per row
+    # while pruning, and the sorts that pick the best), the bound and lower-bound blocks, the
+    # references' bound terms, and the re-scoring chunk (the size of the score block)
+    pool = 0
+    if cap:
+        pool = ta * cap * 20 * 4 + ta * tb * (2 * item + 2 * block_item) + (nb if whole_b else tb) * 3 * item
     return refs + queries + scores + reduce + state + merge + final + pool
 
 
@@ -257,8 +260,8 @@ def topk(
         Search candidates with operands of this dtype (bfloat16 or float16) instead; matrix
         metrics only, with ``dtype`` float32.
     certify : bool, default=True
-        With ``half``: keep every candidate within the rounding bound of each row's k-th best
-        (:func:`densematch.precision.row_bounds`), re-score them in float32, and search rows with
+        With ``half``: keep every candidate that the per-pair rounding bound cannot rule out
+        (:mod:`densematch.precision`), re-score them in float32, and search rows with
         more than ``max(32, 4 k)`` candidates again in float32, so the result equals the float32
         one (ties aside). False: rank by the half-precision scores (approximate).
     tiles : (int or None, int or None), optional
@@ -414,9 +417,10 @@ class _Search:
 class _HalfSearch(_Search):
     """Candidates from half-precision products, made exact by the rounding certificate.
 
-    Each reference tile's half scores go through the usual merge (the running k-th best), then
-    every score within twice the row's bound of it joins a pool of (row, column, score), pruned
-    as the k-th best rises. A row whose pool outgrows ``cap`` stops collecting and is searched
+    For each reference tile, ``e`` (the per-pair bound of :mod:`densematch.precision`, one small
+    product) turns half scores ``h`` into lower bounds ``h - e``, whose running k-th best ``t``
+    the usual merge keeps; every pair with ``h + e >= t`` joins a pool of (row, column, h + e),
+    pruned as ``t`` rises. A row whose pool outgrows ``cap`` stops collecting and is searched
     again in float32 at the end; the others' candidates are re-scored in float32.
     """
 
@@ -436,17 +440,21 @@ class _HalfSearch(_Search):
     ) -> None:
         super().__init__(a, b, rows_a, rows_b, metric, dtype, plan, k)
         self.half, self.cap, self.stats = half, cap, stats
+        self.tile_a = plan.tile_a
         self.whole_h = None if self.whole is None else self.whole.to(half)
-        self.norms: RefNorms | None = None
-        if cap:
-            for j in range(0, self.nb, self.tile_b):
-                tile = RefNorms.of(self._prepare_refs(j, j + self.tile_b), half)
-                self.norms = tile if self.norms is None else self.norms.merge(tile)
+        self.whole_t = None
+        if cap and self.whole is not None:
+            self.whole_t = ref_terms(self.whole, self.whole_h)
 
     def _half_refs(self, start: int, stop: int) -> torch.Tensor:
         if self.whole_h is not None:
             return self.whole_h[start:stop]
         return self._prepare_refs(start, stop).to(self.half)
+
+    def _ref_terms(self, start: int, stop: int, half_refs: torch.Tensor) -> torch.Tensor:
+        if self.whole_t is not None:
+            return self.whole_t[start:stop]
+        return ref_terms(self._prepare_refs(start, stop), half_refs)
 
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         m = best_v.shape[0]
@@ -454,20 +462,28 @@ class _HalfSearch(_Search):
         qh = q.to(self.half)
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        pool = None
-        if self.cap:
-            assert self.norms is not None
-            window = 2.0 * row_bounds(q, qh, self.norms, out_dtype=self.half)
-            pool = _Pool(m, self.cap, window)
+        if not self.cap:
+            for j in range(0, self.nb, self.tile_b):
+                n = min(self.tile_b, self.nb - j)
+                s = torch.mm(qh, self._half_refs(j, j + n).T, out=buf[: m * n].view(m, n))
+                self.merge(s, j, best_v, best_i)
+            return
+        qt = query_terms(q, qh)
+        # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
+        u = unit_roundoff(self.half)
+        rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
+        pool = _Pool(m, self.cap, q.device)
+        bounds = torch.empty(2, m * min(self.tile_b, self.nb), dtype=self.dtype, device=q.device)
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
-            s = torch.mm(qh, self._half_refs(j, j + n).T, out=buf[: m * n].view(m, n))
-            rowmax = self.merge(s, j, best_v, best_i)
-            if pool is not None:
-                pool.add(s, rowmax, j, best_v[:, -1])
-        if pool is not None:
-            rows, cols = pool.finish(best_v[:, -1])
-            self._settle(q, rows, cols, pool.over, best_v, best_i, buf)
+            rh = self._half_refs(j, j + n)
+            s = torch.mm(qh, rh.T, out=buf[: m * n].view(m, n))
+            e = torch.mm(qt, self._ref_terms(j, j + n, rh).T, out=bounds[0, : m * n].view(m, n))
+            e.add_(s.abs(), alpha=rounding)
+            self.merge(torch.sub(s, e, out=bounds[1, : m * n].view(m, n)), j, best_v, best_i)
+            pool.add(e.add_(s), j, best_v[:, -1])
+        rows, cols = pool.finish(best_v[:, -1])
+        self._settle(q, rows, cols, pool.over, best_v, best_i, buf)
 
     def _settle(
         self,
@@ -547,15 +563,16 @@ class _KernelSearch(_HalfSearch):
         idx = torch.full((m, slots), -1, dtype=torch.int32, device=q.device)
         cert: dict[str, torch.Tensor] = {}
         if self.cap:
-            assert self.norms is not None
             cert = {
-                "window": 2.0 * row_bounds(q, qh, self.norms, out_dtype=None),
+                "query_terms": query_terms(q, qh),
                 "count": torch.zeros(m, dtype=torch.int32, device=q.device),
                 "cand": torch.full((m, self.cap), -1, dtype=torch.int32, device=q.device),
             }
         for j in range(0, self.nb, self.tile_b):
-            refs = self._half_refs(j, min(j + self.tile_b, self.nb))
-            self.launch(qh, refs, val, idx, k=k, offset=j, **cert)
+            stop = min(j + self.tile_b, self.nb)
+            refs = self._half_refs(j, stop)
+            terms = self._ref_terms(j, stop, refs) if self.cap else None
+            self.launch(qh, refs, val, idx, k=k, offset=j, ref_terms=terms, **cert)
         if not self.cap:
             best_v.copy_(val[:, :k])
             best_i.copy_(idx[:, :k])
@@ -567,24 +584,23 @@ class _KernelSearch(_HalfSearch):
 
 
 class _Pool:
-    """Candidates of one query tile: every (row, column) whose half score is within ``window``
-    of the row's running k-th best. Rows that collect more than ``cap`` are marked ``over``."""
+    """Candidates of one query tile: every (row, column) whose upper bound reaches the row's
+    floor (the running k-th best lower bound). Rows that collect more than ``cap`` are marked
+    ``over`` and collect no more."""
 
-    def __init__(self, m: int, cap: int, window: torch.Tensor) -> None:
-        device = window.device
-        self.m, self.cap, self.window = m, cap, window
+    def __init__(self, m: int, cap: int, device: torch.device) -> None:
+        self.m, self.cap = m, cap
         self.rows = torch.empty(0, dtype=torch.int64, device=device)
         self.cols = torch.empty(0, dtype=torch.int64, device=device)
         self.vals = torch.empty(0, dtype=torch.float32, device=device)
         self.over = torch.zeros(m, dtype=torch.bool, device=device)
 
-    def add(self, s: torch.Tensor, rowmax: torch.Tensor, offset: int, kth: torch.Tensor) -> None:
-        """Collect from the score block ``s`` (m, n) of reference tile ``offset``."""
-        floor = kth - self.window
-        hot = ((rowmax.float() >= floor) & ~self.over).nonzero().squeeze(1)
+    def add(self, upper: torch.Tensor, offset: int, floor: torch.Tensor) -> None:
+        """Collect from the block of upper bounds ``upper`` (m, n) of reference tile ``offset``."""
+        hot = ((upper.amax(1) >= floor) & ~self.over).nonzero().squeeze(1)
         if hot.numel() == 0:
             return
-        sub = s.index_select(0, hot)
+        sub = upper.index_select(0, hot)
         passing = sub >= floor[hot, None]
         # a row with more than cap new candidates overflows at once, before any are listed
         burst = passing.sum(1) > self.cap
@@ -604,9 +620,9 @@ class _Pool:
         keep &= ~self.over[self.rows]
         self.rows, self.cols, self.vals = self.rows[keep], self.cols[keep], self.vals[keep]
 
-    def finish(self, kth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final candidates (rows, columns), pruned with the final k-th best."""
-        self._prune(kth - self.window)
+    def finish(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final candidates (rows, columns), pruned with the final floor."""
+        self._prune(floor)
         return self.rows, self.cols
 
 

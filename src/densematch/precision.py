@@ -10,14 +10,21 @@
   ranking (reported values are still recomputed in float32). Approximate: see docs/precision.md
   for its measured disagreement rate.
 
-The bound (one row ``a`` against every reference ``b``, both already prepared in float32, with
-half-precision copies ``a'`` and ``b'``): ``a.b - a'.b' = a.(b - b') + (a - a').b'``, so by
+The bound, for one query row ``a`` and one reference row ``b``, both prepared in float32, with
+half-precision copies ``a'`` and ``b'``: ``a.b - a'.b' = a.(b - b') + (a - a').b'``, so by
 Cauchy-Schwarz ``|a.b - a'.b'| <= |a| |b - b'| + |a - a'| |b'|``, with the residual norms measured,
 not assumed. Accumulating ``a'.b'`` in float32 adds at most ``gamma |a'| |b'|``, the float32
-reference itself is off the true value by at most ``gamma |a| |b|``, and a half-precision score
-block (torch's CPU products) adds one more rounding of the output. Taking each reference term at
-its maximum over the references gives one bound ``e`` per row, and every reference whose float32
-score reaches the row's float32 k-th best has a half score within ``2 e`` of the half k-th best.
+reference is off the true value by at most ``gamma |a| |b|``. The sum is ``x_i y_j + z_i w_j + f``:
+a rank-3 product of per-row terms (:func:`query_terms`, :func:`ref_terms`), cheap for every pair.
+A half-precision score block (torch's products on a CPU) rounds each sum once more, by at most
+``u / (1 - u)`` of the stored score.
+
+The search: with ``e`` that bound, the float32 score of pair (i, j) lies in ``[h - e, h + e]``
+around its half score ``h``. Let ``t`` be the row's k-th largest ``h - e``: at least k references
+score ``>= t`` in float32, so the float32 top k all have ``h + e >= t``. Those are the candidates;
+re-scored in float32, their best k are the float32 result. A per-pair bound matters for l2 and
+dot, whose rows differ in norm: a low-contrast query's near neighbours have small norms, hence
+small bounds, however large the bound of far-away rows.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 
 from .budget import get_config
 
-__all__ = ["PRECISIONS", "Precision", "RefNorms", "resolve_precision", "row_bounds"]
+__all__ = ["PRECISIONS", "Precision", "query_terms", "ref_terms", "resolve_precision"]
 
 PRECISIONS = ("exact", "float32", "fast", "float64")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,30 +78,17 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2.0
 
 
-@dataclass(frozen=True)
-class RefNorms:
-    """Maxima over the references that the bound needs: |b|, |b'| and |b - b'|."""
-
-    ref: float
-    half: float
-    residual: float
-
-    @staticmethod
-    def of(r: torch.Tensor, half: torch.dtype) -> RefNorms:
-        """Norms of prepared float32 rows ``r`` (n, C) and of their ``half`` copies."""
-        rh = r.to(half).to(r.dtype)
-        return RefNorms(
-            float(torch.linalg.vector_norm(r, dim=1).max()),
-            float(torch.linalg.vector_norm(rh, dim=1).max()),
-            float(torch.linalg.vector_norm(r - rh, dim=1).max()),
-        )
-
-    def merge(self, other: RefNorms) -> RefNorms:
-        return RefNorms(max(self.ref, other.ref), max(self.half, other.half), max(self.residual, other.residual))
+def _gamma(c: int) -> float:
+    n = c + 2
+    return 2.0 * n * _U32 / (1.0 - n * _U32)
 
 
-def row_bounds(q: torch.Tensor, qh: torch.Tensor, refs: RefNorms, *, out_dtype: torch.dtype | None) -> torch.Tensor:
-    """Per query row, a bound ``e`` on |half score - float32 score| over every reference.
+def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """The query side of the per-pair rounding bound: (m, 3) rows ``(x, z, 1)``.
+
+    The bound of pair (i, j) is ``query_terms[i] . ref_terms[j]``: a bound on |half score -
+    float32 score| and on |half score - true score| for a half score accumulated in float32 (a
+    caller that rounds the sum to half precision adds ``u / (1 - u)`` of the stored score).
 
     Parameters
     ----------
@@ -102,26 +96,25 @@ def row_bounds(q: torch.Tensor, qh: torch.Tensor, refs: RefNorms, *, out_dtype: 
         Prepared query rows in float32.
     qh : Tensor of shape (m, C)
         Their half-precision copies (what the product reads).
-    refs : RefNorms
-        Maxima over the prepared references.
-    out_dtype : torch.dtype or None
-        The dtype the half score is stored in when it is rounded after accumulation (torch's
-        half-precision products return half precision); None when it stays in float32.
-
-    Returns
-    -------
-    Tensor of shape (m,), float32.
     """
-    n = q.shape[1] + 2
-    gamma = 2.0 * n * _U32 / (1.0 - n * _U32)
-    nq = torch.linalg.vector_norm(q, dim=1)
+    gamma = _gamma(q.shape[1])
     qh32 = qh.to(q.dtype)
+    nq = torch.linalg.vector_norm(q, dim=1)
     nqh = torch.linalg.vector_norm(qh32, dim=1)
     dq = torch.linalg.vector_norm(q - qh32, dim=1)
-    e = nq * refs.residual + dq * refs.half + gamma * (nqh * refs.half + nq * refs.ref)
-    if out_dtype is not None:
-        e = e + unit_roundoff(out_dtype) * (1.0 + gamma) * nqh * refs.half
-    return e.mul_(_NORM_SLACK).add_(_FLUSH * n)
+    x = nq * _NORM_SLACK
+    z = (dq + nqh * gamma) * _NORM_SLACK
+    return torch.stack([x, z, torch.ones_like(x)], dim=1)
+
+
+def ref_terms(r: torch.Tensor, rh: torch.Tensor) -> torch.Tensor:
+    """The reference side of the per-pair rounding bound: (n, 3) rows ``(y, w, flush)`` of
+    prepared float32 rows ``r`` and their half copies ``rh``."""
+    gamma = _gamma(r.shape[1])
+    rh32 = rh.to(r.dtype)
+    y = torch.linalg.vector_norm(r - rh32, dim=1) + gamma * torch.linalg.vector_norm(r, dim=1)
+    w = torch.linalg.vector_norm(rh32, dim=1)
+    return torch.stack([y, w, torch.full_like(y, _FLUSH * (r.shape[1] + 2))], dim=1)
 
 
 def _half_candidates(device: torch.device, metric: str) -> tuple[torch.dtype, ...]:

@@ -7,10 +7,11 @@ slots. When no row of the tile beats its k-th best, which after the first tiles 
 the merge is skipped. Equal scores go to the lower index: a tile's maxima are taken lowest column
 first, and a new score must beat (not equal) the slot it replaces.
 
-With ``CERTIFY``, every score within ``window`` (twice the rounding bound of
-:func:`densematch.precision.row_bounds`) of the row's running k-th best is listed: a counter per
-row is bumped atomically and the column is written to that row's slot of ``cand`` while it has
-room. The running k-th best only rises, so every reference the final bound admits was listed
+With ``CERTIFY``, each score ``h`` gets its rounding bound ``e = x_i y_j + z_i w_j + f`` from
+per-row terms (:mod:`densematch.precision`); the running top-k keeps the lower bounds ``h - e``,
+and every pair whose upper bound ``h + e`` reaches the row's k-th lower bound is listed: a counter
+per row is bumped atomically and the column is written to that row's slot of ``cand`` while it
+has room. The k-th lower bound only rises, so every reference the final one admits was listed
 when it was seen; rows whose counter passes ``CAP`` are searched again by the engine.
 
 The running state lives in ``val``/``idx`` between launches, so one query tile can be merged with
@@ -27,11 +28,13 @@ from . import interpreting
 
 __all__ = ["topk_launch"]
 
+
 @triton.jit
 def _topk_kernel(
     q_ptr,
     r_ptr,
-    win_ptr,
+    qt_ptr,
+    rt_ptr,
     val_ptr,
     idx_ptr,
     count_ptr,
@@ -60,7 +63,9 @@ def _topk_kernel(
     vals = tl.load(val_ptr + state, mask=row_ok[:, None], other=float("-inf"))
     idxs = tl.load(idx_ptr + state, mask=row_ok[:, None], other=-1)
     vals = tl.where(slots[None, :] < K, vals, float("inf"))  # padding slots are never the worst
-    win = tl.load(win_ptr + rows, mask=row_ok, other=0.0)
+    if CERTIFY:
+        bx = tl.load(qt_ptr + rows * 3, mask=row_ok, other=0.0)
+        bz = tl.load(qt_ptr + rows * 3 + 1, mask=row_ok, other=0.0)
     cs = tl.arange(0, BLOCK_C)
     for n0 in range(0, n, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -88,8 +93,15 @@ def _topk_kernel(
             else:
                 acc = tl.dot(qt, rt, acc)
         inside = col_ok[None, :] & row_ok[:, None]
-        s = tl.where(inside, acc, float("-inf"))
         gcols = offset + cols
+        if CERTIFY:
+            by = tl.load(rt_ptr + cols * 3, mask=col_ok, other=0.0)
+            bw = tl.load(rt_ptr + cols * 3 + 1, mask=col_ok, other=0.0)
+            bf = tl.load(rt_ptr + cols * 3 + 2, mask=col_ok, other=0.0)
+            e = bx[:, None] * by[None, :] + bz[:, None] * bw[None, :] + bf[None, :]
+            s = tl.where(inside, acc - e, float("-inf"))  # lower bounds rank
+        else:
+            s = tl.where(inside, acc, float("-inf"))
         if tl.max((tl.max(s, 1) > tl.min(vals, 1)).to(tl.int32), 0) > 0:  # some row improves
             work = s
             for _ in tl.static_range(K):
@@ -105,8 +117,7 @@ def _topk_kernel(
                 idxs = tl.where(put, targ[:, None], idxs)
                 work = tl.where(gcols[None, :] == targ[:, None], float("-inf"), work)
         if CERTIFY:
-            floor = tl.min(vals, 1) - win
-            hit = (s >= floor[:, None]) & inside
+            hit = (acc + e >= tl.min(vals, 1)[:, None]) & inside
             slot = tl.atomic_add(count_ptr + rows[:, None] + 0 * cols[None, :], 1, mask=hit)
             tl.store(cand_ptr + rows[:, None] * CAP + slot, gcols[None, :] + 0 * rows[:, None], mask=hit & (slot < CAP))
     tl.store(val_ptr + state, vals, mask=row_ok[:, None])
@@ -121,7 +132,8 @@ def topk_launch(
     *,
     k: int,
     offset: int,
-    window: torch.Tensor | None = None,
+    query_terms: torch.Tensor | None = None,
+    ref_terms: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
     cand: torch.Tensor | None = None,
 ) -> None:
@@ -139,26 +151,26 @@ def topk_launch(
         Running indices; -1 where empty. Updated. Slots are in no particular order.
     k : int
         1 <= k <= 8.
-    window, count, cand : Tensors of shape (m,) float32, (m,) int32, (m, CAP) int32, optional
-        The certificate: list every reference within ``window`` of the row's running k-th
-        best; ``count`` is bumped for each, ``cand`` holds the first CAP columns.
+    query_terms, ref_terms : Tensors of shape (m, 3) and (n, 3), float32, contiguous, optional
+        The certificate's per-row terms (:func:`densematch.precision.query_terms`): list every
+        reference the bound cannot rule out; then ``count`` (m,) int32 is bumped for each and
+        ``cand`` (m, CAP) int32 holds the first CAP columns. ``val`` then holds lower bounds.
     """
     m, cp = q.shape
     n = r.shape[0]
     kp = val.shape[1]
-    certify = window is not None
+    certify = query_terms is not None
     if not certify:
-        window = torch.zeros(m, dtype=torch.float32, device=q.device)
-        count = torch.zeros(1, dtype=torch.int32, device=q.device)
-        cand = torch.zeros(1, dtype=torch.int32, device=q.device)
-    assert count is not None and cand is not None
+        query_terms = ref_terms = count = cand = torch.zeros(1, dtype=torch.int32, device=q.device)
+    assert ref_terms is not None and count is not None and cand is not None
     interp = interpreting()
     block_m, block_n = (16, 16) if interp else (128, 64)
     block_c = min(64, max(16, triton.next_power_of_2(cp)))
     _topk_kernel[(triton.cdiv(m, block_m),)](
         q,
         r,
-        window,
+        query_terms,
+        ref_terms,
         val,
         idx,
         count,

@@ -1,0 +1,230 @@
+"""precision=: the rounding certificate, the certified half-precision search, "fast", the choice."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import densematch
+from densematch import engine, precision
+from densematch.metrics import get_metric
+from densematch.precision import query_terms, ref_terms, resolve_precision
+
+from ._reference import assert_topk_exact, reference_scores, tolerance
+from .conftest import patch_features
+
+MATRIX = ["cosine", "dot", "l2", "sqeuclidean"]
+HALVES = [torch.bfloat16, torch.float16]
+
+
+def assert_same_as_float32(a, b, got, want, metric):
+    """Indices equal to the float32 search's, except where the two choices tie in float64."""
+    ref = reference_scores(a, b, metric)
+    differ = got != want
+    gap = (ref.gather(1, got) - ref.gather(1, want)).abs()
+    assert (gap[differ] <= tolerance(a, b, metric)).all(), f"{int(differ.sum())} rows differ beyond a tie"
+
+
+def photo_pair(camera_small, c=None):
+    """Patch features of a photo and of a shifted, noisy copy: (N, C) rows each."""
+    img = camera_small.astype(np.float32)
+    noisy = np.roll(img, (3, -2), axis=(0, 1)) + np.random.default_rng(0).normal(0, 2, img.shape)
+    a = patch_features(img, 7).reshape(-1, 49)
+    b = patch_features(noisy.clip(0, 255), 7).reshape(-1, 49)
+    return a.contiguous(), b.float().contiguous()
+
+
+def prepared(x, metric, role, centre=None):
+    return get_metric(metric).prepare(x, role, torch.float32, centre)
+
+
+@pytest.mark.parametrize(
+    ("metric", "half"), [(m, torch.bfloat16) for m in MATRIX] + [("cosine", torch.float16)]
+)  # float16 operands are only used for unit rows
+def test_pair_bounds_hold_for_every_pair(camera_small, metric, half):
+    a, b = photo_pair(camera_small)
+    a = torch.cat([a[:500], 30 * torch.randn(40, 49)])  # real rows and large noisy ones
+    centre = b.mean(0) if metric in ("l2", "sqeuclidean") else None
+    q, r = prepared(a, metric, "query", centre), prepared(b, metric, "ref", centre)
+    qh, rh = q.to(half), r.to(half)
+    half_scores = (qh @ rh.T).double()  # what the torch path ranks by: half products, half output
+    u = precision.unit_roundoff(half)
+    e = (query_terms(q, qh) @ ref_terms(r, rh).T).double() + u / (1 - u) * half_scores.abs()
+    exact = q.double() @ r.double().T
+    float32 = q @ r.T
+    assert ((half_scores - float32.double()).abs() <= e).all()
+    assert ((half_scores - exact).abs() <= e).all()
+    # and it is not vacuous: a few units of the half precision's resolution, relative to |a||b|
+    scale = q.norm(dim=1, keepdim=True).double() * r.norm(dim=1).double()
+    assert (e <= 8 * precision.unit_roundoff(half) * scale + 1e-20).all()
+
+
+@pytest.mark.parametrize("metric", MATRIX)
+@pytest.mark.parametrize("k", [1, 3])
+def test_certified_search_equals_float32_on_a_photo(camera_small, metric, k):
+    a, b = photo_pair(camera_small)
+    _, want = engine.topk(a, b, metric=metric, k=k, budget=2**28)
+    stats: dict[str, int] = {}
+    _, got = engine.topk(a, b, metric=metric, k=k, budget=2**28, half=torch.bfloat16, stats=stats, tiles=(700, 300))
+    assert_same_as_float32(a, b, got, want, metric)
+    assert_topk_exact(a, b, got, metric, k)
+    assert stats["rows"] == a.shape[0] and stats["candidates"] >= k * (a.shape[0] - stats["fallback"])
+    # most rows fit; the photo's flat sky, under l2, holds the most near-ties (about 20% overflow)
+    assert stats["fallback"] < a.shape[0] // 4
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_certified_search_on_noise(half):
+    a, b = torch.randn(300, 40), torch.randn(450, 40)
+    _, want = engine.topk(a, b, metric="cosine", k=2, budget=2**28)
+    _, got = engine.topk(a, b, metric="cosine", k=2, budget=2**28, half=half, tiles=(64, 100))
+    assert_same_as_float32(a, b, got, want, "cosine")
+
+
+@pytest.mark.parametrize("metric", MATRIX)
+def test_planted_near_ties_far_below_half_resolution(metric):
+    # every query has 40 references whose scores differ by ~1e-5 relative: bfloat16 cannot tell
+    # them apart (its resolution is 4e-3), float32 and float64 can, and agree
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(25, 32, generator=g)
+    q = q / q.norm(dim=1, keepdim=True)
+    steps = torch.arange(40, dtype=torch.float32).roll(17)  # the best is not the first
+    noise = torch.randn(25, 40, 32, generator=g)
+    noise = noise - (noise * q[:, None]).sum(-1, keepdim=True) * q[:, None]  # orthogonal to q
+    noise = noise / noise.norm(dim=-1, keepdim=True)
+    b = (q[:, None] + (1e-3 * (1 + steps) ** 0.5)[None, :, None] * noise).reshape(-1, 32)
+    b = torch.cat([b, torch.randn(300, 32, generator=g)])
+    _, want = engine.topk(q, b, metric=metric, k=3, budget=2**28)
+    _, got = engine.topk(q, b, metric=metric, k=3, budget=2**28, half=torch.bfloat16)
+    _, fast = engine.topk(q, b, metric=metric, k=3, budget=2**28, half=torch.bfloat16, certify=False)
+    ref = reference_scores(q, b, metric)
+    assert torch.equal(got, ref.topk(3, dim=1).indices)
+    assert torch.equal(got, want)
+    assert not torch.equal(fast, want)  # the planted ties do fool plain bfloat16
+
+
+def test_rows_that_overflow_fall_back_to_float32(monkeypatch):
+    # a flat region: 200 references equal to the query up to tiny noise, so every row has far
+    # more candidates than fit; ties in float32 still go to the lowest index
+    monkeypatch.setattr(engine, "CANDIDATES", 4)
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(1, 16, generator=g)
+    b = torch.cat([base + 1e-6 * torch.randn(200, 16, generator=g), torch.randn(100, 16, generator=g)])
+    a = torch.cat([base.repeat(10, 1), torch.randn(30, 16, generator=g)])
+    stats: dict[str, int] = {}
+    _, want = engine.topk(a, b, metric="cosine", k=1, budget=2**28)
+    _, got = engine.topk(a, b, metric="cosine", k=1, budget=2**28, half=torch.bfloat16, stats=stats, tiles=(16, 64))
+    assert stats["fallback"] >= 10
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    na=st.integers(1, 50),
+    nb=st.integers(1, 60),
+    c=st.integers(1, 20),
+    k=st.integers(1, 4),
+    metric=st.sampled_from(MATRIX),
+    tiles=st.tuples(st.integers(1, 17), st.integers(1, 17)),
+    masked=st.booleans(),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_certified_search_property(na, nb, c, k, metric, tiles, masked, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = scale * torch.randn(na, c, generator=g)
+    b = scale * torch.randn(nb, c, generator=g)
+    allowed = torch.rand(nb, generator=g) < 0.6 if masked else torch.ones(nb, dtype=torch.bool)
+    allowed[0] = True
+    rows_b = allowed.nonzero().squeeze(1) if masked else None
+    k = min(k, int(allowed.sum()))
+    kw = dict(metric=metric, k=k, budget=2**28, rows_b=rows_b)
+    _, want = engine.topk(a, b, **kw)
+    _, got = engine.topk(a, b, **kw, half=torch.bfloat16, tiles=tiles)
+    assert_topk_exact(a, b, got, metric, k, allowed_b=allowed)
+    assert_same_as_float32(a, b, got, want, metric)
+
+
+class TestPrecisionArgument:
+    def test_exact_is_the_default_and_equals_float32_through_match(self, camera_small):
+        f = patch_features(camera_small, 5)
+        g = torch.roll(f, (2, 3), dims=(0, 1))
+        want = densematch.match(f, g, precision="float32", k=2, mutual=True)
+        with densematch.config_context(half="bfloat16"):
+            got = densematch.match(f, g, k=2, mutual=True)
+        assert_same_as_float32(
+            f.reshape(-1, 25), g.reshape(-1, 25), got.index.reshape(-1, 2), want.index.reshape(-1, 2), "cosine"
+        )
+        # mutual checks re-rank b against a, whose near-ties may fall either way: rare
+        assert (got.valid != want.valid).float().mean() < 0.01
+
+    def test_fast_is_approximate_and_close(self, camera_small):
+        a, b = photo_pair(camera_small)
+        with densematch.config_context(half="bfloat16"):
+            fast = densematch.match(a, b, layout="flat", precision="fast")
+        exact = densematch.match(a, b, layout="flat", precision="float32")
+        disagree = (fast.index != exact.index).float().mean().item()
+        assert 0 < disagree < 0.2
+        # scores are recomputed in float32 for whatever was chosen
+        direct = get_metric("cosine").pair_value(a, b[fast.index])
+        torch.testing.assert_close(fast.score, direct, rtol=0, atol=1e-6)
+        assert "approximate" in densematch.match.__doc__
+
+    def test_nearest_prototype_precisions_agree(self):
+        x = torch.randn(2, 12, 9, 11)
+        p = torch.randn(40, 12)
+        want = densematch.nearest_prototype(x, p, "l2", k=2, precision="float32")
+        with densematch.config_context(half="bfloat16"):
+            got = densematch.nearest_prototype(x, p, "l2", k=2)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0])
+
+    def test_resolution(self):
+        cpu = torch.device("cpu")
+        assert resolve_precision("float32", cpu, "cosine", 64).half is None
+        assert resolve_precision("float64", cpu, "cosine", 64).dtype == torch.float64
+        assert resolve_precision("exact", cpu, "l1", 64).half is None  # no product to speed up
+        with densematch.config_context(half="float16"):
+            p = resolve_precision("exact", cpu, "cosine", 64)
+            assert (p.half, p.certify) == (torch.float16, True)
+            assert resolve_precision("fast", cpu, "l2", 64).certify is False
+        with densematch.config_context(half="off"):
+            assert resolve_precision("exact", cpu, "cosine", 64).half is None
+
+    def test_auto_choice_follows_the_measured_speed(self, monkeypatch):
+        cpu = torch.device("cpu")
+        speed = {torch.float32: 1.0, torch.bfloat16: 2.0, torch.float16: 1.5}
+        monkeypatch.setattr(precision, "_product_seconds", lambda device, dtype, c: speed[dtype])
+        assert precision.fastest_half(cpu, "cosine", 64, margin=1.0) is None
+        speed.update({torch.bfloat16: 0.4, torch.float16: 0.5})
+        assert precision.fastest_half(cpu, "cosine", 64, margin=1.25) == torch.bfloat16
+        speed.update({torch.bfloat16: 0.9})
+        assert precision.fastest_half(cpu, "l2", 64, margin=1.25) is None  # float16 not for l2
+        assert precision.fastest_half(cpu, "cosine", 64, margin=1.25) == torch.float16
+
+    @pytest.mark.parametrize(
+        ("kwargs", "message"),
+        [
+            ({"precision": "half"}, "precision must be one of 'exact', 'float32', 'fast', 'float64'"),
+            ({"precision": None}, "precision must be one of"),
+        ],
+    )
+    def test_bad_precision(self, kwargs, message):
+        with pytest.raises(ValueError, match=message):
+            densematch.match(torch.randn(4, 4, 3), torch.randn(4, 4, 3), **kwargs)
+
+    def test_bad_settings(self):
+        with pytest.raises(ValueError, match="half must be one of 'auto', 'bfloat16', 'float16', 'off'"):
+            with densematch.config_context(half="fp8"):
+                pass
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            with densematch.config_context(kernel="cuda"):
+                pass
+        with pytest.raises(ValueError, match="needs a matrix metric and float32"):
+            engine.topk(torch.randn(3, 2), torch.randn(3, 2), metric="l1", k=1, budget=2**20, half=torch.bfloat16)
+
+    def test_settings_nest(self):
+        with densematch.config_context(memory="64MiB"), densematch.config_context(half="off"):
+            assert densematch.get_config() == {"memory": "64MiB", "half": "off", "kernel": "auto"}
+        assert densematch.get_config()["half"] == "auto"
