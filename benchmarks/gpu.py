@@ -3,8 +3,12 @@
 Run: python benchmarks/gpu.py [--device cuda] [--small]   (--small --device cpu smoke-tests it)
 
 Checks first (CUDA answers against the CPU's), then times, each side by side in one run:
-- match: 160x160x64, 80x80x384 and 800x800x64 (cosine) against the blockwise loop; peak memory
-  under memory="1GiB" from torch.cuda.max_memory_allocated;
+- match, 800x800xC for C in 64, 256, 1024 (cosine, k=1) and a k=4 case: precision "exact" (the
+  fused Triton kernel with the certificate), "fast", "float32" (the kernel in IEEE float32, C=64
+  only), the torch engine (kernel="torch"), and the blockwise loop in torch (on a slice of the
+  queries beyond C=64, scaled up); torch's own bfloat16 matmul rate at the same C and at 8192^3;
+  ms, TFLOP/s and the fraction of that rate; the certificate's candidate counts and fallback
+  rate; exactness of "exact" against float64 on 2000 sampled rows;
 - pairwise_distance l2 / l1, forward and forward+backward, against torch.cdist;
 - align: one 100x100-into-125x125 pair (target < 5 ms) and a batch of 256 (target > 2000 pairs/s).
 Writes benchmarks/results/gpu.json and prints a table.
@@ -23,6 +27,114 @@ import densematch
 from _common import machine, save, table, timeit
 from densematch.demo import blockwise_argmax
 from densematch.synthetic import alignment_cases
+
+
+def matmul_tflops(dev: torch.device, n: int, c: int) -> float:
+    """torch's bfloat16 (n x c) @ (c x n) rate, median of 5."""
+    x = torch.randn(n, c, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(c, n, device=dev, dtype=torch.bfloat16)
+    t = timeit(lambda: x @ y, repeats=5)
+    return 2 * n * n * c / t["median"] / 1e12
+
+
+def exactness(fa: torch.Tensor, fb: torch.Tensor, index: torch.Tensor, rows: int = 2000) -> float:
+    """Fraction of sampled query rows whose cosine match is worse than the float64 best by more
+    than float32 rounding (0 when exact, ties counted as ties)."""
+    c = fa.shape[-1]
+    a = fa.reshape(-1, c).double()
+    b = fb.reshape(-1, c).double()
+    a, b = a / a.norm(dim=1, keepdim=True), b / b.norm(dim=1, keepdim=True)
+    pick = torch.randperm(a.shape[0], device=a.device)[:rows]
+    s = a[pick] @ b.T
+    got = s.gather(1, index.reshape(-1)[pick, None]).squeeze(1)
+    return float((s.amax(1) - got > 2e-6 * c**0.5 + 1e-6).float().mean())
+
+
+def match_rows(dev: torch.device, *, small: bool, checks: dict[str, bool]) -> list[dict]:
+    """The fused kernel's table: 800x800xC (cosine), every precision and the baselines."""
+    from densematch import engine
+    from densematch.precision import resolve_precision
+
+    rows: list[dict] = []
+    cases = (
+        [(48, 48, 64, 1)] if small else [(800, 800, 64, 1), (800, 800, 256, 1), (800, 800, 1024, 1), (800, 800, 64, 4)]
+    )
+    for h, w, c, k in cases:
+        g = torch.Generator(device=dev).manual_seed(c + k)
+        fa = torch.randn(h, w, c, device=dev, generator=g)
+        fb = torch.randn(h, w, c, device=dev, generator=g)
+        n = h * w
+        flops = 2 * n * n * c
+        rate = matmul_tflops(dev, 8192, c) if dev.type == "cuda" else float("nan")
+        job = f"match {h}x{w}x{c} k={k}"
+        methods = {
+            "exact (kernel)": ({"precision": "exact"}, "auto"),
+            "fast (kernel)": ({"precision": "fast"}, "auto"),
+            "exact (torch engine)": ({"precision": "exact"}, "torch"),
+        }
+        if c == 64:
+            methods["float32 (kernel)"] = ({"precision": "float32"}, "auto")
+        for name, (kw, kernel) in methods.items():
+            with densematch.config_context(kernel=kernel):
+                t = timeit(lambda fa=fa, fb=fb, kw=kw, k=k: densematch.match(fa, fb, k=k, **kw), repeats=3)
+                out = densematch.match(fa, fb, k=k, **kw)
+            row = {
+                "job": job,
+                "method": name,
+                "median_s": round(t["median"], 4),
+                "tflops": round(flops / t["median"] / 1e12, 1),
+                "of_matmul": round(flops / t["median"] / 1e12 / rate, 2),
+            }
+            if k == 1 and kw["precision"] == "exact":
+                row["inexact_rows"] = exactness(fa, fb, out.index)
+                checks[f"{job} {name} exact"] = row["inexact_rows"] == 0.0
+            rows.append(row)
+            print(row, flush=True)
+        # the certificate's counts (the kernel on CUDA, else the torch engine with bfloat16)
+        stats: dict[str, int] = {}
+        with densematch.config_context(half="auto" if dev.type == "cuda" else "bfloat16"):
+            prec = resolve_precision("exact", dev, "cosine", c)
+        engine.topk(
+            fa.reshape(-1, c),
+            fb.reshape(-1, c),
+            metric="cosine",
+            k=k,
+            budget=8 * 2**30,
+            half=prec.half,
+            certify=True,
+            stats=stats,
+        )
+        rows.append(
+            {
+                "job": job,
+                "method": "certificate",
+                "candidates_per_row": round(stats["candidates"] / n, 2),
+                "fallback_rate": round(stats["fallback"] / n, 5),
+                "most": stats["most"],
+            }
+        )
+        print(rows[-1], flush=True)
+        # the blockwise loop: the whole map at C=64, else a slice of the queries, scaled up
+        part = n if c == 64 or small else n // 8
+        qa, rb = fa.reshape(-1, c)[:part], fb.reshape(-1, c)
+        t = timeit(lambda qa=qa, rb=rb: blockwise_argmax(qa, rb), repeats=2)
+        sec = t["median"] * n / part
+        rows.append(
+            {
+                "job": job,
+                "method": "blockwise torch" + ("" if part == n else " (1/8, scaled)"),
+                "median_s": round(sec, 4),
+                "tflops": round(flops / sec / 1e12, 1),
+                "of_matmul": round(flops / sec / 1e12 / rate, 2),
+            }
+        )
+        print(rows[-1], flush=True)
+        rows.append({"job": job, "method": f"torch bf16 matmul 8192x8192x{c}", "tflops": round(rate, 1)})
+    if dev.type == "cuda":
+        rows.append(
+            {"job": "peak", "method": "torch bf16 matmul 8192^3", "tflops": round(matmul_tflops(dev, 8192, 8192), 1)}
+        )
+    return rows
 
 
 def main() -> None:
@@ -52,35 +164,7 @@ def main() -> None:
     checks["align"] = abs(al.scale_h - case.scale_h) < 0.005 and abs(al.shift_x - case.shift_x) < 0.5
     print("checks:", checks, flush=True)
 
-    sizes = [(64, 64, 64)] if args.small else [(160, 160, 64), (80, 80, 384), (800, 800, 64)]
-    for h, w, c in sizes:
-        fa = torch.randn(h, w, c, device=dev)
-        fb = torch.randn(h, w, c, device=dev)
-        flops = 2 * (h * w) ** 2 * c
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t = timeit(lambda fa=fa, fb=fb: densematch.match(fa, fb, memory="1GiB"), repeats=3)
-        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
-        rows.append(
-            {
-                "job": f"match {h}x{w}x{c}",
-                "method": "densematch",
-                "median_s": round(t["median"], 4),
-                "tflops": round(flops / t["median"] / 1e12, 2),
-                "peak_mib": round(peak, 1),
-            }
-        )
-        if h * w <= 160 * 160:
-            t2 = timeit(lambda fa=fa, fb=fb: blockwise_argmax(fa, fb), repeats=3)
-            rows.append(
-                {
-                    "job": f"match {h}x{w}x{c}",
-                    "method": "blockwise",
-                    "median_s": round(t2["median"], 4),
-                    "tflops": round(flops / t2["median"] / 1e12, 2),
-                }
-            )
-        print(rows[-1], flush=True)
+    rows += match_rows(dev, small=args.small, checks=checks)
 
     n, d, hw, f = (2, 32, 32, 64) if args.small else (8, 128, 96, 512)
     xd = torch.randn(n, d, hw, hw, device=dev, requires_grad=True)
@@ -125,7 +209,9 @@ def main() -> None:
         {"machine": info, "command": " ".join(sys.argv), "checks": checks, "rows": rows},
     )
     print(f"\nmachine: {info}\nchecks: {checks}\n")
-    print(table(rows, ["job", "method", "median_s", "fwd+bwd_s", "tflops", "peak_mib", "pairs_per_s"]))
+    columns = ["job", "method", "median_s", "fwd+bwd_s", "tflops", "of_matmul", "inexact_rows"]
+    columns += ["candidates_per_row", "fallback_rate", "most", "pairs_per_s"]
+    print(table(rows, columns))
     print(f"\nsaved {path}")
 
 
