@@ -82,3 +82,26 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def photo_features(h: int, w: int, c: int, *, photo: str = "astronaut", shift: tuple[int, int] = (6, -3)):
+    """Real (h, w, c) features of a photo and of a shifted, noisy crop of it (scikit-image's
+    samples): zero-mean unit-norm grey patches of the smallest odd size with at least c pixels,
+    turned into c channels by a fixed orthonormal projection (which keeps their correlations)."""
+    import numpy as np
+    from skimage import data
+
+    from densematch.features import patch_descriptor
+
+    img = getattr(data, photo)().astype(np.float32) / 255
+    if img.ndim == 3:
+        img = img[..., :3].mean(-1)
+    size = int(np.ceil(c**0.5)) | 1
+    top, left = 100, 150
+    crops = [
+        img[top : top + h, left : left + w],
+        img[top + shift[0] : top + shift[0] + h, left + shift[1] : left + shift[1] + w],
+    ]
+    crops[1] = crops[1] + np.random.default_rng(0).normal(0, 0.02, crops[1].shape).astype(np.float32)
+    proj, _ = torch.linalg.qr(torch.randn(size * size, c, generator=torch.Generator().manual_seed(1)))
+    return tuple(patch_descriptor(torch.from_numpy(np.ascontiguousarray(x)), size) @ proj for x in crops)

@@ -3,11 +3,16 @@
 Run: python benchmarks/bench_match.py [--sizes 160x160x64 80x80x384] [--repeats 5] [--device cpu]
 
 Methods (cosine similarity, k=1):
-- densematch.match
+- densematch.match, precision "exact" (the default), "float32", "fast", and "exact" with the
+  certified bfloat16 search forced (config_context(half="bfloat16"); "exact" chooses it only where
+  half precision multiplies faster, which is not the case on CPUs without AMX)
 - blockwise: L2-normalise, (1024 x N) block matmul, argmax per block (the usual fix)
 - faiss: IndexFlatIP on normalised features (faiss-cpu; skipped with a note if missing)
 - cdist: torch.cdist + argmin on normalised features, where its N x N matrix fits in 4 GiB
 Each method's answer is checked against densematch's (agreement of the chosen index).
+Inputs: Gaussian noise, and real features of a photo against a shifted noisy crop (--features).
+For each input, the certified search's candidate counts and fallback rate (bfloat16 and
+float16), and the disagreement of "fast" with "float32".
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import densematch
 from densematch.demo import blockwise_argmax
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from _common import machine, matmul_gflops, save, table, timeit
+from _common import machine, matmul_gflops, photo_features, save, table, timeit
 
 
 def cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -59,12 +64,83 @@ def sweep_tiles(args: argparse.Namespace) -> None:
     print(table(rows, ["size", "tile_a", "tile_b", "median_s"]))
 
 
+def time_methods(a: torch.Tensor, b: torch.Tensor, size: str, features: str, args, faiss) -> list[dict]:
+    """Every method on (a, b), side by side; the first (precision="exact") is the baseline."""
+    n = a.shape[0] * a.shape[1]
+    flops = 2 * n * n * a.shape[2]
+    ref = densematch.match(a, b, precision="float32").index.reshape(-1)
+
+    def forced(a=a, b=b):
+        with densematch.config_context(half="bfloat16"):
+            return densematch.match(a, b).index
+
+    methods = {
+        "densematch exact": lambda a=a, b=b: densematch.match(a, b).index,
+        "densematch float32": lambda a=a, b=b: densematch.match(a, b, precision="float32").index,
+        "densematch fast": lambda a=a, b=b: densematch.match(a, b, precision="fast").index,
+        "densematch exact, bf16 forced": forced,
+        "blockwise": lambda a=a, b=b: blockwise_argmax(a, b),
+    }
+    if faiss is not None and args.device == "cpu":
+        methods["faiss"] = lambda a=a, b=b: faiss_flat_ip(a, b)
+    if n * n * 4 <= 4 * 2**30:
+        methods["cdist"] = lambda a=a, b=b: cdist(a, b)
+    rows, base = [], None
+    for name, fn in methods.items():
+        t = timeit(fn, repeats=args.repeats)
+        agree = (fn().reshape(-1).cpu() == ref.cpu()).float().mean().item()
+        base = base or t["median"]
+        rows.append(
+            {
+                "size": size,
+                "features": features,
+                "method": name,
+                "median_s": round(t["median"], 4),
+                "min_s": round(t["min"], 4),
+                "max_s": round(t["max"], 4),
+                "gflops": round(flops / t["median"] / 1e9, 1),
+                "vs_densematch": round(t["median"] / base, 2),
+                "agree": round(agree, 5),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def certificate_rows(a: torch.Tensor, b: torch.Tensor, size: str, features: str) -> list[dict]:
+    """The certified search's counts per half dtype, and how often plain half ranking errs."""
+    from densematch import engine
+
+    c = a.shape[-1]
+    qa, rb = a.reshape(-1, c), b.reshape(-1, c)
+    _, want = engine.topk(qa, rb, metric="cosine", k=1, budget=2**30)
+    rows = []
+    for half in (torch.bfloat16, torch.float16):
+        stats: dict[str, int] = {}
+        engine.topk(qa, rb, metric="cosine", k=1, budget=2**30, half=half, stats=stats)
+        _, fast = engine.topk(qa, rb, metric="cosine", k=1, budget=2**30, half=half, certify=False)
+        rows.append(
+            {
+                "size": size,
+                "features": features,
+                "half": str(half).removeprefix("torch."),
+                "candidates_per_row": round(stats["candidates"] / stats["rows"], 2),
+                "most": stats["most"],
+                "fallback_rate": round(stats["fallback"] / stats["rows"], 5),
+                "fast_disagree": round((fast != want).float().mean().item(), 5),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["160x160x64", "80x80x384"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--name", default="match")
+    p.add_argument("--features", nargs="+", default=["noise", "photo"], choices=["noise", "photo"])
     p.add_argument("--sweep-tiles", action="store_true", help="time the engine over tile shapes instead")
     args = p.parse_args()
     if args.sweep_tiles:
@@ -80,44 +156,31 @@ def main() -> None:
         print("faiss-cpu not installed: pip install 'densematch[bench]'", file=sys.stderr)
     info = machine()
     info["matmul_gflops"] = round(matmul_gflops(args.device), 1)
-    rows = []
+    rows, certs = [], []
     for size in args.sizes:
         h, w, c = map(int, size.split("x"))
-        g = torch.Generator().manual_seed(0)
-        a = torch.randn(h, w, c, generator=g).to(args.device)
-        b = torch.randn(h, w, c, generator=g).to(args.device)
-        n = h * w
-        flops = 2 * n * n * c
-        ref = densematch.match(a, b).index.reshape(-1)
-        methods = {
-            "densematch": lambda a=a, b=b: densematch.match(a, b).index,
-            "blockwise": lambda a=a, b=b: blockwise_argmax(a, b),
-        }
-        if faiss is not None and args.device == "cpu":
-            methods["faiss"] = lambda a=a, b=b: faiss_flat_ip(a, b)
-        if n * n * 4 <= 4 * 2**30:
-            methods["cdist"] = lambda a=a, b=b: cdist(a, b)
-        base = None
-        for name, fn in methods.items():
-            t = timeit(fn, repeats=args.repeats)
-            agree = (fn().reshape(-1).cpu() == ref.cpu()).float().mean().item()
-            base = base or t["median"]
-            rows.append(
-                {
-                    "size": size,
-                    "method": name,
-                    "median_s": round(t["median"], 4),
-                    "min_s": round(t["min"], 4),
-                    "max_s": round(t["max"], 4),
-                    "gflops": round(flops / t["median"] / 1e9, 1),
-                    "vs_densematch": round(t["median"] / base, 2),
-                    "agree": round(agree, 5),
-                }
-            )
-            print(rows[-1], flush=True)
-    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
+        for features in args.features:
+            if features == "noise":
+                g = torch.Generator().manual_seed(0)
+                a = torch.randn(h, w, c, generator=g).to(args.device)
+                b = torch.randn(h, w, c, generator=g).to(args.device)
+            else:
+                a, b = (x.to(args.device) for x in photo_features(h, w, c))
+            rows += time_methods(a, b, size, features, args, faiss)
+            certs += certificate_rows(a, b, size, features)
+    info["precision_choice"] = {
+        size: str(
+            densematch.precision.resolve_precision(
+                "exact", torch.device(args.device), "cosine", int(size.split("x")[2])
+            ).half
+        )
+        for size in args.sizes
+    }
+    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows, "certificate": certs})
     print(f"\nmachine: {info}\nfloat32 matmul: {info['matmul_gflops']} GFLOP/s\n")
-    print(table(rows, ["size", "method", "median_s", "min_s", "max_s", "gflops", "vs_densematch", "agree"]))
+    print(table(rows, ["size", "features", "method", "median_s", "min_s", "max_s", "gflops", "vs_densematch", "agree"]))
+    print()
+    print(table(certs, ["size", "features", "half", "candidates_per_row", "most", "fallback_rate", "fast_disagree"]))
     print(f"\nsaved {path}")
 
 

@@ -85,6 +85,8 @@ def test_match_features_equal_the_library(images, tmp_path):
         "l2",
         "--k",
         "2",
+        "--precision",
+        "float32",
         "-o",
         str(tmp_path / "m.npz"),
         "--viz",
@@ -93,7 +95,9 @@ def test_match_features_equal_the_library(images, tmp_path):
     )
     assert out.returncode == 0 and out.stdout == "" and (tmp_path / "m.png").stat().st_size > 10_000
     z = np.load(tmp_path / "m.npz")
-    ref = densematch.match(np.load(images / "fa.npy"), np.load(images / "fb.npy"), metric="l2", k=2)
+    ref = densematch.match(
+        np.load(images / "fa.npy"), np.load(images / "fb.npy"), metric="l2", k=2, precision="float32"
+    )
     assert np.array_equal(z["index"], ref.index.numpy()) and z["coords"].shape == (12, 14, 2, 2)
 
 
@@ -150,6 +154,7 @@ def test_bench_prints_a_table():
         (("match", "{d}/fa.npy", "{d}/fc.npy"), "same number of channels, got 8 and 5"),
         (("match", "{d}/fa.npy", "{d}/fb.npy", "--k", "0"), "k must be between 1 and 90"),
         (("match", "{d}/fa.npy", "{d}/fb.npy", "--metric", "l3"), "invalid choice: 'l3'"),
+        (("match", "{d}/fa.npy", "{d}/fb.npy", "--precision", "half"), "invalid choice: 'half'"),
         (("match", "{d}/p.npy", "{d}/fb.npy"), "must hold features of shape (H, W, C)"),
         (("match", "{d}/fa.npy", "{d}/bad.npy"), "could not be read as an array"),
         (("align", "{d}/image.npy", "{d}/template.npy"), "does not fit in the image"),

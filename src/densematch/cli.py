@@ -18,8 +18,10 @@ from ._distance import DISTANCE_METRICS, nearest_prototype, pairwise_distance
 from ._match import MATCH_METRICS, match
 from .features import FEATURES, dense_features
 from .io import is_image, load_any, load_array, load_image, save_npy, save_npz
+from .precision import PRECISIONS
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
+_PRECISION_HELP = "exact (default: float32 results, half precision where faster), float32, fast (approximate)"
 
 
 class CommandError(Exception):
@@ -75,6 +77,7 @@ def cmd_match(args: argparse.Namespace) -> int:
         mutual=args.mutual,
         ratio=args.ratio,
         memory=args.memory,
+        precision=args.precision,
         progress=_progress(args),
     )
     seconds = time.perf_counter() - t0
@@ -158,7 +161,7 @@ def cmd_distance(args: argparse.Namespace) -> int:
         raise CommandError(f"FEATURES must have shape (N, D, H, W) or (D, H, W), got {x.shape}")
     x, p = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
     if args.nearest:
-        d, i = nearest_prototype(x, p, args.metric, k=args.k, memory=args.memory)
+        d, i = nearest_prototype(x, p, args.metric, k=args.k, memory=args.memory, precision=args.precision)
         if args.output:
             save_npz(args.output, distance=d.numpy(), index=i.numpy())
         summary = f"nearest prototypes {tuple(i.shape)}; mean distance {d.float().mean():.4f}"
@@ -218,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours valid")
     m.add_argument("--ratio", type=float, help="Lowe's ratio test threshold in (0, 1]")
     m.add_argument("--memory", default=None, help="working-memory cap, e.g. 1GiB (default: from free memory)")
+    m.add_argument("--precision", default="exact", choices=PRECISIONS, help=_PRECISION_HELP)
     m.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     m.add_argument("--features", choices=FEATURES, help="describe image inputs: patch (7x7 patches), color, dsift")
     m.add_argument("--viz", metavar="OUT.png", help="write a picture of the matches")
@@ -253,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--metric", default="l2", choices=DISTANCE_METRICS)
     d.add_argument("--nearest", action="store_true", help="only the nearest prototype(s), never the full tensor")
     d.add_argument("--k", type=int, default=1, help="with --nearest: how many")
+    d.add_argument("--precision", default="exact", choices=PRECISIONS[:3], help="with --nearest: " + _PRECISION_HELP)
     d.add_argument("--memory", default=None, help="working-memory cap")
     common(d)
     d.set_defaults(run=cmd_distance)

@@ -59,22 +59,31 @@ def _working_set(
     cdist: bool,
     half_item: int = 0,
     cap: int = 0,
+    kernel: bool = False,
 ) -> int:
     """Bytes one call of :func:`topk` holds at once for tiles of (ta, tb). Each term is named.
-    ``half_item`` is the byte size of half-precision operands (0: none) and ``cap`` the
-    candidates kept per row by the certified search."""
+    ``half_item`` is the byte size of half-precision operands (0: none), ``cap`` the candidates
+    kept per row by the certified search, and ``kernel`` says the fused kernel ranks (its score
+    tiles never leave the chip)."""
     row_prep = cp * (item + half_item) + c * in_item  # a gathered raw row, its prepared copies
     refs = (nb if whole_b else tb) * row_prep  # prepared references: all, or one tile
     queries = ta * row_prep  # one prepared tile of queries
     block_item = half_item or item
-    scores = ta * tb * block_item * (2 if cdist else 1)  # the reused block; cdist also makes its own
-    reduce = ta * tb * (block_item if k == 1 else 2 * block_item + 1)  # rows that improve, ties check
     state = na * k * (item + 8)  # running top-k: value + int64 index
     merge = ta * 2 * k * (item + 8) * 3  # candidates of a merge, and their sorts
     final = ta * k * c * (in_item + 4 * item)  # chosen rows regathered, repeated, differenced
+    rescore = ta * (8 * cp + 8 * c + 64)  # certified: one chunk of candidates re-scored
+    if kernel:
+        # the kernel's running top-k (value + int32 index, k slots rounded up), and the
+        # certificate's candidate slots, counters and bound terms
+        state += ta * 2 * max(2, k) * 8
+        pool = ta * cap * 28 + rescore + (nb if whole_b else tb) * 3 * item if cap else 0
+        return refs + queries + state + merge + final + pool
+    scores = ta * tb * block_item * (2 if cdist else 1)  # the reused block; cdist also makes its own
+    reduce = ta * tb * (block_item if k == 1 else 2 * block_item + 1)  # rows that improve, ties check
     # certified search: candidate pool (row, column, score: 20 bytes, up to twice cap per row
-    # while pruning, and the sorts that pick the best), the bound and lower-bound blocks, the
-    # references' bound terms, and the re-scoring chunk (the size of the score block)
+    # while pruning, and the sorts that pick the best), the bound and lower-bound blocks and the
+    # references' bound terms; the re-scoring chunk reuses the score block
     pool = 0
     if cap:
         pool = ta * cap * 20 * 4 + ta * tb * (2 * item + 2 * block_item) + (nb if whole_b else tb) * 3 * item
@@ -96,12 +105,14 @@ def plan_tiles(
     reserved: int = 0,
     half: torch.dtype | None = None,
     cap: int = 0,
+    kernel: bool = False,
 ) -> TilePlan:
     """Choose tile sizes whose whole working set fits in ``budget`` bytes.
 
     References are tiled first at the device's preferred size, query tiles take what is left,
     and the reference tile halves while query tiles would drop below 64 rows. References are
-    prepared once, whole, when they take at most half the budget.
+    prepared once, whole, when they take at most half the budget. For the fused kernel, which
+    holds no score block, both tiles may span everything.
 
     Raises
     ------
@@ -109,7 +120,7 @@ def plan_tiles(
         When even tiles of one row do not fit, naming the minimum budget. ``reserved`` bytes
         of the budget are already taken by the caller and count towards that minimum.
     """
-    cap_a, cap_b = MAX_TILES.get(device.type, MAX_TILES["cuda"])
+    cap_a, cap_b = (na, nb) if kernel else MAX_TILES.get(device.type, MAX_TILES["cuda"])
     fixed_a, fixed_b = tiles if tiles is not None else (None, None)
     cap_a = min(fixed_a or cap_a, na)
     cap_b = min(fixed_b or cap_b, nb)
@@ -124,6 +135,7 @@ def plan_tiles(
         cdist=metric.p is not None,
         half_item=0 if half is None else torch.finfo(half).bits // 8,
         cap=cap,
+        kernel=kernel,
     )
     minimum = _working_set(1, 1, whole_b=False, **kw) + reserved
     if budget < minimum:
@@ -314,6 +326,7 @@ def topk(
         reserved=reserved,
         half=half,
         cap=cap,
+        kernel=use_kernel,
     )
     with torch.inference_mode():
         if use_kernel:
@@ -329,7 +342,8 @@ def topk(
             stop = min(start + ta, na)
             try:
                 if buf is None:  # one block of scores, reused by every tile pair
-                    buf = torch.empty(ta * tb, dtype=half or dtype, device=device)
+                    size = ta * (8 * (c + metric.extra_columns) + 8 * c + 64) if use_kernel else ta * tb
+                    buf = torch.empty(size, dtype=torch.uint8 if use_kernel else half or dtype, device=device)
                 search.rank(value[start:stop], index[start:stop], start, buf)
             except torch.cuda.OutOfMemoryError:
                 # another process took memory since the plan: halve the query tile and retry
@@ -472,16 +486,34 @@ class _HalfSearch(_Search):
         # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
         u = unit_roundoff(self.half)
         rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
+        reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
         pool = _Pool(m, self.cap, q.device)
         bounds = torch.empty(2, m * min(self.tile_b, self.nb), dtype=self.dtype, device=q.device)
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
             rh = self._half_refs(j, j + n)
             s = torch.mm(qh, rh.T, out=buf[: m * n].view(m, n))
-            e = torch.mm(qt, self._ref_terms(j, j + n, rh).T, out=bounds[0, : m * n].view(m, n))
-            e.add_(s.abs(), alpha=rounding)
-            self.merge(torch.sub(s, e, out=bounds[1, : m * n].view(m, n)), j, best_v, best_i)
-            pool.add(e.add_(s), j, best_v[:, -1])
+            terms = self._ref_terms(j, j + n, rh)
+            # only rows whose best score, raised by the largest bound it can have in this tile,
+            # reaches the floor can gain a candidate or a better floor: after the first tiles,
+            # few do, and the others cost one row maximum, as in the float32 search
+            top = terms.amax(0)
+            reach = s.amax(1).float() + qt @ top + reach_rows * top[1]
+            hot = (reach >= best_v[:, -1]).nonzero().squeeze(1)
+            h = hot.numel()
+            if h == 0:
+                continue
+            every = h == m
+            sub = s if every else s.index_select(0, hot)
+            e = torch.mm(qt if every else qt.index_select(0, hot), terms.T, out=bounds[0, : h * n].view(h, n))
+            low = torch.sub(sub, e.add_(sub.abs(), alpha=rounding), out=bounds[1, : h * n].view(h, n))
+            if every:
+                self.merge(low, j, best_v, best_i)
+            else:
+                v, i = best_v[hot], best_i[hot]
+                self.merge(low, j, v, i)
+                best_v[hot], best_i[hot] = v, i
+            pool.add(e.add_(sub), j, best_v[:, -1], hot)
         rows, cols = pool.finish(best_v[:, -1])
         self._settle(q, rows, cols, pool.over, best_v, best_i, buf)
 
@@ -508,22 +540,26 @@ class _HalfSearch(_Search):
         _best_of_candidates(rows, cols, score, best_v, best_i)
         redo = over.nonzero().squeeze(1)
         if redo.numel():
-            # the float32 block fits in the half block's bytes: half as many rows at a time
-            flat = buf[: buf.numel() // 2 * 2].view(self.dtype) if buf.dtype != self.dtype else buf
-            if flat.numel() < self.tile_b:
-                flat = torch.empty(self.tile_b, dtype=self.dtype, device=q.device)
-            step = flat.numel() // self.tile_b
-            for s in range(0, redo.numel(), step):
-                part = redo[s : s + step]
-                v = torch.empty(part.numel(), k, dtype=self.dtype, device=q.device)
-                i = torch.empty(part.numel(), k, dtype=torch.int64, device=q.device)
-                self._scan(q.index_select(0, part), v, i, flat)
-                best_v[part], best_i[part] = v, i
+            v, i = self._search_float32(q.index_select(0, redo), k, buf)
+            best_v[redo], best_i[redo] = v, i
         if self.stats is not None:
             counts = torch.bincount(rows, minlength=m)
             self.stats["candidates"] += int(rows.numel())
             self.stats["most"] = max(self.stats["most"], int(counts.max()) if m else 0)
             self.stats["fallback"] += int(redo.numel())
+
+    def _search_float32(self, q: torch.Tensor, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain float32 search of prepared rows ``q`` (the rows that overflowed), its score
+        blocks in the bytes of the half block ``buf``: half as many rows at a time."""
+        v = torch.empty(q.shape[0], k, dtype=self.dtype, device=q.device)
+        i = torch.empty(q.shape[0], k, dtype=torch.int64, device=q.device)
+        flat = buf[: buf.numel() // 2 * 2].view(self.dtype) if buf.dtype != self.dtype else buf
+        if flat.numel() < self.tile_b:
+            flat = torch.empty(self.tile_b, dtype=self.dtype, device=q.device)
+        step = flat.numel() // self.tile_b
+        for s in range(0, q.shape[0], step):
+            self._scan(q[s : s + step], v[s : s + step], i[s : s + step], flat)
+        return v, i
 
     def _gather_refs(self, cols: torch.Tensor) -> torch.Tensor:
         """Raw rows of b at reference positions ``cols`` (positions among the allowed rows)."""
@@ -554,13 +590,25 @@ class _KernelSearch(_HalfSearch):
 
         self.launch = topk_launch
 
+    def _run(
+        self, q: torch.Tensor, refs: Callable[[int, int], torch.Tensor], k: int, cert: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel over every reference tile: (m, slots) running scores and int32 indices."""
+        m = q.shape[0]
+        slots = max(2, 1 << (k - 1).bit_length())
+        val = torch.full((m, slots), -math.inf, dtype=torch.float32, device=q.device)
+        idx = torch.full((m, slots), -1, dtype=torch.int32, device=q.device)
+        for j in range(0, self.nb, self.tile_b):
+            stop = min(j + self.tile_b, self.nb)
+            r = refs(j, stop)
+            terms = self._ref_terms(j, stop, r) if cert else None
+            self.launch(q, r, val, idx, k=k, offset=j, ref_terms=terms, **cert)
+        return val, idx
+
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         m, k = best_v.shape
         q = self._prepare_queries(start, m)
         qh = q.to(self.half)
-        slots = max(2, 1 << (k - 1).bit_length())
-        val = torch.full((m, slots), -math.inf, dtype=torch.float32, device=q.device)
-        idx = torch.full((m, slots), -1, dtype=torch.int32, device=q.device)
         cert: dict[str, torch.Tensor] = {}
         if self.cap:
             cert = {
@@ -568,11 +616,7 @@ class _KernelSearch(_HalfSearch):
                 "count": torch.zeros(m, dtype=torch.int32, device=q.device),
                 "cand": torch.full((m, self.cap), -1, dtype=torch.int32, device=q.device),
             }
-        for j in range(0, self.nb, self.tile_b):
-            stop = min(j + self.tile_b, self.nb)
-            refs = self._half_refs(j, stop)
-            terms = self._ref_terms(j, stop, refs) if self.cap else None
-            self.launch(qh, refs, val, idx, k=k, offset=j, ref_terms=terms, **cert)
+        val, idx = self._run(qh, self._half_refs, k, cert)
         if not self.cap:
             best_v.copy_(val[:, :k])
             best_i.copy_(idx[:, :k])
@@ -581,6 +625,12 @@ class _KernelSearch(_HalfSearch):
         listed = (cert["cand"] >= 0) & ~over[:, None]
         rows, slot = listed.nonzero().unbind(1)
         self._settle(q, rows, cert["cand"][rows, slot].long(), over, best_v, best_i, buf)
+
+    def _search_float32(self, q: torch.Tensor, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The overflowing rows again, through the kernel in IEEE float32 (their order within
+        the k is settled by :meth:`finalise`)."""
+        val, idx = self._run(q, self._prepare_refs, k, {})
+        return val[:, :k], idx[:, :k].long()
 
 
 class _Pool:
@@ -595,12 +645,14 @@ class _Pool:
         self.vals = torch.empty(0, dtype=torch.float32, device=device)
         self.over = torch.zeros(m, dtype=torch.bool, device=device)
 
-    def add(self, upper: torch.Tensor, offset: int, floor: torch.Tensor) -> None:
-        """Collect from the block of upper bounds ``upper`` (m, n) of reference tile ``offset``."""
-        hot = ((upper.amax(1) >= floor) & ~self.over).nonzero().squeeze(1)
-        if hot.numel() == 0:
+    def add(self, upper: torch.Tensor, offset: int, floor: torch.Tensor, rows: torch.Tensor) -> None:
+        """Collect from the block of upper bounds ``upper`` (len(rows), n) of the pool's ``rows``
+        against reference tile ``offset``; ``floor`` has one value per row of the pool."""
+        local = ((upper.amax(1) >= floor[rows]) & ~self.over[rows]).nonzero().squeeze(1)
+        if local.numel() == 0:
             return
-        sub = upper.index_select(0, hot)
+        hot = rows[local]
+        sub = upper.index_select(0, local)
         passing = sub >= floor[hot, None]
         # a row with more than cap new candidates overflows at once, before any are listed
         burst = passing.sum(1) > self.cap
