@@ -59,14 +59,18 @@ a = torch.randn(250, 250, 64, generator=g)
 b = torch.randn(250, 250, 64, generator=g)
 def run(small):
     x, y = (a[:20, :20], b[:20, :20]) if small else (a, b)
-    densematch.match(x, y, metric="{metric}", memory="64MiB", mutual={mutual})
+    with densematch.config_context(half="{half}"):
+        densematch.match(x, y, metric="{metric}", memory="64MiB", mutual={mutual})
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("metric", "mutual"), [("cosine", False), ("l2", True), ("l1", False)])
-def test_match_250x250x64_stays_under_64MiB(metric, mutual):
-    extra = peak_extra(MATCH.format(metric=metric, mutual=mutual))
+@pytest.mark.parametrize(
+    ("metric", "mutual", "half"),
+    [("cosine", False, "auto"), ("l2", True, "auto"), ("l1", False, "auto"), ("l2", False, "bfloat16")],
+)
+def test_match_250x250x64_stays_under_64MiB(metric, mutual, half):
+    extra = peak_extra(MATCH.format(metric=metric, mutual=mutual, half=half))
     outputs = 250 * 250 * (8 + 16 + 4 + 1)
     assert extra <= 64 * 2**20 + outputs, f"peak working memory {extra / 2**20:.1f} MiB"
 

@@ -119,6 +119,23 @@ def test_rows_that_overflow_fall_back_to_float32(monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("budget", [60_000, 300_000, 2**20])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_small_budgets_plan_within_them_and_give_the_same_answer(budget, kernel):
+    if kernel:
+        pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(90, 8, generator=g), torch.randn(77, 8, generator=g)
+    plan = engine.plan_tiles(
+        90, 77, 8, 2, budget, metric=get_metric("l2"), device=a.device, half=torch.bfloat16, cap=32, kernel=kernel
+    )
+    assert plan.bytes <= budget
+    backend = "triton" if kernel else "torch"
+    _, want = engine.topk(a, b, metric="l2", k=2, budget=2**30)
+    _, got = engine.topk(a, b, metric="l2", k=2, budget=budget, half=torch.bfloat16, backend=backend)
+    assert_same_as_float32(a, b, got, want, "l2")
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     na=st.integers(1, 50),
