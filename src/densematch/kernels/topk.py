@@ -20,13 +20,20 @@ any number of reference tiles.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import interpreting
 
-__all__ = ["topk_launch"]
+__all__ = ["BLOCKS", "topk_launch"]
+
+# (BLOCK_M, BLOCK_N, BLOCK_C, num_warps) on a GPU: a common shape for Triton matrix products on
+# tensor cores, not yet tuned on one (benchmarks/gpu.py times the alternatives in
+# DENSEMATCH_KERNEL_BLOCKS, e.g. "128,64,64,4").
+BLOCKS = tuple(int(v) for v in os.environ.get("DENSEMATCH_KERNEL_BLOCKS", "128,128,64,8").split(","))
 
 
 @triton.jit
@@ -51,6 +58,7 @@ def _topk_kernel(
     CERTIFY: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -67,17 +75,24 @@ def _topk_kernel(
         bx = tl.load(qt_ptr + rows * 3, mask=row_ok, other=0.0)
         bz = tl.load(qt_ptr + rows * 3 + 1, mask=row_ok, other=0.0)
     cs = tl.arange(0, BLOCK_C)
+    if ONE_CHUNK:  # the queries' whole rows fit one chunk: load them once, not once per tile
+        q_once = tl.load(
+            q_ptr + rows[:, None] * stride_q + cs[None, :], mask=row_ok[:, None] & (cs < cp)[None, :], other=0.0
+        )
     for n0 in range(0, n, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, cp, BLOCK_C):
             c_ok = (c0 + cs) < cp
-            qt = tl.load(
-                q_ptr + rows[:, None] * stride_q + (c0 + cs)[None, :],
-                mask=row_ok[:, None] & c_ok[None, :],
-                other=0.0,
-            )
+            if ONE_CHUNK:
+                qt = q_once
+            else:
+                qt = tl.load(
+                    q_ptr + rows[:, None] * stride_q + (c0 + cs)[None, :],
+                    mask=row_ok[:, None] & c_ok[None, :],
+                    other=0.0,
+                )
             rt = tl.load(
                 r_ptr + cols[None, :] * stride_r + (c0 + cs)[:, None],
                 mask=col_ok[None, :] & c_ok[:, None],
@@ -164,8 +179,8 @@ def topk_launch(
         query_terms = ref_terms = count = cand = torch.zeros(1, dtype=torch.int32, device=q.device)
     assert ref_terms is not None and count is not None and cand is not None
     interp = interpreting()
-    block_m, block_n = (16, 16) if interp else (128, 64)
-    block_c = min(64, max(16, triton.next_power_of_2(cp)))
+    block_m, block_n, block_c, warps = (16, 16, 16, 1) if interp else BLOCKS
+    block_c = min(block_c, max(16, triton.next_power_of_2(cp)))
     _topk_kernel[(triton.cdiv(m, block_m),)](
         q,
         r,
@@ -187,8 +202,9 @@ def topk_launch(
         CERTIFY=certify,
         UPCAST=interp and q.dtype != torch.float32,
         IEEE=q.dtype == torch.float32,
+        ONE_CHUNK=cp <= block_c,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_C=block_c,
-        num_warps=8 if block_m * block_n >= 8192 else 4,
+        num_warps=warps,
     )
