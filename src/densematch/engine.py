@@ -155,7 +155,8 @@ def plan_tiles(
     tb = cap_b
     while True:
         ta = fit(tb, whole_b)
-        if fixed_b or tb == 1 or ta >= min(cap_a, 64):
+        # the kernel holds no score block: narrower reference tiles only cost it more launches
+        if fixed_b or tb == 1 or ta >= min(cap_a, 64) or (kernel and tb <= 1024):
             break
         tb = max(1, tb // 2)
     if ta < 1:
