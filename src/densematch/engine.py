@@ -44,6 +44,12 @@ class TilePlan:
     bytes: int
 
 
+def _rescore_bytes(cp: int, c: int) -> int:
+    """Bytes to re-score one candidate: its query and reference rows gathered (raw and
+    prepared, float32 or float64 at most), and its indices and score."""
+    return 8 * cp + 8 * c + 64
+
+
 def _working_set(
     ta: int,
     tb: int,
@@ -72,7 +78,7 @@ def _working_set(
     state = na * k * (item + 8)  # running top-k: value + int64 index
     merge = ta * 2 * k * (item + 8) * 3  # candidates of a merge, and their sorts
     final = ta * k * c * (in_item + 4 * item)  # chosen rows regathered, repeated, differenced
-    rescore = ta * (8 * cp + 8 * c + 64)  # certified: one chunk of candidates re-scored
+    rescore = ta * _rescore_bytes(cp, c)  # certified: one chunk of candidates re-scored
     if kernel:
         # the kernel's running top-k (value + int32 index, k slots rounded up), and the
         # certificate's candidate slots, counters and bound terms
@@ -343,7 +349,7 @@ def topk(
             stop = min(start + ta, na)
             try:
                 if buf is None:  # one block of scores, reused by every tile pair
-                    size = ta * (8 * (c + metric.extra_columns) + 8 * c + 64) if use_kernel else ta * tb
+                    size = ta * _rescore_bytes(c + metric.extra_columns, c) if use_kernel else ta * tb
                     buf = torch.empty(size, dtype=torch.uint8 if use_kernel else half or dtype, device=device)
                 search.rank(value[start:stop], index[start:stop], start, buf)
             except torch.cuda.OutOfMemoryError:
@@ -375,7 +381,7 @@ class _Search:
         k: int,
     ) -> None:
         self.a, self.b, self.rows_a, self.rows_b = a, b, rows_a, rows_b
-        self.metric, self.dtype, self.tile_b, self.k = metric, dtype, plan.tile_b, k
+        self.metric, self.dtype, self.tile_b = metric, dtype, plan.tile_b
         self.nb = b.shape[0] if rows_b is None else rows_b.numel()
         self.merge = _merge_best if k == 1 else _merge_topk
         self.centre = self._reference_mean() if metric.centred else None
@@ -402,14 +408,23 @@ class _Search:
         """Merge every reference tile into the running top-k of the query tile at ``start``."""
         self._scan(self._prepare_queries(start, best_v.shape[0]), best_v, best_i, buf)
 
-    def _scan(self, q: torch.Tensor, best_v: torch.Tensor, best_i: torch.Tensor, buf: torch.Tensor) -> None:
-        """The float32 (or float64) search of prepared query rows ``q`` over every reference."""
+    def _scan(
+        self,
+        q: torch.Tensor,
+        best_v: torch.Tensor,
+        best_i: torch.Tensor,
+        buf: torch.Tensor,
+        refs: Callable[[int, int], torch.Tensor] | None = None,
+    ) -> None:
+        """The plain search of prepared query rows ``q`` over every reference tile that
+        ``refs(start, stop)`` gives (default: the prepared references), scores in ``buf``."""
+        refs = refs or self._prepare_refs
         m = q.shape[0]
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
-            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
+            s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n))
             self.merge(s, j, best_v, best_i)
 
     def finalise(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int) -> None:
@@ -455,7 +470,6 @@ class _HalfSearch(_Search):
     ) -> None:
         super().__init__(a, b, rows_a, rows_b, metric, dtype, plan, k)
         self.half, self.cap, self.stats = half, cap, stats
-        self.tile_a = plan.tile_a
         self.whole_h = None if self.whole is None else self.whole.to(half)
         self.whole_t = None
         if cap and self.whole is not None:
@@ -475,14 +489,11 @@ class _HalfSearch(_Search):
         m = best_v.shape[0]
         q = self._prepare_queries(start, m)
         qh = q.to(self.half)
+        if not self.cap:  # "fast": rank by the half scores
+            self._scan(qh, best_v, best_i, buf, refs=self._half_refs)
+            return
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        if not self.cap:
-            for j in range(0, self.nb, self.tile_b):
-                n = min(self.tile_b, self.nb - j)
-                s = torch.mm(qh, self._half_refs(j, j + n).T, out=buf[: m * n].view(m, n))
-                self.merge(s, j, best_v, best_i)
-            return
         qt = query_terms(q, qh)
         # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
         u = unit_roundoff(self.half)
@@ -534,7 +545,7 @@ class _HalfSearch(_Search):
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         score = torch.empty(rows.numel(), dtype=self.dtype, device=q.device)
-        step = max(1, buf.numel() * buf.element_size() // (8 * q.shape[1] + 8 * self.a.shape[1] + 64))
+        step = max(1, buf.numel() * buf.element_size() // _rescore_bytes(q.shape[1], self.a.shape[1]))
         for s in range(0, rows.numel(), step):
             r = self.metric.prepare(self._gather_refs(cols[s : s + step]), "ref", self.dtype, self.centre)
             torch.linalg.vecdot(q.index_select(0, rows[s : s + step]), r, out=score[s : s + step])
