@@ -78,18 +78,6 @@ def test_kernel_on_photo_features_with_masks(camera_small):
     assert stats["rows"] == rows_a.numel()
 
 
-def test_kernel_rows_that_overflow_fall_back(monkeypatch):
-    monkeypatch.setattr(engine, "CANDIDATES", 4)
-    g = torch.Generator().manual_seed(1)
-    base = torch.randn(1, 16, generator=g)
-    b = torch.cat([base + 1e-6 * torch.randn(60, 16, generator=g), torch.randn(40, 16, generator=g)])
-    a = torch.cat([base.repeat(5, 1), torch.randn(20, 16, generator=g)])
-    _, want = engine.topk(a, b, metric="cosine", k=1, budget=2**28, backend="torch")
-    _, got, stats = run(a, b, metric="cosine", k=1, half=torch.bfloat16)
-    assert stats["fallback"] >= 5
-    assert torch.equal(got, want)
-
-
 def test_exact_ties_go_to_the_lowest_index():
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, 2, (30, 4), generator=g).float() * 2 - 1

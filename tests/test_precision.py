@@ -104,18 +104,22 @@ def test_planted_near_ties_far_below_half_resolution(metric):
     assert not torch.equal(fast, want)  # the planted ties do fool plain bfloat16
 
 
-def test_rows_that_overflow_fall_back_to_float32(monkeypatch):
-    # a flat region: 200 references equal to the query up to tiny noise, so every row has far
-    # more candidates than fit; ties in float32 still go to the lowest index
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_that_overflow_fall_back_to_float32(monkeypatch, backend):
+    # a flat region: 60 references equal to the query up to tiny noise, so every such row has
+    # far more candidates than fit; ties in float32 still go to the lowest index
+    if backend == "triton":
+        pytest.importorskip("triton")
     monkeypatch.setattr(engine, "CANDIDATES", 4)
     g = torch.Generator().manual_seed(1)
     base = torch.randn(1, 16, generator=g)
-    b = torch.cat([base + 1e-6 * torch.randn(200, 16, generator=g), torch.randn(100, 16, generator=g)])
-    a = torch.cat([base.repeat(10, 1), torch.randn(30, 16, generator=g)])
+    b = torch.cat([base + 1e-6 * torch.randn(60, 16, generator=g), torch.randn(40, 16, generator=g)])
+    a = torch.cat([base.repeat(5, 1), torch.randn(20, 16, generator=g)])
     stats: dict[str, int] = {}
-    _, want = engine.topk(a, b, metric="cosine", k=1, budget=2**28)
-    _, got = engine.topk(a, b, metric="cosine", k=1, budget=2**28, half=torch.bfloat16, stats=stats, tiles=(16, 64))
-    assert stats["fallback"] >= 10
+    kw = dict(metric="cosine", k=1, budget=2**28, tiles=(16, 32))
+    _, want = engine.topk(a, b, **kw)
+    _, got = engine.topk(a, b, **kw, half=torch.bfloat16, stats=stats, backend=backend)
+    assert stats["fallback"] >= 5
     assert torch.equal(got, want)
 
 
@@ -241,6 +245,30 @@ class TestPrecisionArgument:
                 pass
         with pytest.raises(ValueError, match="needs a matrix metric and float32"):
             engine.topk(torch.randn(3, 2), torch.randn(3, 2), metric="l1", k=1, budget=2**20, half=torch.bfloat16)
+
+    def test_products_stay_ieee_whatever_the_process_set(self, monkeypatch):
+        # TF32 (or bfloat16 on some CPUs) for float32 products, and reduced-precision sums in
+        # cuBLAS's half products, would void the results and the bound: the search turns them off
+        seen = []
+        rank = engine._Search.rank
+        cuda = torch.backends.cuda.matmul
+
+        def spy(self, *args):
+            seen.append((torch.get_float32_matmul_precision(), cuda.allow_bf16_reduced_precision_reduction))
+            return rank(self, *args)
+
+        monkeypatch.setattr(engine._Search, "rank", spy)
+        saved = torch.get_float32_matmul_precision(), cuda.allow_bf16_reduced_precision_reduction
+        torch.set_float32_matmul_precision("medium")
+        cuda.allow_bf16_reduced_precision_reduction = True
+        try:
+            engine.topk(torch.randn(20, 8), torch.randn(30, 8), metric="dot", k=2, budget=2**26)
+            after = torch.get_float32_matmul_precision(), cuda.allow_bf16_reduced_precision_reduction
+        finally:
+            torch.set_float32_matmul_precision(saved[0])
+            cuda.allow_bf16_reduced_precision_reduction = saved[1]
+        assert seen == [("highest", False)]
+        assert after == ("medium", True)
 
     def test_settings_nest(self):
         with densematch.config_context(memory="64MiB"), densematch.config_context(half="off"):

@@ -14,8 +14,9 @@ Everything here works on flat (N, C) rows. Layouts, batches, masks and filters l
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -237,6 +238,26 @@ def _merge_topk(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torc
     return rowmax
 
 
+@contextlib.contextmanager
+def _strict_products() -> Iterator[None]:
+    """IEEE float32 products, and float32 sums inside half-precision ones, for this search:
+    the results (and the rounding bound) assume them, whatever the process set (TF32 through
+    ``torch.set_float32_matmul_precision``, cuBLAS's reduced-precision half reductions)."""
+    cuda = torch.backends.cuda.matmul
+    saved = (
+        torch.get_float32_matmul_precision(),
+        cuda.allow_fp16_reduced_precision_reduction,
+        cuda.allow_bf16_reduced_precision_reduction,
+    )
+    torch.set_float32_matmul_precision("highest")
+    cuda.allow_fp16_reduced_precision_reduction = cuda.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        cuda.allow_fp16_reduced_precision_reduction, cuda.allow_bf16_reduced_precision_reduction = saved[1:]
+
+
 def topk(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -335,9 +356,10 @@ def topk(
         cap=cap,
         kernel=use_kernel,
     )
-    with torch.inference_mode():
+    with torch.inference_mode(), _strict_products():
         if use_kernel:
-            search: _Search = _KernelSearch(a, b, rows_a, rows_b, metric, dtype, plan, k, half, cap, stats)
+            # without half, the kernel multiplies float32 operands
+            search: _Search = _KernelSearch(a, b, rows_a, rows_b, metric, dtype, plan, k, half or dtype, cap, stats)
         elif half is not None:
             search = _HalfSearch(a, b, rows_a, rows_b, metric, dtype, plan, k, half, cap, stats)
         else:
@@ -580,27 +602,8 @@ class _HalfSearch(_Search):
 
 class _KernelSearch(_HalfSearch):
     """The fused Triton kernel's search: the kernel ranks (and, certified, lists candidates), the
-    re-scoring and the float32 fallback are :class:`_HalfSearch`'s. With ``half`` None the
-    kernel multiplies float32 in IEEE arithmetic and its top-k is final."""
-
-    def __init__(
-        self,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        rows_a: torch.Tensor | None,
-        rows_b: torch.Tensor | None,
-        metric: Metric,
-        dtype: torch.dtype,
-        plan: TilePlan,
-        k: int,
-        half: torch.dtype | None,
-        cap: int,
-        stats: dict[str, int] | None,
-    ) -> None:
-        super().__init__(a, b, rows_a, rows_b, metric, dtype, plan, k, half or dtype, cap, stats)
-        from .kernels.topk import topk_launch
-
-        self.launch = topk_launch
+    re-scoring and the float32 fallback are :class:`_HalfSearch`'s. With float32 operands the
+    kernel multiplies in IEEE arithmetic and its top-k is final."""
 
     def _run(
         self, q: torch.Tensor, refs: Callable[[int, int], torch.Tensor], k: int, cert: dict[str, torch.Tensor]
@@ -610,11 +613,13 @@ class _KernelSearch(_HalfSearch):
         slots = max(2, 1 << (k - 1).bit_length())
         val = torch.full((m, slots), -math.inf, dtype=torch.float32, device=q.device)
         idx = torch.full((m, slots), -1, dtype=torch.int32, device=q.device)
+        from .kernels.topk import topk_launch
+
         for j in range(0, self.nb, self.tile_b):
             stop = min(j + self.tile_b, self.nb)
             r = refs(j, stop)
             terms = self._ref_terms(j, stop, r) if cert else None
-            self.launch(q, r, val, idx, k=k, offset=j, ref_terms=terms, **cert)
+            topk_launch(q, r, val, idx, k=k, offset=j, ref_terms=terms, **cert)
         return val, idx
 
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
