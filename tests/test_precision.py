@@ -236,6 +236,11 @@ class TestPrecisionArgument:
         with pytest.raises(ValueError, match=message):
             densematch.match(torch.randn(4, 4, 3), torch.randn(4, 4, 3), **kwargs)
 
+    def test_nearest_prototype_takes_no_float64_precision(self):
+        # its dtype follows its inputs: float64 inputs are searched in float64
+        with pytest.raises(ValueError, match="precision must be one of 'exact', 'float32', 'fast', got 'float64'"):
+            densematch.nearest_prototype(torch.randn(1, 3, 4, 4), torch.randn(5, 3), precision="float64")
+
     def test_bad_settings(self):
         with pytest.raises(ValueError, match="half must be one of 'auto', 'bfloat16', 'float16', 'off'"):
             with densematch.config_context(half="fp8"):

@@ -19,7 +19,7 @@ from . import engine
 from .budget import resolve_memory
 from .checks import as_tensor, check_choice, check_finite, check_int
 from .metrics import get_metric
-from .precision import PRECISIONS, resolve_precision
+from .precision import RANKINGS, resolve_precision
 
 __all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
 
@@ -359,7 +359,7 @@ def nearest_prototype(
     (torch.Size([2, 3, 5, 7]), torch.Size([2, 3, 5, 7]))
     """
     x, p, dtype = _check_inputs(x, prototypes, metric, check_finite)
-    check_choice(precision, "precision", PRECISIONS[:3])
+    check_choice(precision, "precision", RANKINGS)
     prec = resolve_precision(precision, x.device, metric, x.shape[1], float64=dtype == torch.float64)
     n, _d, h, w = x.shape
     k = check_int(k, "k", 1, p.shape[0])

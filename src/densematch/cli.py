@@ -18,7 +18,7 @@ from ._distance import DISTANCE_METRICS, nearest_prototype, pairwise_distance
 from ._match import MATCH_METRICS, match
 from .features import FEATURES, dense_features
 from .io import is_image, load_any, load_array, load_image, save_npy, save_npz
-from .precision import PRECISIONS
+from .precision import PRECISIONS, RANKINGS
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 _PRECISION_HELP = "exact (default: float32 results, half precision where faster), float32, fast (approximate)"
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--metric", default="l2", choices=DISTANCE_METRICS)
     d.add_argument("--nearest", action="store_true", help="only the nearest prototype(s), never the full tensor")
     d.add_argument("--k", type=int, default=1, help="with --nearest: how many")
-    d.add_argument("--precision", default="exact", choices=PRECISIONS[:3], help="with --nearest: " + _PRECISION_HELP)
+    d.add_argument("--precision", default="exact", choices=RANKINGS, help="with --nearest: " + _PRECISION_HELP)
     d.add_argument("--memory", default=None, help="working-memory cap")
     common(d)
     d.set_defaults(run=cmd_distance)

@@ -37,9 +37,11 @@ import torch
 
 from .budget import get_config
 
-__all__ = ["PRECISIONS", "Precision", "query_terms", "ref_terms", "resolve_precision"]
+__all__ = ["PRECISIONS", "RANKINGS", "Precision", "query_terms", "ref_terms", "resolve_precision"]
 
-PRECISIONS = ("exact", "float32", "fast", "float64")
+# nearest_prototype takes these: its compute dtype follows its inputs (float64 for float64)
+RANKINGS = ("exact", "float32", "fast")
+PRECISIONS = (*RANKINGS, "float64")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Unit roundoff of float32; gamma for n terms is n * u / (1 - n * u), doubled here because fused
