@@ -78,14 +78,17 @@ def test_kernel_on_photo_features_with_masks(camera_small):
     assert stats["rows"] == rows_a.numel()
 
 
-def test_exact_ties_go_to_the_lowest_index():
+@pytest.mark.parametrize("metric", ["dot", "l2"])
+def test_exact_ties_go_to_the_lowest_index(metric):
+    # +-1 features and 64 reference rows keep every product, norm and mean exact (as in
+    # tests/test_engine.py); C=4 is one chunk, and l2 adds its extra column as a bias
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, 2, (30, 4), generator=g).float() * 2 - 1
-    b = torch.randint(0, 2, (50, 4), generator=g).float() * 2 - 1
-    ref = reference_scores(a, b, "dot")
-    key = -ref * 1000 + torch.arange(50, dtype=torch.float64)
+    b = torch.randint(0, 2, (64, 4), generator=g).float() * 2 - 1
+    ref = reference_scores(a, b, metric)
+    key = -ref * 1000 + torch.arange(64, dtype=torch.float64)
     for half in (None, torch.bfloat16):
-        _, got, _ = run(a, b, metric="dot", k=4, half=half, tiles=(None, 16))
+        _, got, _ = run(a, b, metric=metric, k=4, half=half, tiles=(None, 16))
         torch.testing.assert_close(got, key.argsort(dim=1)[:, :4])
 
 

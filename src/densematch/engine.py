@@ -619,7 +619,7 @@ class _KernelSearch(_HalfSearch):
             stop = min(j + self.tile_b, self.nb)
             r = refs(j, stop)
             terms = self._ref_terms(j, stop, r) if cert else None
-            topk_launch(q, r, val, idx, k=k, offset=j, ref_terms=terms, **cert)
+            topk_launch(q, r, val, idx, k=k, offset=j, bias=self.metric.extra_columns == 1, ref_terms=terms, **cert)
         return val, idx
 
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:

@@ -48,7 +48,7 @@ def _topk_kernel(
     cand_ptr,
     m,
     n,
-    cp,
+    cd,
     offset,
     stride_q,
     stride_r,
@@ -59,6 +59,7 @@ def _topk_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -77,14 +78,14 @@ def _topk_kernel(
     cs = tl.arange(0, BLOCK_C)
     if ONE_CHUNK:  # the queries' whole rows fit one chunk: load them once, not once per tile
         q_once = tl.load(
-            q_ptr + rows[:, None] * stride_q + cs[None, :], mask=row_ok[:, None] & (cs < cp)[None, :], other=0.0
+            q_ptr + rows[:, None] * stride_q + cs[None, :], mask=row_ok[:, None] & (cs < cd)[None, :], other=0.0
         )
     for n0 in range(0, n, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for c0 in range(0, cp, BLOCK_C):
-            c_ok = (c0 + cs) < cp
+        for c0 in range(0, cd, BLOCK_C):
+            c_ok = (c0 + cs) < cd
             if ONE_CHUNK:
                 qt = q_once
             else:
@@ -107,6 +108,8 @@ def _topk_kernel(
                 acc = tl.dot(qt, rt, acc, input_precision="ieee")
             else:
                 acc = tl.dot(qt, rt, acc)
+        if BIAS:  # l2's extra column (queries hold 1 there): added, not multiplied in a chunk of its own
+            acc += tl.load(r_ptr + cols * stride_r + cd, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         inside = col_ok[None, :] & row_ok[:, None]
         gcols = offset + cols
         if CERTIFY:
@@ -150,6 +153,7 @@ def topk_launch(
     *,
     k: int,
     offset: int,
+    bias: bool = False,
     query_terms: torch.Tensor | None = None,
     ref_terms: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
@@ -161,6 +165,7 @@ def topk_launch(
     ----------
     q : Tensor of shape (m, C), contiguous rows
         Prepared queries, float16, bfloat16 or float32 (float32 is multiplied in IEEE float32).
+        With ``bias``, their last column holds ones and is not read.
     r : Tensor of shape (n, C), contiguous rows, the dtype of ``q``
         Prepared references; their indices are ``offset + arange(n)``.
     val : Tensor of shape (m, KP), float32
@@ -169,6 +174,9 @@ def topk_launch(
         Running indices; -1 where empty. Updated. Slots are in no particular order.
     k : int
         1 <= k <= 8.
+    bias : bool, default=False
+        The last column is a per-reference term added to the product (l2's ``-|b|^2 / 2``):
+        the dot runs over the other columns only, so C=64 stays one chunk.
     query_terms, ref_terms : Tensors of shape (m, 3) and (n, 3), float32, contiguous, optional
         The certificate's per-row terms (:func:`densematch.precision.query_terms`): list every
         reference the bound cannot rule out; then ``count`` (m,) int32 is bumped for each and
@@ -183,7 +191,8 @@ def topk_launch(
     assert ref_terms is not None and count is not None and cand is not None
     interp = interpreting()
     block_m, block_n, block_c, warps = (16, 16, 16, 1) if interp else BLOCKS
-    block_c = min(block_c, max(16, triton.next_power_of_2(cp)))
+    cd = cp - 1 if bias else cp
+    block_c = min(block_c, max(16, triton.next_power_of_2(cd)))
     _topk_kernel[(triton.cdiv(m, block_m),)](
         q,
         r,
@@ -195,7 +204,7 @@ def topk_launch(
         cand,
         m,
         n,
-        cp,
+        cd,
         offset,
         q.stride(0),
         r.stride(0),
@@ -205,7 +214,8 @@ def topk_launch(
         CERTIFY=certify,
         UPCAST=interp and q.dtype != torch.float32,
         IEEE=q.dtype == torch.float32,
-        ONE_CHUNK=cp <= block_c,
+        ONE_CHUNK=cd <= block_c,
+        BIAS=bias,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_C=block_c,
