@@ -14,7 +14,6 @@ from ._reference import assert_topk_exact, reference_scores, tolerance
 from .conftest import patch_features
 
 MATRIX = ["cosine", "dot", "l2", "sqeuclidean"]
-ON_CPU = not torch.cuda.is_available()
 
 
 def run(a, b, **kw):
