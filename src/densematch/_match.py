@@ -181,22 +181,13 @@ def match(
     valid = torch.zeros((nbatch, na, k), dtype=torch.bool, device=ra.device)
     passes = 2 if mutual else 1
     with progress_bar(progress, total=passes * nbatch * na, unit="px", desc="match") as bar:
+        # what both passes (a against b, and the mutual check's b against a) search with
+        search = dict(
+            metric=m, budget=budget, dtype=prec.dtype, half=prec.half, certify=prec.certify, on_tile=bar.update
+        )
         for i in range(nbatch):
             rows_a, rows_b = (None if mk is None else mk[i].reshape(-1).nonzero().squeeze(1) for mk in masks)
-            v, idx = engine.topk(
-                ra[i],
-                rb[i],
-                metric=m,
-                k=k_rank,
-                budget=budget,
-                rows_a=rows_a,
-                rows_b=rows_b,
-                dtype=prec.dtype,
-                half=prec.half,
-                certify=prec.certify,
-                on_tile=bar.update,
-                reserved=reserved,
-            )
+            v, idx = engine.topk(ra[i], rb[i], k=k_rank, rows_a=rows_a, rows_b=rows_b, reserved=reserved, **search)
             ok = idx >= 0
             if ratio is not None:
                 ok &= _passes_ratio(m.ratio_distance(v[:, :2]), idx, ratio)[:, None]
@@ -204,18 +195,7 @@ def match(
             if mutual:
                 # the second bounded pass: the best pixel of a for every allowed pixel of b
                 _, back = engine.topk(
-                    rb[i],
-                    ra[i],
-                    metric=m,
-                    k=1,
-                    budget=budget,
-                    rows_a=rows_b,
-                    rows_b=rows_a,
-                    dtype=prec.dtype,
-                    half=prec.half,
-                    certify=prec.certify,
-                    on_tile=bar.update,
-                    reserved=reserved + 8 * nb,
+                    rb[i], ra[i], k=1, rows_a=rows_b, rows_b=rows_a, reserved=reserved + 8 * nb, **search
                 )
                 ok &= _is_mutual(idx, back[:, 0], rows_a, rows_b, na, nb)
             target = slice(None) if rows_a is None else rows_a
