@@ -80,12 +80,15 @@ class TestAlign:
         t = torch.stack([c.template for c in cases])
         x = torch.stack([c.image for c in cases])
         free = align(t, x)
-        tight = align(t, x, memory="7MiB")  # one scale row of the search at a time
-        for field in ("scale_h", "scale_w", "shift_y", "shift_x"):
-            torch.testing.assert_close(getattr(tight, field), getattr(free, field))
-        torch.testing.assert_close(tight.landscape, free.landscape)
-        with pytest.raises(ValueError, match=r"memory=1048576 bytes cannot hold the search of one scale row"):
+        for memory in ("7MiB", "2MiB"):  # a few scale rows at a time, then a few scale pairs
+            tight = align(t, x, memory=memory)
+            for field in ("scale_h", "scale_w", "shift_y", "shift_x"):
+                torch.testing.assert_close(getattr(tight, field), getattr(free, field))
+            torch.testing.assert_close(tight.landscape, free.landscape)
+        with pytest.raises(ValueError, match=r"memory=1048576 bytes cannot hold the refinement of one candidate"):
             align(t, x, memory="1MiB")
+        with pytest.raises(ValueError, match=r"memory=102400 bytes cannot hold the search of one scale pair"):
+            align(t, x, memory="100KiB")
 
     def test_integer_and_numpy_images(self):
         c = next(alignment_cases(1, seed=11, kinds=("photo",), noise=(0.0,)))

@@ -1,6 +1,7 @@
 """The real command, in a subprocess: help, each command on small real images, and each error."""
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -157,6 +158,8 @@ def test_bench_prints_a_table():
         (("match", "{d}/fa.npy", "{d}/fb.npy", "--precision", "half"), "invalid choice: 'half'"),
         (("match", "{d}/p.npy", "{d}/fb.npy"), "must hold features of shape (H, W, C)"),
         (("match", "{d}/fa.npy", "{d}/bad.npy"), "could not be read as an array"),
+        (("match", "{d}/fa.npy", "{d}/zip.npy"), "it is a zip archive (.npz?)"),
+        (("match", "{d}/fa.npy", "{d}/huge.npy"), "header declares shape (20000, 20000, 64)"),
         (("align", "{d}/image.npy", "{d}/template.npy"), "does not fit in the image"),
         (("distance", "{d}/x.npy", "{d}/fb.npy"), "prototypes must have shape"),
         (("distance", "{d}/x.npy", "{d}/p.npy", "--metric", "cos"), "invalid choice: 'cos'"),
@@ -164,6 +167,11 @@ def test_bench_prints_a_table():
 )
 def test_errors_are_one_line_without_traceback(images, args, pattern, tmp_path):
     (images / "bad.npy").write_bytes(b"not an array")
+    np.savez(images / "zip.npz", features=np.zeros((3, 3, 8), np.float32))
+    (images / "zip.npz").replace(images / "zip.npy")
+    # a valid header declaring 95 GiB, and no data: refused before any allocation
+    with open(images / "huge.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (20000, 20000, 64)})
     out = run(
         *(a.format(d=images) for a in args),
         "-o" if args[0] == "match" else "--quiet",
@@ -189,6 +197,68 @@ def test_failed_write_leaves_no_file(images, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         io.save_npz(target, a=np.zeros(3))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "where", "pattern"),
+    [
+        ("-o", "no/such/folder/m.npz", "the folder"),
+        ("-o", "", "is a folder; give a file name"),
+        ("--viz", "missing/m.png", "the folder"),
+    ],
+)
+def test_outputs_are_checked_before_the_work(images, tmp_path, monkeypatch, capsys, flag, where, pattern):
+    from densematch import _match, cli
+
+    called = []
+    monkeypatch.setattr(_match.engine, "topk", lambda *a, **k: called.append(1))
+    code = cli.main(["match", str(images / "fa.npy"), str(images / "fb.npy"), flag, str(tmp_path / where), "--quiet"])
+    assert code == 1 and called == []
+    err = capsys.readouterr().err
+    assert pattern in err and flag in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_write_leaves_no_file(images, tmp_path, sig):
+    # the command is stopped while it writes its output: no output, no hidden temporary file
+    script = f"""
+import signal, sys, time
+import numpy as np
+from densematch import cli, io
+def slow(f, **arrays):
+    f.write(b"partial")
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)
+io.np.savez = slow
+sys.exit(cli.main(["match", "{images}/fa.npy", "{images}/fb.npy", "-o", "{tmp_path}/m.npz", "--quiet"]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # the write is under way
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (128 + sig, 130), err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_keeps_the_umask_without_setting_it(images, tmp_path):
+    import os
+
+    from densematch import io
+
+    calls = []
+    real = os.umask
+    old = real(0o027)
+    try:
+        os.umask = lambda mask: calls.append(mask) or real(mask)
+        io.save_npy(tmp_path / "x.npy", np.zeros(3))
+    finally:
+        os.umask = real
+        real(old)
+    assert calls == []  # never touched: a race with other threads creating files
+    assert (tmp_path / "x.npy").stat().st_mode & 0o777 == 0o640
 
 
 def test_debug_shows_the_traceback(images):

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import densematch
 from densematch import match
 
-from ._reference import assert_topk_exact, reference_scores, reported, tolerance
+from ._reference import assert_same_up_to_ties, assert_topk_exact, decided, reference_scores, reported, tolerance
 from .conftest import patch_features
 
 METRICS = ["cosine", "dot", "l2", "sqeuclidean", "l1"]
@@ -95,9 +95,13 @@ class TestFilters:
         g = torch.Generator().manual_seed(1)
         a, b = torch.randn(9, 8, 6, generator=g), torch.randn(7, 10, 6, generator=g)
         r = match(a, b, metric=metric, mutual=True, memory="1MiB")
-        fwd, back = brute(a.reshape(-1, 6), b.reshape(-1, 6), metric)
+        fa, fb = a.reshape(-1, 6), b.reshape(-1, 6)
+        fwd, back = brute(fa, fb, metric)
         want = back[fwd] == torch.arange(72)
-        assert torch.equal(r.valid.reshape(-1), want)
+        ref, tol = reference_scores(fa, fb, metric), tolerance(fa, fb, metric)
+        sure = decided(ref, tol) & decided(ref, tol, dim=0)[fwd]  # no near-tie either way
+        assert sure.float().mean() > 0.9
+        assert torch.equal(r.valid.reshape(-1)[sure], want[sure])
         assert 0 < want.sum() < 72
 
     def test_mutual_with_k(self):
@@ -105,7 +109,9 @@ class TestFilters:
         a, b = torch.randn(30, 5, generator=g), torch.randn(25, 5, generator=g)
         r = match(a, b, metric="l2", k=3, mutual=True, layout="flat")
         _, back = brute(a, b, "l2")
-        assert torch.equal(r.valid, back[r.index] == torch.arange(30)[:, None])
+        sure = decided(reference_scores(a, b, "l2"), tolerance(a, b, "l2"), dim=0)[r.index]
+        assert sure.float().mean() > 0.9
+        assert torch.equal(r.valid[sure], (back[r.index] == torch.arange(30)[:, None])[sure])
 
     @pytest.mark.parametrize("metric", ["cosine", "l2", "sqeuclidean", "l1"])
     def test_ratio_equals_brute_force(self, metric):
@@ -117,7 +123,9 @@ class TestFilters:
         if metric == "sqeuclidean":
             d = d.sqrt()
         want = d[:, 0] <= 0.8 * d[:, 1]
-        assert torch.equal(r.valid, want)
+        sure = (d[:, 0] - 0.8 * d[:, 1]).abs() > tolerance(a, b, metric)  # not on the threshold
+        assert sure.float().mean() > 0.9
+        assert torch.equal(r.valid[sure], want[sure])
         assert 0 < want.sum() < 120
 
     def test_ratio_with_exact_duplicates_fails_and_single_candidate_passes(self):
@@ -152,7 +160,9 @@ class TestFilters:
             ref[:, ~mb.reshape(-1)] = -np.inf
             fwd, back = ref.argmax(1), ref.argmax(0)
             want = (back[fwd] == torch.arange(25)) & ma[i].reshape(-1)
-            assert torch.equal(r.valid[i].reshape(-1), want)
+            tol = tolerance(fa, fb, "l2")
+            sure = ~ma[i].reshape(-1) | (decided(ref, tol) & decided(ref, tol, dim=0)[fwd])
+            assert torch.equal(r.valid[i].reshape(-1)[sure], want[sure])
 
 
 class TestNumerics:
@@ -176,7 +186,7 @@ class TestNumerics:
         a, b = torch.randn(30, 8, dtype=torch.float64), torch.randn(40, 8, dtype=torch.float64)
         r = match(a, b, metric="l2", layout="flat", precision="float64")
         ref = reference_scores(a, b, "l2")
-        assert torch.equal(r.index, ref.argmax(1))
+        assert_same_up_to_ties(a, b, r.index, ref.argmax(1), "l2", tol=1e-12)
         torch.testing.assert_close(r.score.double(), -ref.amax(1), rtol=1e-6, atol=1e-6)
 
     def test_real_image_patch_features(self, camera_small):

@@ -55,24 +55,30 @@ def peak_extra(setup: str) -> int:
 
 MATCH = """
 g = torch.Generator().manual_seed(0)
-a = torch.randn(250, 250, 64, generator=g)
-b = torch.randn(250, 250, 64, generator=g)
+a = torch.randn({n}, {n}, 64, generator=g)
+b = torch.randn({n}, {n}, 64, generator=g)
 def run(small):
     x, y = (a[:20, :20], b[:20, :20]) if small else (a, b)
     with densematch.config_context(half="{half}"):
-        densematch.match(x, y, metric="{metric}", memory="64MiB", mutual={mutual})
+        densematch.match(x, y, metric="{metric}", memory="{mib}MiB", mutual={mutual})
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("metric", "mutual", "half"),
-    [("cosine", False, "auto"), ("l2", True, "auto"), ("l1", False, "auto"), ("l2", False, "bfloat16")],
+    ("n", "mib", "metric", "mutual", "half"),
+    [
+        # the full matrix would be 1 GiB (160x160) and 324 MiB (96x96): far above each budget
+        (160, 32, "cosine", False, "auto"),
+        (160, 32, "l2", True, "auto"),
+        (96, 16, "l1", False, "auto"),
+        (96, 16, "l2", False, "bfloat16"),  # the certified half-precision search
+    ],
 )
-def test_match_250x250x64_stays_under_64MiB(metric, mutual, half):
-    extra = peak_extra(MATCH.format(metric=metric, mutual=mutual, half=half))
-    outputs = 250 * 250 * (8 + 16 + 4 + 1)
-    assert extra <= 64 * 2**20 + outputs, f"peak working memory {extra / 2**20:.1f} MiB"
+def test_match_stays_under_its_budget(n, mib, metric, mutual, half):
+    extra = peak_extra(MATCH.format(n=n, mib=mib, metric=metric, mutual=mutual, half=half))
+    outputs = n * n * (8 + 16 + 4 + 1)
+    assert extra <= mib * 2**20 + outputs, f"peak working memory {extra / 2**20:.1f} MiB"
 
 
 L1_TRAIN = """
@@ -101,12 +107,18 @@ g = torch.Generator().manual_seed(0)
 x = torch.randn(2, 16, 128, 128, generator=g)
 p = torch.randn(4096, 16, generator=g)
 def run(small):
-    densematch.nearest_prototype(x[:, :, :4, :4] if small else x, p, "l2", memory="32MiB")
+    with densematch.config_context(half="{half}"):
+        densematch.nearest_prototype(x[:, :, :4, :4] if small else x, p, "{metric}", memory="{mib}MiB")
 """
 
 
 @pytest.mark.slow
-def test_nearest_prototype_never_builds_the_full_tensor():
-    # (N, F, H, W) would be 2*4096*128*128 floats = 512 MiB
-    extra = peak_extra(NEAREST)
-    assert extra <= 32 * 2**20 + 2 * 128 * 128 * (8 + 4) * 2, f"peak {extra / 2**20:.1f} MiB"
+@pytest.mark.parametrize(
+    ("metric", "half", "mib"),
+    [("l2", "auto", 32), ("l2", "bfloat16", 16), ("cosine", "bfloat16", 16), ("sqeuclidean", "bfloat16", 16)],
+)
+def test_nearest_prototype_never_builds_the_full_tensor(metric, half, mib):
+    # (N, F, H, W) would be 2*4096*128*128 floats = 512 MiB; memory= is a hard cap, and the
+    # outputs (distance and index, and their reordered copies) come on top
+    extra = peak_extra(NEAREST.format(metric=metric, half=half, mib=mib))
+    assert extra <= mib * 2**20 + 2 * 128 * 128 * (8 + 4) * 2, f"peak {extra / 2**20:.1f} MiB"

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -129,15 +130,52 @@ def warp(image: Any, scale_h: Any, scale_w: Any, shift_y: Any, shift_x: Any, siz
     True
     """
     x = _as_image(image, "image")
+    if x.ndim not in (2, 3, 4):
+        raise ValueError(f"image must have shape (H, W), (B, H, W) or (B, C, H, W), got {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"image must not be empty, got shape {tuple(x.shape)}")
+    size = _check_size(size)
     ndim = x.ndim
     x4 = x.reshape(-1, 1, *x.shape[-2:]) if ndim < 4 else x
     b = x4.shape[0]
-    params = [
-        torch.as_tensor(v, dtype=x4.dtype, device=x4.device).reshape(-1).expand(b)
-        for v in (scale_h, scale_w, shift_y, shift_x)
-    ]
+    names = ("scale_h", "scale_w", "shift_y", "shift_x")
+    params = [_warp_param(v, name, b, x4) for v, name in zip((scale_h, scale_w, shift_y, shift_x), names, strict=True)]
     out = _warp(x4, *params, size)
     return out.reshape(*x.shape[:-2], *size)
+
+
+def _check_size(size: Any) -> tuple[int, int]:
+    try:
+        h, w = size
+    except (TypeError, ValueError):
+        raise TypeError(f"size must be a pair (h, w) of positive ints, got {size!r}") from None
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (h, w)):
+        raise TypeError(f"size must be a pair (h, w) of positive ints, got {size!r}")
+    if h < 1 or w < 1:
+        raise ValueError(f"size must be a pair (h, w) of positive ints, got {size!r}")
+    return int(h), int(w)
+
+
+def _warp_param(value: Any, name: str, b: int, x4: torch.Tensor) -> torch.Tensor:
+    """One warp parameter as a (b,) tensor: a number, or one value per image of the batch."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a real number or a tensor of shape ({b},), got {type(value).__name__}")
+    try:
+        t = torch.as_tensor(value, device=x4.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"{name} must be a real number or a tensor of shape ({b},), got {type(value).__name__}"
+        ) from None
+    if t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must hold real numbers, got {t.dtype}")
+    if t.numel() not in (1, b) or t.ndim > 1:
+        raise ValueError(f"{name} must be one number or one per image (shape ({b},)), got shape {tuple(t.shape)}")
+    t = t.to(x4.dtype).reshape(-1).expand(b)
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if name.startswith("scale") and not bool((t > 0).all()):
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return t
 
 
 def _warp(
@@ -260,12 +298,26 @@ def align(
     budget = resolve_memory(memory, x.device)
 
     with torch.inference_mode():
-        result = _align(t4, x4, mask, (lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None)
+        # one power of two brings both to unit amplitude, exactly: the search's and the
+        # refinement's fixed epsilons then mean the same for images of any amplitude or dtype
+        unit = _unit_scale(t4, x4)
+        result = _align(
+            t4 * unit, x4 * unit, mask, (lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None
+        )
     sh, sw, sy, sx, err, warped, landscape, grid_h, grid_w = result
-    warped = warped.reshape(t.shape)
+    warped = (warped / unit).reshape(t.shape)
+    err = {"l1": err / unit, "l2": err / unit**2, "ncc": err}[objective]
+    if objective != "ncc":  # the grid search's squared error
+        landscape = landscape / unit**2
     if t.ndim == 2:
         return Alignment(sh.item(), sw.item(), sy.item(), sx.item(), err.item(), warped, landscape, grid_h, grid_w)
     return Alignment(sh, sw, sy, sx, err, warped, landscape, grid_h, grid_w)
+
+
+def _unit_scale(t: torch.Tensor, x: torch.Tensor) -> float:
+    """The power of two that brings the larger of the two images' peak amplitudes into [1, 2)."""
+    peak = max(float(t.abs().amax()), float(x.abs().amax()))
+    return 1.0 if peak == 0 else 2.0 ** -math.floor(math.log2(peak))
 
 
 def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -364,8 +416,8 @@ def _grid_search(
     if mask is None:
         mask = torch.ones(b, 1, h, w, dtype=t.dtype, device=t.device)
     # rows and columns of the stretched image that any valid crop can touch
-    rows = min(math.floor(hh * grid_h.max().item()), hh * 4)
-    cols = min(math.floor(ww * grid_w.max().item()), ww * 4)
+    rows = math.floor(hh * grid_h.max().item())
+    cols = math.floor(ww * grid_w.max().item())
     zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
     ry = _sampling_matrix(rows, hh, grid_h, zeros_h)  # (nh, rows, H)
     rx = _sampling_matrix(cols, ww, grid_w, zeros_w)  # (nw, cols, W)
@@ -379,27 +431,35 @@ def _grid_search(
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
-    per_row = nw * fh * fw * item * (6 * c + 8)  # one pair, one scale_h: images, squares, spectra
-    if per_row > budget:
+    per_pair = fh * fw * item * (6 * c + 8)  # one pair, one scale pair: images, squares, spectra
+    if per_pair > budget:
         raise ValueError(
-            f"memory={budget} bytes cannot hold the search of one scale row: at least {per_row} bytes "
-            f"are needed for a {hh}x{ww} image; raise memory"
+            f"memory={budget} bytes cannot hold the search of one scale pair: at least {per_pair} bytes "
+            f"are needed for a {hh}x{ww} image stretched up to ({grid_h.max().item():g}, "
+            f"{grid_w.max().item():g}); raise memory or narrow the scale ranges"
         )
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
-    cap = budget if x.device.type == "cuda" else max(per_row, min(budget, _CPU_CHUNK))
-    rows_per_chunk = max(1, cap // per_row)
-    step_h = min(nh, rows_per_chunk)
-    step_b = max(1, min(b, rows_per_chunk // nh))
+    cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
+    pairs = max(1, cap // per_pair)
+    step_w = min(nw, pairs)
+    step_h = min(nh, max(1, pairs // step_w))
+    step_b = max(1, min(b, pairs // (nh * nw)))
     land, cands = [], []
     for s in range(0, b, step_b):
         e = min(b, s + step_b)
         bests, wheres = [], []
         for r in range(0, nh, step_h):
             q = slice(r, r + step_h)
-            score = _shift_scores(t[s:e], x[s:e], mask[s:e], ry[q], rx, (fh, fw), (n_y, n_x), ncc, uniform)
-            best, where = score.masked_fill(~valid[q], math.inf).flatten(3).min(3)  # (bc, rows, nw)
-            bests.append(best)
-            wheres.append(where)
+            row_best, row_where = [], []
+            for col in range(0, nw, step_w):
+                v = slice(col, col + step_w)
+                args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform)
+                score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
+                best, where = score.flatten(3).min(3)  # (bc, rows, cols of the scale grid)
+                row_best.append(best)
+                row_where.append(where)
+            bests.append(torch.cat(row_best, 2))
+            wheres.append(torch.cat(row_where, 2))
         best, where = torch.cat(bests, 1), torch.cat(wheres, 1)
         land.append(best)
         cands.append(_pick_candidates(best, where, grid_h, grid_w, n_x))

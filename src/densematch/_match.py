@@ -11,7 +11,7 @@ from torch import nn
 
 from . import engine
 from .budget import resolve_memory
-from .checks import LAYOUTS, check_choice, check_features, check_int, check_mask
+from .checks import LAYOUTS, check_choice, check_features, check_finite, check_int, check_mask, check_real
 from .metrics import get_metric
 from .precision import PRECISIONS, resolve_precision
 from .progress import progress_bar
@@ -33,7 +33,7 @@ class Matches:
     coords : Tensor of int64, shape (*batch, *grid_a[, k], 2), or None
         (row, col) of the match in b's grid, derived with b's own width; -1 where there is none.
         None for layout="flat".
-    score : Tensor of float32, shape (*batch, *grid_a[, k])
+    score : Tensor of float32 (float64 with precision="float64"), shape (*batch, *grid_a[, k])
         Similarity (cosine, dot) or distance (l2, sqeuclidean, l1, linf); NaN where there is none.
     valid : Tensor of bool, shape (*batch, *grid_a[, k])
         True where a match exists and every requested filter (mutual, ratio) passes.
@@ -115,8 +115,9 @@ def match(
     Returns
     -------
     Matches
-        `index` (int64), `score` (float32) and `valid` (bool) of shape (*batch, *grid_a), plus
-        a trailing k axis when k > 1; `coords` (int64) with a further trailing axis of 2.
+        `index` (int64), `score` (float32; float64 for precision="float64") and `valid` (bool)
+        of shape (*batch, *grid_a), plus a trailing k axis when k > 1; `coords` (int64) with a
+        further trailing axis of 2.
 
     Raises
     ------
@@ -145,8 +146,8 @@ def match(
     layout = check_choice(layout, "layout", LAYOUTS)
     m = get_metric(metric, MATCH_METRICS)
     check_choice(precision, "precision", PRECISIONS)
-    ra, grid_a, batched_a = check_features(a, "a", layout)
-    rb, grid_b, batched_b = check_features(b, "b", layout)
+    ra, grid_a, batched_a = check_features(a, "a", layout, finite=False)
+    rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
     if ra.device != rb.device:
         raise ValueError(f"a and b must be on one device, got {ra.device} and {rb.device}")
     if batched_a != batched_b or ra.shape[0] != rb.shape[0]:
@@ -159,10 +160,7 @@ def match(
     nb = rb.shape[1]
     k = check_int(k, "k", 1, nb)
     if ratio is not None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-            raise TypeError(f"ratio must be a float in (0, 1] or None, got {type(ratio).__name__}")
-        if not 0 < ratio <= 1:
-            raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+        ratio = check_real(ratio, "ratio", 0.0, 1.0, low_open=True)
         if m.name == "dot":
             raise ValueError("ratio is undefined for metric='dot' (not a distance); use 'cosine'")
     nbatch = ra.shape[0]
@@ -171,13 +169,16 @@ def match(
         _batch_mask(mask, name, nbatch, grid, batched_a, ra.device)
         for mask, name, grid in ((mask_a, "mask_a", grid_a), (mask_b, "mask_b", grid_b))
     ]
+    # masked-out pixels are never read, so they may hold anything (NaN padding of ragged batches)
+    for rows, mask, name in ((ra, masks[0], "a"), (rb, masks[1], "b")):
+        check_finite(rows, name, mask=None if mask is None else mask.reshape(nbatch, -1))
     budget = resolve_memory(memory, ra.device)
     na = ra.shape[1]
     reserved = 8 * (na + nb)  # the mask row lists
     k_rank = max(k, 2) if ratio is not None else k
 
     index = torch.full((nbatch, na, k), -1, dtype=torch.int64, device=ra.device)
-    score = torch.full((nbatch, na, k), float("nan"), dtype=torch.float32, device=ra.device)
+    score = torch.full((nbatch, na, k), float("nan"), dtype=prec.dtype, device=ra.device)
     valid = torch.zeros((nbatch, na, k), dtype=torch.bool, device=ra.device)
     passes = 2 if mutual else 1
     with progress_bar(progress, total=passes * nbatch * na, unit="px", desc="match") as bar:
@@ -200,7 +201,7 @@ def match(
                 ok &= _is_mutual(idx, back[:, 0], rows_a, rows_b, na, nb)
             target = slice(None) if rows_a is None else rows_a
             index[i, target] = idx
-            score[i, target] = v.float()
+            score[i, target] = v
             valid[i, target] = ok
     shape = (*((nbatch,) if batched_a else ()), *grid_a, *((k,) if k > 1 else ()))
     index, score, valid = (t.reshape(shape) for t in (index, score, valid))

@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 __all__ = ["config_context", "get_config", "parse_memory", "resolve_memory"]
@@ -71,10 +72,10 @@ def parse_memory(memory: int | str, name: str = "memory") -> int:
     >>> parse_memory("2GB")
     2000000000
     """
-    if isinstance(memory, bool) or not isinstance(memory, (int, str)):
+    if isinstance(memory, (bool, np.bool_)) or not isinstance(memory, (int, np.integer, str)):
         raise TypeError(f"{name} must be an int of bytes or a string such as '256MiB', got {type(memory).__name__}")
-    if isinstance(memory, int):
-        value = memory
+    if not isinstance(memory, str):
+        value = int(memory)
     else:
         m = _MEMORY_RE.match(memory)
         unit = m.group(2).lower() if m else None

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["as_tensor", "check_choice", "check_features", "check_finite", "check_int", "check_mask"]
+__all__ = ["as_tensor", "check_choice", "check_features", "check_finite", "check_int", "check_mask", "check_real"]
 
 LAYOUTS = ("hwc", "chw", "flat")
 _SHAPES = {
@@ -30,6 +30,10 @@ def as_tensor(x: Any, name: str) -> torch.Tensor:
         raise TypeError(f"{name} must hold numbers, got a numpy array of dtype {x.dtype}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {x.layout}; convert with .to_dense()")
+    if x.is_meta:
+        raise TypeError(f"{name} must hold data, got a tensor on the meta device")
     return x
 
 
@@ -50,22 +54,44 @@ def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
     return value
 
 
-def check_finite(x: torch.Tensor, name: str) -> None:
-    """Raise ValueError if ``x`` holds NaN or Inf (checked in chunks, so temporaries stay small)."""
+def check_real(value: Any, name: str, low: float, high: float, *, low_open: bool = False) -> float:
+    """A real number (Python or numpy) in [low, high], or (low, high] with ``low_open``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not (low < value if low_open else low <= value) or not value <= high:
+        rule = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
+def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -> None:
+    """Raise ValueError if ``x`` holds NaN or Inf (checked in chunks, so temporaries stay small).
+
+    With ``mask`` (boolean, of x's leading shape), only the entries it keeps are checked: users
+    pad ragged batches with NaN under a mask, and masked-out entries are never read."""
     if x.numel() == 0:
         return
+    if mask is not None:
+        x, mask = x.reshape(mask.numel(), -1), mask.reshape(-1)
     per_slice = max(1, x.numel() // x.shape[0])
     step = max(1, _FINITE_CHUNK // per_slice)
     for start in range(0, x.shape[0], step):
-        if not bool(torch.isfinite(x[start : start + step]).all()):
+        ok = torch.isfinite(x[start : start + step])
+        if mask is not None:
+            ok = ok.all(1) | ~mask[start : start + step]
+        if not bool(ok.all()):
             raise ValueError(
                 f"{name} must hold only finite values, got NaN or Inf; clean it first "
                 f"(for example with torch.nan_to_num)"
             )
 
 
-def check_features(x: Any, name: str, layout: str) -> tuple[torch.Tensor, tuple[int, ...], bool]:
-    """Validate a feature map and view it as flat rows.
+def check_features(
+    x: Any, name: str, layout: str, *, finite: bool = True
+) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+    """Validate a feature map and view it as flat rows (``finite=False``: the caller checks
+    finiteness itself, where its mask allows).
 
     Returns
     -------
@@ -98,7 +124,8 @@ def check_features(x: Any, name: str, layout: str) -> tuple[torch.Tensor, tuple[
     else:
         grid = (xb.shape[1],)
         rows = xb
-    check_finite(x, name)
+    if finite:
+        check_finite(x, name)
     return rows, grid, batched
 
 

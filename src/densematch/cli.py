@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +19,7 @@ from ._align import OBJECTIVES, align
 from ._distance import DISTANCE_METRICS, nearest_prototype, pairwise_distance
 from ._match import MATCH_METRICS, match
 from .features import FEATURES, dense_features
-from .io import is_image, load_any, load_array, load_image, save_npy, save_npz
+from .io import check_output, is_image, load_any, load_array, load_image, save_npy, save_npz
 from .precision import PRECISIONS, RANKINGS
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
@@ -274,9 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """Raised by SIGTERM, so that half-written outputs are removed as on Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = (
+        signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    )
     try:
+        # outputs are checked before the work, not after it
+        for flag, name in (("-o", "output"), ("--viz", "viz")):
+            if getattr(args, name, None):
+                check_output(getattr(args, name), flag)
         return args.run(args)
     except (CommandError, *EXPECTED) as err:
         if args.debug:
@@ -287,6 +304,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("densematch: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("densematch: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

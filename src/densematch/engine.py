@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -93,7 +94,15 @@ def _working_set(
     # references' bound terms; the re-scoring chunk reuses the score block
     pool = 0
     if cap:
-        pool = ta * cap * 20 * 4 + ta * tb * (2 * item + 2 * block_item) + (nb if whole_b else tb) * 3 * item
+        # per pair: the bound and lower-bound blocks, |h| and the hot rows' half scores, and the
+        # pool's gathered upper bounds with their pass mask; per row: the candidate pool and
+        # the bound terms' float32 copy of the half rows (query tile and references)
+        pool = (
+            ta * cap * 20 * 4
+            + ta * tb * (3 * item + 2 * block_item + 1)
+            + (nb if whole_b else tb) * (3 * item + cp * item)
+            + ta * cp * item
+        )
     return refs + queries + scores + reduce + state + merge + final + pool
 
 
@@ -238,24 +247,58 @@ def _merge_topk(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torc
     return rowmax
 
 
-@contextlib.contextmanager
-def _strict_products() -> Iterator[None]:
-    """IEEE float32 products, and float32 sums inside half-precision ones, for this search:
-    the results (and the rounding bound) assume them, whatever the process set (TF32 through
-    ``torch.set_float32_matmul_precision``, cuBLAS's reduced-precision half reductions)."""
+_STRICT_LOCK = threading.Lock()
+_strict_users = 0
+_strict_saved: tuple[str, bool, bool] | None = None
+_STRICT = ("highest", False, False)
+
+
+def _product_settings() -> tuple[str, bool, bool]:
     cuda = torch.backends.cuda.matmul
-    saved = (
+    return (
         torch.get_float32_matmul_precision(),
         cuda.allow_fp16_reduced_precision_reduction,
         cuda.allow_bf16_reduced_precision_reduction,
     )
-    torch.set_float32_matmul_precision("highest")
-    cuda.allow_fp16_reduced_precision_reduction = cuda.allow_bf16_reduced_precision_reduction = False
+
+
+def _apply_product_settings(settings: tuple[str, bool, bool]) -> None:
+    cuda = torch.backends.cuda.matmul
+    if torch.get_float32_matmul_precision() != settings[0]:
+        torch.set_float32_matmul_precision(settings[0])
+    cuda.allow_fp16_reduced_precision_reduction, cuda.allow_bf16_reduced_precision_reduction = settings[1:]
+
+
+def _is_strict(settings: tuple[str, bool, bool], device: torch.device) -> bool:
+    # the reduced-precision sums are cuBLAS's: on a CPU only the float32 precision matters
+    return settings == _STRICT if device.type == "cuda" else settings[0] == _STRICT[0]
+
+
+@contextlib.contextmanager
+def _strict_products(device: torch.device) -> Iterator[None]:
+    """IEEE float32 products, and float32 sums inside half-precision ones, for this search:
+    the results (and the rounding bound) assume them, whatever the process set (TF32 or
+    bfloat16 through ``torch.set_float32_matmul_precision``, cuBLAS's reduced-precision half
+    reductions).
+
+    Where the settings already are strict for ``device`` (torch's defaults on a CPU), nothing
+    global is touched. Otherwise they are switched while any search runs and restored when the
+    last one ends: overlapping searches in threads share one switch, so none restores settings
+    under another, and the caller's own settings come back exactly."""
+    global _strict_users, _strict_saved
+    with _STRICT_LOCK:
+        if _strict_users == 0 and not _is_strict(_product_settings(), device):
+            _strict_saved = _product_settings()
+            _apply_product_settings(_STRICT)
+        _strict_users += 1
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        cuda.allow_fp16_reduced_precision_reduction, cuda.allow_bf16_reduced_precision_reduction = saved[1:]
+        with _STRICT_LOCK:
+            _strict_users -= 1
+            if _strict_users == 0 and _strict_saved is not None:
+                _apply_product_settings(_strict_saved)
+                _strict_saved = None
 
 
 def topk(
@@ -356,7 +399,7 @@ def topk(
         cap=cap,
         kernel=use_kernel,
     )
-    with torch.inference_mode(), _strict_products():
+    with torch.inference_mode(), _strict_products(device):
         if use_kernel:
             # without half, the kernel multiplies float32 operands
             search: _Search = _KernelSearch(a, b, rows_a, rows_b, metric, dtype, plan, k, half or dtype, cap, stats)

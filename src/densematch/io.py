@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +37,7 @@ def load_array(path: str | os.PathLike, what: str = "input") -> np.ndarray:
     suffix = p.suffix.lower()
     try:
         if suffix == ".npy":
-            return np.load(p, allow_pickle=False)
+            return _load_npy(p, what)
         if suffix in (".pt", ".pth"):
             import torch
 
@@ -49,6 +50,33 @@ def load_array(path: str | os.PathLike, what: str = "input") -> np.ndarray:
             raise
         raise ValueError(f"{what} {str(p)!r} could not be read as an array: {err}") from None
     raise ValueError(f"{what} {str(p)!r} must be a .npy or .pt array, or an image ({', '.join(IMAGE_SUFFIXES)})")
+
+
+def _load_npy(p: Path, what: str) -> np.ndarray:
+    """A .npy file, its header checked against the file's size before any data is read (a
+    truncated file, or a header declaring more than the file holds, never allocates)."""
+    with open(p, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            f.seek(0)
+            kind = "a zip archive (.npz?)" if f.read(4) == b"PK\x03\x04" else "not a .npy file"
+            raise ValueError(
+                f"{what} {str(p)!r} could not be read as an array: it is {kind}; save one array with numpy.save"
+            )
+        f.seek(0)
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _fortran, dtype = read(f)
+        if dtype.hasobject:
+            raise ValueError(f"{what} {str(p)!r} holds Python objects; only numeric arrays are read")
+        declared = math.prod(shape) * dtype.itemsize
+        held = os.fstat(f.fileno()).st_size - f.tell()
+        if declared != held:
+            raise ValueError(
+                f"{what} {str(p)!r} could not be read as an array: its header declares shape {shape} of "
+                f"{dtype} ({declared} bytes) but the file holds {held} bytes of data (truncated or corrupt)"
+            )
+        f.seek(0)
+        return np.load(f, allow_pickle=False)
 
 
 def load_image(path: str | os.PathLike, what: str = "image", grey: bool = False) -> np.ndarray:
@@ -71,29 +99,41 @@ def load_any(path: str | os.PathLike, what: str, grey: bool = False) -> np.ndarr
     return load_image(path, what, grey) if is_image(path) else load_array(path, what)
 
 
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike) -> Iterator[IO[bytes]]:
-    """Open a temporary file beside `path`; rename it to `path` only if the block succeeds."""
+def check_output(path: str | os.PathLike, what: str = "output") -> Path:
+    """Check, before any work, that ``path`` can be written: its folder exists and it is not a
+    folder itself."""
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
     if not directory.is_dir():
-        raise FileNotFoundError(f"output directory {str(directory)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        raise FileNotFoundError(f"{what} {str(target)!r}: the folder {str(directory)!r} does not exist")
+    if target.is_dir():
+        raise ValueError(f"{what} {str(target)!r} is a folder; give a file name")
+    return target
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """Open a temporary file beside `path`; rename it to `path` only if the block succeeds.
+
+    The temporary file is created with mode 0666, so the process umask applies as to any new
+    file, without reading the umask (setting it, even for a moment, races other threads)."""
+    target = check_output(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    while True:
+        tmp = directory / f".{target.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def save_npz(path: str | os.PathLike, **arrays: np.ndarray) -> None:

@@ -3,9 +3,10 @@
 - ``"float32"``: scores accumulate in float32 from float32 operands. The reference.
 - ``"float64"``: the same in float64.
 - ``"exact"``: results equal to ``"float32"`` (ties aside). Where the device multiplies half
-  precision faster than float32, candidates are searched in half precision, every candidate
-  within a rigorous rounding bound of a row's k-th best is kept and re-scored in float32; a row
-  with more candidates than fit is searched again in float32. Elsewhere, plain float32.
+  precision faster than float32 (GPUs with tensor cores, CPUs with AMX: :func:`device_half`),
+  candidates are searched in half precision, every candidate within a rigorous rounding bound
+  of a row's k-th best is kept and re-scored in float32; a row with more candidates than fit is
+  searched again in float32. Elsewhere, plain float32.
 - ``"fast"``: scores in the fastest operand dtype the device has, with no re-scoring of the
   ranking (reported values are still recomputed in float32). Approximate: see docs/precision.md
   for its measured disagreement rate.
@@ -29,8 +30,6 @@ small bounds, however large the bound of far-away rows.
 
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -100,10 +99,10 @@ def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
         Their half-precision copies (what the product reads).
     """
     gamma = _gamma(q.shape[1])
-    qh32 = qh.to(q.dtype)
+    qh32 = qh.to(q.dtype, copy=True)  # the one (m, C) temporary: reused for the residual below
     nq = torch.linalg.vector_norm(q, dim=1)
     nqh = torch.linalg.vector_norm(qh32, dim=1)
-    dq = torch.linalg.vector_norm(q - qh32, dim=1)
+    dq = torch.linalg.vector_norm(qh32.sub_(q), dim=1)
     x = nq * _NORM_SLACK
     z = (dq + nqh * gamma) * _NORM_SLACK
     return torch.stack([x, z, torch.ones_like(x)], dim=1)
@@ -113,9 +112,9 @@ def ref_terms(r: torch.Tensor, rh: torch.Tensor) -> torch.Tensor:
     """The reference side of the per-pair rounding bound: (n, 3) rows ``(y, w, flush)`` of
     prepared float32 rows ``r`` and their half copies ``rh``."""
     gamma = _gamma(r.shape[1])
-    rh32 = rh.to(r.dtype)
-    y = torch.linalg.vector_norm(r - rh32, dim=1) + gamma * torch.linalg.vector_norm(r, dim=1)
+    rh32 = rh.to(r.dtype, copy=True)  # the one (n, C) temporary, as in query_terms
     w = torch.linalg.vector_norm(rh32, dim=1)
+    y = torch.linalg.vector_norm(rh32.sub_(r), dim=1) + gamma * torch.linalg.vector_norm(r, dim=1)
     return torch.stack([y, w, torch.full_like(y, _FLUSH * (r.shape[1] + 2))], dim=1)
 
 
@@ -126,49 +125,39 @@ def _half_candidates(device: torch.device, metric: str) -> tuple[torch.dtype, ..
     return (torch.bfloat16, torch.float16) if metric == "cosine" else (torch.bfloat16,)
 
 
-@functools.cache
-def _product_seconds(device: str, dtype: torch.dtype, c: int) -> float:
-    """Best of four: one (1024 x c) @ (c x 512) product into a reused block and its row maxima,
-    the work of one tile of the engine (a half-precision block is slower to reduce on a CPU)."""
-    dev = torch.device(device)
-    g = torch.Generator(device=dev).manual_seed(0)
-    a = torch.randn(1024, c, generator=g, device=dev).to(dtype)
-    b = torch.randn(512, c, generator=g, device=dev).to(dtype)
-    out = torch.empty(1024, 512, dtype=dtype, device=dev)
-    best = float("inf")
-    for _ in range(4):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        torch.mm(a, b.T, out=out).amax(1)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        best = min(best, time.perf_counter() - t)
-    return best
+def _cpu_has_amx() -> bool:
+    """Whether this CPU multiplies bfloat16 with AMX tiles (from torch's own CPU feature probe)."""
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    if probe is not None:
+        caps = probe()
+        return bool(caps.get("amx_bf16") and caps.get("amx_tile"))
+    tile = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(tile is not None and tile())
 
 
-def fastest_half(device: torch.device, metric: str, c: int, *, margin: float) -> torch.dtype | None:
-    """The half dtype whose products beat float32 by ``margin`` (a speed ratio) on this device,
-    or None. GPUs have tensor cores: half wins there without measuring. On a CPU it is measured
-    once per process and width (rounded up to a power of two): many CPUs without AMX multiply
-    bfloat16 at half the float32 rate."""
+def device_half(device: torch.device, metric: str) -> torch.dtype | None:
+    """The half dtype this device multiplies fastest, from what the device is, never timed.
+
+    CUDA devices with tensor cores (compute capability 7.0 and up): float16 for unit rows (an
+    8x tighter bound), else bfloat16 where supported. CPUs with AMX: bfloat16. Other CPUs and
+    older GPUs: None, since their half products are no faster than float32 (many CPUs without
+    AMX multiply bfloat16 at half the float32 rate).
+    """
     choices = _half_candidates(device, metric)
     if not choices:
         return None
     if device.type == "cuda":
-        return choices[-1]  # float16 for unit rows (8x tighter bound), else bfloat16
-    width = 1 << max(4, (c - 1).bit_length())
-    key = str(device)
-    base = _product_seconds(key, torch.float32, width)
-    timed = {dt: _product_seconds(key, dt, width) for dt in choices}
-    best = min(timed, key=timed.__getitem__)
-    return best if timed[best] * margin < base else None
+        return choices[-1] if torch.cuda.get_device_capability(device) >= (7, 0) else None
+    if device.type == "cpu" and _cpu_has_amx():
+        return torch.bfloat16
+    return None
 
 
 def resolve_precision(precision: str, device: torch.device, metric: str, c: int, *, float64: bool = False) -> Precision:
     """Turn a public precision name into a :class:`Precision` for this device and metric.
 
-    ``config_context(half=...)`` overrides the measured choice: ``"bfloat16"`` or ``"float16"``
+    The choice depends only on the device and the metric (:func:`device_half`), so every process
+    on one machine takes the same path. ``config_context(half=...)`` overrides it: ``"bfloat16"`` or ``"float16"``
     force that operand dtype for ``"exact"`` and ``"fast"``, ``"off"`` never uses half precision.
     l1 and linf have no product to speed up: they always score in float32 (or float64).
     """
@@ -182,8 +171,5 @@ def resolve_precision(precision: str, device: torch.device, metric: str, c: int,
     elif setting in HALF_DTYPES:
         half = HALF_DTYPES[setting]
     else:
-        # exact pays for the bound, the candidate pool and re-scoring (on this project's CPU,
-        # from a third of the half product's time at C=384 to 1.5 times it at C=64): only
-        # worth it with a clear margin
-        half = fastest_half(device, metric, c, margin=1.5 if precision == "exact" else 1.1)
+        half = device_half(device, metric)
     return Precision(precision, torch.float32, half, certify=precision == "exact")

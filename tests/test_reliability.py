@@ -1,0 +1,195 @@
+"""No silent wrong answers, no side effects: inputs at the edges, and calls that overlap in threads."""
+
+import concurrent.futures
+import contextvars
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import densematch
+from densematch import engine
+
+from ._reference import assert_topk_exact
+
+
+class TestInputs:
+    def test_numpy_scalars_work_wherever_python_numbers_do(self):
+        a, b = torch.randn(6, 7, 4), torch.randn(5, 6, 4)
+        want = densematch.match(a, b, k=2, ratio=0.8, memory=2**20)
+        got = densematch.match(a, b, k=np.int64(2), ratio=np.float32(0.8), memory=np.int64(2**20))
+        assert torch.equal(got.index, want.index) and torch.equal(got.valid, want.valid)
+        x, p = torch.randn(1, 4, 3, 3), torch.randn(5, 4)
+        assert densematch.nearest_prototype(x, p, memory=np.int32(2**20))[1].shape == (1, 3, 3)
+
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda: torch.randn(4, 4, 3).to_sparse(),
+            lambda: torch.empty(4, 4, 3, device="meta"),
+        ],
+        ids=["sparse", "meta"],
+    )
+    def test_sparse_and_meta_tensors_are_refused(self, make):
+        with pytest.raises(TypeError, match="a must"):
+            densematch.match(make(), torch.randn(4, 4, 3))
+
+    def test_complex_masks_are_refused(self):
+        with pytest.raises(TypeError, match="mask_a must be a boolean mask"):
+            densematch.match(torch.randn(3, 3, 2), torch.randn(3, 3, 2), mask_a=torch.ones(3, 3, dtype=torch.complex64))
+
+    def test_nan_under_a_mask_is_never_read(self):
+        # ragged batches padded with NaN under a mask: only the kept pixels must be finite
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(2, 5, 6, 3, generator=g), torch.randn(2, 4, 7, 3, generator=g)
+        ma, mb = torch.ones(2, 5, 6, dtype=torch.bool), torch.ones(2, 4, 7, dtype=torch.bool)
+        ma[1, 3:], mb[0, :, 5:] = False, False
+        a[1, 3:], b[0, :, 5:] = float("nan"), float("inf")
+        r = densematch.match(a, b, metric="l2", mask_a=ma, mask_b=mb, mutual=True)
+        assert (r.index[1, 3:] == -1).all() and not r.score[ma].isnan().any()
+        kept = r.coords[0, ..., 0] * 5 + r.coords[0, ..., 1]  # index among b's kept 4x5 pixels
+        assert_topk_exact(a[0].reshape(-1, 3), b[0, :, :5].reshape(-1, 3), kept.reshape(-1, 1), "l2", 1)
+        with pytest.raises(ValueError, match="b must hold only finite values"):
+            densematch.match(a[:1], b[:1], mask_a=ma[:1])
+
+    def test_float64_precision_reports_float64_scores(self):
+        a, b = torch.randn(20, 5, dtype=torch.float64), torch.randn(30, 5, dtype=torch.float64)
+        r = densematch.match(a, b, metric="l2", layout="flat", precision="float64")
+        assert r.score.dtype == torch.float64
+        torch.testing.assert_close(r.score, (a - b[r.index]).norm(dim=1), rtol=1e-12, atol=0)
+        assert densematch.match(a, b, layout="flat").score.dtype == torch.float32
+
+
+class TestNoProcessWideState:
+    def test_default_settings_are_never_touched(self, monkeypatch):
+        calls = []
+        monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda v: calls.append(v))
+        densematch.match(torch.randn(9, 9, 4), torch.randn(8, 8, 4))
+        assert calls == []
+
+    def test_overlapping_calls_in_threads_restore_the_callers_setting(self):
+        saved = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("medium")
+        start = threading.Barrier(4)
+        seen = []
+        real_rank = engine._Search.rank
+
+        def spy(self, *args):
+            seen.append(torch.get_float32_matmul_precision())
+            return real_rank(self, *args)
+
+        def one(seed):
+            g = torch.Generator().manual_seed(seed)
+            a, b = torch.randn(300, 16, generator=g), torch.randn(400, 16, generator=g)
+            start.wait()
+            return densematch.match(a, b, layout="flat", memory="256KiB").index
+
+        try:
+            engine._Search.rank = spy
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(one, range(4)))
+            after = torch.get_float32_matmul_precision()
+        finally:
+            engine._Search.rank = real_rank
+            torch.set_float32_matmul_precision(saved)
+        assert after == "medium"
+        assert seen and set(seen) == {"highest"}  # every tile ran with IEEE products
+        assert all(r.shape == (300,) for r in results)
+
+    def test_config_context_reaches_a_thread_pool_through_copy_context(self):
+        # contextvars do not follow work into threads; copy_context().run carries them
+        def budget():
+            return densematch.get_config()["memory"]
+
+        with densematch.config_context(memory="3MiB"), concurrent.futures.ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(budget).result()
+            carried = pool.submit(contextvars.copy_context().run, budget).result()
+        assert (plain, carried) == (None, "3MiB")
+
+
+class TestWarpChecks:
+    @pytest.mark.parametrize(
+        ("args", "error", "pattern"),
+        [
+            ((0.0, 1.0, 0.0, 0.0), ValueError, "scale_h must be positive"),
+            ((1.0, -1.0, 0.0, 0.0), ValueError, "scale_w must be positive"),
+            ((float("nan"), 1.0, 0.0, 0.0), ValueError, "scale_h must be finite"),
+            ((1.0, 1.0, float("inf"), 0.0), ValueError, "shift_y must be finite"),
+            ((1.0, 1.0, 0.0, "2"), TypeError, "shift_x must be a real number"),
+            ((1.0, 1.0, 0.0, True), TypeError, "shift_x must be a real number"),
+            (
+                (torch.ones(3), 1.0, 0.0, 0.0),
+                ValueError,
+                r"scale_h must be one number or one per image \(shape \(2,\)\)",
+            ),
+        ],
+    )
+    def test_bad_parameters(self, args, error, pattern):
+        with pytest.raises(error, match=pattern):
+            densematch.warp(torch.rand(2, 20, 20), *args, (8, 8))
+
+    @pytest.mark.parametrize(
+        ("image", "size", "error", "pattern"),
+        [
+            (torch.rand(20), (5, 5), ValueError, "image must have shape"),
+            (torch.rand(20, 20), (0, 5), ValueError, "size must be a pair"),
+            (torch.rand(20, 20), (5.0, 5), TypeError, "size must be a pair"),
+            (torch.rand(20, 20), 5, TypeError, "size must be a pair"),
+        ],
+    )
+    def test_bad_images_and_sizes(self, image, size, error, pattern):
+        with pytest.raises(error, match=pattern):
+            densematch.warp(image, 1.0, 1.0, 0.0, 0.0, size)
+
+    def test_per_image_parameters_still_work(self):
+        img = torch.rand(2, 20, 20)
+        out = densematch.warp(img, torch.tensor([1.0, 1.5]), 1.0, np.float32(2.0), 0, (8, 8))
+        torch.testing.assert_close(out[0], img[0, 2:10, :8])
+
+
+def test_align_accepts_any_valid_scale_range():
+    # a range past 4x used to crash on a size mismatch; wide ranges are searched in chunks
+    g = torch.Generator().manual_seed(3)
+    img = torch.nn.functional.avg_pool2d(torch.rand(1, 1, 40, 40, generator=g), 3, 1, 1)[0, 0]
+    t = densematch.warp(img, 1.3, 2.6, 3.0, 30.5, (16, 16))
+    a = densematch.align(t, img, scale_h=(0.5, 4.5), scale_w=(0.5, 4.5), objective="l2")
+    assert abs(a.scale_h - 1.3) < 1e-3 and abs(a.scale_w - 2.6) < 1e-3
+    assert abs(a.shift_y - 3.0) < 1e-2 and abs(a.shift_x - 30.5) < 1e-2
+
+
+@pytest.fixture(scope="module")
+def camera_pair():
+    from skimage import data
+
+    img = torch.from_numpy(data.camera()[180:300, 180:300].astype(np.float32) / 255)
+    noise = 0.01 * torch.randn(60, 60, generator=torch.Generator().manual_seed(0))
+    return densematch.warp(img, 1.1, 0.9, 4.25, 3.5, (60, 60)) + noise, img
+
+
+FIELDS = ("scale_h", "scale_w", "shift_y", "shift_x")
+
+
+@pytest.mark.parametrize("objective", ["l1", "l2", "ncc"])
+def test_align_is_invariant_to_the_images_amplitude(camera_pair, objective):
+    # fixed epsilons (the NCC denominator, the refinement's damping) once broke tiny or huge images
+    t, img = camera_pair
+    base = densematch.align(t, img, objective=objective)
+    assert abs(base.scale_h - 1.1) < 2e-3 and abs(base.shift_y - 4.25) < 0.05
+    power = {"l1": 1, "l2": 2, "ncc": 0}[objective]
+    for c in (1e-6, 255.0, 1e6):
+        r = densematch.align(c * t, c * img, objective=objective)
+        for f in FIELDS:
+            assert abs(getattr(r, f) - getattr(base, f)) < 1e-4, (c, f)
+        assert r.error == pytest.approx(base.error * c**power, rel=1e-3)
+
+
+@pytest.mark.parametrize("objective", ["l1", "ncc"])
+def test_align_on_integer_images_matches_float(camera_pair, objective):
+    t, img = camera_pair
+    t255, img255 = (t.clamp(0, 1) * 255).round(), (img * 255).round()
+    want = densematch.align(t255, img255, objective=objective)
+    for dtype in (torch.int32, torch.int64, torch.int16):
+        got = densematch.align(t255.to(dtype), img255.to(dtype), objective=objective)
+        for f in FIELDS:
+            assert abs(getattr(got, f) - getattr(want, f)) < 1e-4, (dtype, f)
