@@ -259,14 +259,14 @@ class TestPrecisionArgument:
         # TF32 (or bfloat16 on some CPUs) for float32 products, and reduced-precision sums in
         # cuBLAS's half products, would void the results and the bound: the search turns them off
         seen = []
-        rank = engine._Search.rank
+        rank = engine._Search.finalise
         cuda = torch.backends.cuda.matmul
 
         def spy(self, *args):
             seen.append((torch.get_float32_matmul_precision(), cuda.allow_bf16_reduced_precision_reduction))
             return rank(self, *args)
 
-        monkeypatch.setattr(engine._Search, "rank", spy)
+        monkeypatch.setattr(engine._Search, "finalise", spy)
         saved = torch.get_float32_matmul_precision(), cuda.allow_bf16_reduced_precision_reduction
         torch.set_float32_matmul_precision("medium")
         cuda.allow_bf16_reduced_precision_reduction = True

@@ -73,7 +73,7 @@ class TestNoProcessWideState:
         torch.set_float32_matmul_precision("medium")
         start = threading.Barrier(4)
         seen = []
-        real_rank = engine._Search.rank
+        real_rank = engine._Search.finalise
 
         def spy(self, *args):
             seen.append(torch.get_float32_matmul_precision())
@@ -86,12 +86,12 @@ class TestNoProcessWideState:
             return densematch.match(a, b, layout="flat", memory="256KiB").index
 
         try:
-            engine._Search.rank = spy
+            engine._Search.finalise = spy
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 results = list(pool.map(one, range(4)))
             after = torch.get_float32_matmul_precision()
         finally:
-            engine._Search.rank = real_rank
+            engine._Search.finalise = real_rank
             torch.set_float32_matmul_precision(saved)
         assert after == "medium"
         assert seen and set(seen) == {"highest"}  # every tile ran with IEEE products
@@ -193,3 +193,113 @@ def test_align_on_integer_images_matches_float(camera_pair, objective):
         got = densematch.align(t255.to(dtype), img255.to(dtype), objective=objective)
         for f in FIELDS:
             assert abs(getattr(got, f) - getattr(want, f)) < 1e-4, (dtype, f)
+
+
+@pytest.fixture(scope="module")
+def quantised_sift():
+    """Dense SIFT of a real photo and of a shifted, noisier copy, quantised as SIFT files store
+    it (x 512, rounded): integer rows, whose squared distances float32 holds exactly."""
+    pytest.importorskip("kornia")
+    from skimage import data
+
+    from densematch.features import dense_features
+
+    img = data.camera().astype(np.float32) / 255
+    noisy = img + np.random.default_rng(0).normal(0, 0.02, img.shape).astype(np.float32)
+    one = dense_features(img[100:164, 100:164], "dsift").reshape(-1, 128)
+    two = dense_features(noisy[103:167, 98:162], "dsift").reshape(-1, 128)
+    return (one * 512).round().detach(), (two * 512).round().detach()
+
+
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "dot", "l1"])
+def test_exact_ties_go_to_the_lowest_index(quantised_sift, metric):
+    g = torch.Generator().manual_seed(0)
+    d, other = quantised_sift
+    # every reference twice, shuffled: each query's best has an exact duplicate elsewhere
+    b = torch.cat([d, d])[torch.randperm(2 * d.shape[0], generator=g)]
+    a = other[torch.randperm(other.shape[0], generator=g)[:500]]
+    # a small budget: many reference tiles, so duplicates meet in different products
+    r = densematch.match(a, b, metric=metric, layout="flat", k=2, memory="2MiB")
+    ref = reference_scores_exact(a, b, metric)
+    best = ref.max(1, keepdim=True).values
+    lowest = torch.where(ref == best, torch.arange(b.shape[0]), b.shape[0]).amin(1)
+    assert torch.equal(r.index[:, 0], lowest)
+    # and the second slot is the next lowest index at the same exact score (the duplicate)
+    second = torch.where(
+        (ref == best) & (torch.arange(b.shape[0]) > lowest[:, None]), torch.arange(b.shape[0]), b.shape[0]
+    )
+    assert torch.equal(r.index[:, 1], second.amin(1))
+
+
+def reference_scores_exact(a: torch.Tensor, b: torch.Tensor, metric: str) -> torch.Tensor:
+    """float64 scores of integer rows, exact for the distances (no expansion)."""
+    a, b = a.double(), b.double()
+    if metric in ("l2", "sqeuclidean"):
+        return -torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist").square()
+    if metric == "l1":
+        return -torch.cdist(a, b, p=1)
+    dots = a @ b.T  # integer sums below 2^53: exact in any order
+    if metric == "cosine":
+        return dots / (a.norm(dim=1)[:, None] * b.norm(dim=1)[None, :])
+    return dots
+
+
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "l1"])
+def test_exact_ties_between_different_rows_go_to_the_lowest_index(quantised_sift, metric):
+    # each query's true nearest descriptor r and its mirror 2q - r are exactly as far from q:
+    # an expansion rounds the two distances differently, the direct form does not
+    d, other = quantised_sift
+    a = other[:400]
+    nearest = reference_scores_exact(a, d, metric).argmax(1)
+    b = torch.cat([d, 2 * a - d[nearest]])
+    b = b[torch.randperm(b.shape[0], generator=torch.Generator().manual_seed(1))]
+    r = densematch.match(a, b, metric=metric, layout="flat")
+    ref = reference_scores_exact(a, b, metric)
+    cols = torch.arange(b.shape[0])
+    lowest = torch.where(ref == ref.max(1, keepdim=True).values, cols, b.shape[0]).amin(1)
+    assert ((ref == ref.max(1, keepdim=True).values).sum(1) >= 2).float().mean() > 0.5  # most rows tie
+    assert torch.equal(r.index, lowest)
+
+
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "dot", "cosine", "l1"])
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-19, 1e19, 1e30])
+def test_extreme_but_finite_features_rank_as_unit_ones(metric, magnitude):
+    # a common scale changes no ranking: the answer at 1e19 is the answer at 1, never NaN
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(10, 10, 64, generator=g), torch.randn(10, 10, 64, generator=g)
+    want = densematch.match(a, b, metric=metric, k=2)
+    got = densematch.match(a * magnitude, b * magnitude, metric=metric, k=2)
+    assert torch.equal(got.index, want.index)
+    degree = {"cosine": 0, "dot": 2, "sqeuclidean": 2}.get(metric, 1)
+    expected = want.score.double() * magnitude**degree
+    info = torch.finfo(torch.float32)
+    normal = (expected.abs() < info.max) & (expected.abs() > info.tiny)
+    assert not got.score.isnan().any()
+    torch.testing.assert_close(got.score.double()[normal], expected[normal], rtol=1e-5, atol=0)
+    # past float32's range, inf; below it, (nearly) 0: as float32 rounds the true values
+    assert got.score[expected.abs() >= info.max].isinf().all()
+    assert (got.score.double()[expected.abs() <= info.tiny].abs() <= info.tiny).all()
+
+
+def test_float64_features_beyond_float32s_range():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(40, 8, generator=g, dtype=torch.float64), torch.randn(50, 8, generator=g, dtype=torch.float64)
+    want = densematch.match(a, b, metric="l2", layout="flat")
+    got = densematch.match(a * 1e300, b * 1e300, metric="l2", layout="flat")
+    assert torch.equal(got.index, want.index) and (got.index >= 0).all()
+    exact = densematch.match(a * 1e300, b * 1e300, metric="l2", layout="flat", precision="float64")
+    torch.testing.assert_close(exact.score, want.score.double() * 1e300, rtol=1e-5, atol=0)
+
+
+def test_cosine_treats_only_exact_zeros_as_zero_vectors():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(30, 16, generator=g), torch.randn(40, 16, generator=g)
+    tiny = a.clone()
+    tiny[::3] *= 1e-25  # norms far below 1e-12, still well inside float32
+    tiny[1] = 0.0
+    want = densematch.match(a, b, layout="flat")
+    got = densematch.match(tiny, b, layout="flat")
+    rows = torch.arange(30) != 1
+    assert torch.equal(got.index[rows], want.index[rows])
+    torch.testing.assert_close(got.score[rows], want.score[rows])
+    assert got.score[1] == 0 and got.index[1] == 0  # a zero vector scores 0 everywhere: ties to 0

@@ -24,7 +24,7 @@ import torch
 
 from . import kernels
 from .metrics import Metric, get_metric
-from .precision import query_terms, ref_terms, unit_roundoff
+from .precision import product_slack, query_terms, ref_terms, unit_roundoff
 
 __all__ = ["TilePlan", "plan_tiles", "topk"]
 
@@ -46,10 +46,11 @@ class TilePlan:
     bytes: int
 
 
-def _rescore_bytes(cp: int, c: int) -> int:
-    """Bytes to re-score one candidate: its query and reference rows gathered (raw and
-    prepared, float32 or float64 at most), and its indices and score."""
-    return 8 * cp + 8 * c + 64
+def _rescore_bytes(c: int) -> int:
+    """Bytes to re-score one candidate by the direct form: its raw query and reference rows
+    gathered, their copies in the compute dtype, and their difference or unit copies (8-byte
+    items at most), and its indices and score."""
+    return 6 * 8 * c + 64
 
 
 def _working_set(
@@ -67,11 +68,13 @@ def _working_set(
     cdist: bool,
     half_item: int = 0,
     cap: int = 0,
+    ties: int = 0,
     kernel: bool = False,
 ) -> int:
     """Bytes one call of :func:`topk` holds at once for tiles of (ta, tb). Each term is named.
     ``half_item`` is the byte size of half-precision operands (0: none), ``cap`` the candidates
-    kept per row by the certified search, and ``kernel`` says the fused kernel ranks (its score
+    kept per row by the certified search, ``ties`` those kept by the plain search's near-tie
+    pool, and ``kernel`` says the fused kernel ranks (its score
     tiles never leave the chip)."""
     row_prep = cp * (item + half_item) + c * in_item  # a gathered raw row, its prepared copies
     refs = (nb if whole_b else tb) * row_prep  # prepared references: all, or one tile
@@ -80,7 +83,7 @@ def _working_set(
     state = na * k * (item + 8)  # running top-k: value + int64 index
     merge = ta * 2 * k * (item + 8) * 3  # candidates of a merge, and their sorts
     final = ta * k * c * (in_item + 4 * item)  # chosen rows regathered, repeated, differenced
-    rescore = ta * _rescore_bytes(cp, c)  # certified: one chunk of candidates re-scored
+    rescore = ta * _rescore_bytes(c)  # certified: one chunk of candidates re-scored
     if kernel:
         # the kernel's running top-k (value + int32 index, k slots rounded up), and the
         # certificate's candidate slots, counters and bound terms
@@ -103,6 +106,10 @@ def _working_set(
             + (nb if whole_b else tb) * (3 * item + cp * item)
             + ta * cp * item
         )
+    if ties:
+        # the near-tie pool (row, column, score, up to twice ties per row while pruning, and its
+        # sorts), the hot rows' scores gathered with their pass mask, and the re-scoring chunk
+        pool += ta * ties * 20 * 4 + ta * tb * (item + 1) + ta * _rescore_bytes(c)
     return refs + queries + scores + reduce + state + merge + final + pool
 
 
@@ -121,6 +128,7 @@ def plan_tiles(
     reserved: int = 0,
     half: torch.dtype | None = None,
     cap: int = 0,
+    ties: int = 0,
     kernel: bool = False,
 ) -> TilePlan:
     """Choose tile sizes whose whole working set fits in ``budget`` bytes.
@@ -151,6 +159,7 @@ def plan_tiles(
         cdist=metric.p is not None,
         half_item=0 if half is None else torch.finfo(half).bits // 8,
         cap=cap,
+        ties=ties,
         kernel=kernel,
     )
     minimum = _working_set(1, 1, whole_b=False, **kw) + reserved
@@ -382,7 +391,12 @@ def topk(
         stats.update(rows=na, candidates=0, most=0, fallback=0)
     if na == 0 or nb == 0:
         return value, index
-    cap = max(CANDIDATES, 4 * k) if half is not None and certify else 0
+    # half precision is certified (candidates within its bound, re-scored); a plain search of a
+    # matrix metric settles its near-ties by the direct form (ties: an expansion rounds equal
+    # distances unequally, and exact ties must go to the lowest index)
+    cap = max(CANDIDATES, 4 * k)
+    half_cap = cap if half is not None and certify else 0
+    ties = half is None and not use_kernel and metric.p is None and certify
     plan = plan_tiles(
         na,
         nb,
@@ -396,17 +410,20 @@ def topk(
         tiles=tiles,
         reserved=reserved,
         half=half,
-        cap=cap,
+        cap=half_cap,
+        ties=cap if ties else 0,
         kernel=use_kernel,
     )
     with torch.inference_mode(), _strict_products(device):
+        scale = _common_scale(a, b, rows_a, rows_b, plan.tile_a)
+        inputs = (a, b, rows_a, rows_b, metric, dtype, plan, k, scale)
         if use_kernel:
-            # without half, the kernel multiplies float32 operands
-            search: _Search = _KernelSearch(a, b, rows_a, rows_b, metric, dtype, plan, k, half or dtype, cap, stats)
+            # without half, the kernel multiplies float32 operands and its top-k is final
+            search: _Search = _KernelSearch(*inputs, half or dtype, half_cap, stats)
         elif half is not None:
-            search = _HalfSearch(a, b, rows_a, rows_b, metric, dtype, plan, k, half, cap, stats)
+            search = _HalfSearch(*inputs, half, half_cap, stats)
         else:
-            search = _Search(a, b, rows_a, rows_b, metric, dtype, plan, k)
+            search = _Search(*inputs, ties=cap if ties else 0)
         ta, tb = plan.tile_a, plan.tile_b
         buf = None
         start = 0
@@ -414,7 +431,7 @@ def topk(
             stop = min(start + ta, na)
             try:
                 if buf is None:  # one block of scores, reused by every tile pair
-                    size = ta * _rescore_bytes(c + metric.extra_columns, c) if use_kernel else ta * tb
+                    size = ta * _rescore_bytes(c) if use_kernel else ta * tb
                     buf = torch.empty(size, dtype=torch.uint8 if use_kernel else half or dtype, device=device)
                 search.rank(value[start:stop], index[start:stop], start, buf)
             except torch.cuda.OutOfMemoryError:
@@ -444,9 +461,13 @@ class _Search:
         dtype: torch.dtype,
         plan: TilePlan,
         k: int,
+        scale: float = 1.0,
+        *,
+        ties: int = 0,
     ) -> None:
         self.a, self.b, self.rows_a, self.rows_b = a, b, rows_a, rows_b
-        self.metric, self.dtype, self.tile_b = metric, dtype, plan.tile_b
+        self.metric, self.dtype, self.tile_b, self.scale = metric, dtype, plan.tile_b, scale
+        self.ties = ties
         self.nb = b.shape[0] if rows_b is None else rows_b.numel()
         self.merge = _merge_best if k == 1 else _merge_topk
         self.centre = self._reference_mean() if metric.centred else None
@@ -454,24 +475,79 @@ class _Search:
         self.whole: torch.Tensor | None = None
         if plan.whole_b:
             self.whole = self._prepare_refs(0, self.nb)
+        if ties:
+            # the largest prepared reference norm: with a query's own norm, it bounds how far
+            # the compute dtype's product can be from the exact one for every pair of the row
+            self.ref_norm = max(
+                float(torch.linalg.vector_norm(self._prepare_refs(j, j + self.tile_b), dim=1).amax())
+                for j in range(0, self.nb, self.tile_b)
+            )
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw rows times the common scale (a power of two: exact), in their own dtype."""
+        return x if self.scale == 1.0 else x * self.scale
 
     def _reference_mean(self) -> torch.Tensor:
         total = torch.zeros(self.b.shape[1], dtype=self.dtype, device=self.b.device)
         for j in range(0, self.nb, self.tile_b):
-            total += _rows(self.b, self.rows_b, j, j + self.tile_b).sum(0, dtype=self.dtype)
+            total += self._scaled(_rows(self.b, self.rows_b, j, j + self.tile_b)).sum(0, dtype=self.dtype)
         return total / self.nb
 
     def _prepare_refs(self, start: int, stop: int) -> torch.Tensor:
         if self.whole is not None:
             return self.whole[start:stop]
-        return self.metric.prepare(_rows(self.b, self.rows_b, start, stop), "ref", self.dtype, self.centre)
+        rows = self._scaled(_rows(self.b, self.rows_b, start, stop))
+        return self.metric.prepare(rows, "ref", self.dtype, self.centre)
 
     def _prepare_queries(self, start: int, m: int) -> torch.Tensor:
-        return self.metric.prepare(_rows(self.a, self.rows_a, start, start + m), "query", self.dtype, self.centre)
+        rows = self._scaled(_rows(self.a, self.rows_a, start, start + m))
+        return self.metric.prepare(rows, "query", self.dtype, self.centre)
 
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         """Merge every reference tile into the running top-k of the query tile at ``start``."""
-        self._scan(self._prepare_queries(start, best_v.shape[0]), best_v, best_i, buf)
+        q = self._prepare_queries(start, best_v.shape[0])
+        if not self.ties:
+            self._scan(q, best_v, best_i, buf)
+            return
+        # each product is within `slack` of the exact one; the exact top k then all score at
+        # least the k-th best minus twice that, and rows with more such candidates than k are
+        # settled by the direct form (a row with more than `ties` keeps its products' ranking)
+        slack = product_slack(q, self.ref_norm)
+        pool = _Pool(q.shape[0], self.ties, q.device, self.dtype, lazy=True)
+
+        def collect(s: torch.Tensor, j: int, rowmax: torch.Tensor) -> None:
+            floor = best_v[:, -1] - 2 * slack
+            hot = (rowmax >= floor).nonzero().squeeze(1)
+            if hot.numel():
+                pool.add(s if hot.numel() == s.shape[0] else s.index_select(0, hot), j, floor, hot)
+
+        self._scan(q, best_v, best_i, buf, collect=collect)
+        rows, cols = pool.finish(best_v[:, -1] - 2 * slack)
+        crowded = torch.bincount(rows, minlength=q.shape[0]) > best_v.shape[1]
+        keep = crowded[rows]
+        if bool(keep.any()):
+            rows, cols = rows[keep], cols[keep]
+            score = self._direct_scores(start, rows, cols, buf)
+            v, i = best_v[crowded], best_i[crowded]
+            local = torch.cumsum(crowded, 0)[rows] - 1  # rows renumbered among the crowded
+            _best_of_candidates(local, cols, score, v.fill_(-math.inf), i.fill_(-1))
+            best_v[crowded], best_i[crowded] = v, i
+
+    def _direct_scores(self, start: int, rows: torch.Tensor, cols: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """The metric's direct scores of candidates (rows of the query tile at ``start``, reference
+        positions ``cols``) in the compute dtype, in chunks within the bytes of ``buf``."""
+        score = torch.empty(rows.numel(), dtype=self.dtype, device=rows.device)
+        step = max(1, buf.numel() * buf.element_size() // _rescore_bytes(self.a.shape[1]))
+        queries = start + rows if self.rows_a is None else self.rows_a[start + rows]
+        for s in range(0, rows.numel(), step):
+            a = self._scaled(self.a.index_select(0, queries[s : s + step]))
+            r = self._scaled(self._gather_refs(cols[s : s + step]))
+            score[s : s + step] = self.metric.direct_score(a.to(self.dtype), r.to(self.dtype))
+        return score
+
+    def _gather_refs(self, cols: torch.Tensor) -> torch.Tensor:
+        """Raw rows of b at reference positions ``cols`` (positions among the allowed rows)."""
+        return self.b.index_select(0, cols if self.rows_b is None else self.rows_b[cols])
 
     def _scan(
         self,
@@ -480,9 +556,11 @@ class _Search:
         best_i: torch.Tensor,
         buf: torch.Tensor,
         refs: Callable[[int, int], torch.Tensor] | None = None,
+        collect: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None,
     ) -> None:
         """The plain search of prepared query rows ``q`` over every reference tile that
-        ``refs(start, stop)`` gives (default: the prepared references), scores in ``buf``."""
+        ``refs(start, stop)`` gives (default: the prepared references), scores in ``buf``;
+        ``collect(block, offset, row_maxima)`` sees each merged block."""
         refs = refs or self._prepare_refs
         m = q.shape[0]
         best_v.fill_(-math.inf)
@@ -490,7 +568,9 @@ class _Search:
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
             s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n))
-            self.merge(s, j, best_v, best_i)
+            rowmax = self.merge(s, j, best_v, best_i)
+            if collect is not None:
+                collect(s, j, rowmax)
 
     def finalise(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int) -> None:
         """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""
@@ -500,11 +580,15 @@ class _Search:
         if self.rows_b is not None:
             best_i.copy_(torch.where(found, self.rows_b[local], best_i))
             local = best_i.clamp_min(0)
-        q = _rows(self.a, self.rows_a, start, start + best_i.shape[0]).to(self.dtype)
-        r = self.b.index_select(0, local.reshape(-1)).to(self.dtype)
+        q = self._scaled(_rows(self.a, self.rows_a, start, start + best_i.shape[0])).to(self.dtype)
+        r = self._scaled(self.b.index_select(0, local.reshape(-1))).to(self.dtype)
         v = self.metric.pair_value(q[:, None, :], r.view(-1, k, r.shape[-1]))
         missing = math.inf if self.metric.higher_is_better else -math.inf
         v, i = _order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
+        if self.scale != 1.0 and self.metric.degree:
+            # ordered at the search's scale, then back to the caller's units: a value past the
+            # dtype's range (only where the inputs had to be rescaled) becomes inf, never NaN
+            v = v / self.scale**self.metric.degree
         best_v.copy_(torch.where(i >= 0, v, math.nan))
         best_i.copy_(i)
 
@@ -529,11 +613,12 @@ class _HalfSearch(_Search):
         dtype: torch.dtype,
         plan: TilePlan,
         k: int,
+        scale: float,
         half: torch.dtype,
         cap: int,
         stats: dict[str, int] | None,
     ) -> None:
-        super().__init__(a, b, rows_a, rows_b, metric, dtype, plan, k)
+        super().__init__(a, b, rows_a, rows_b, metric, dtype, plan, k, scale)
         self.half, self.cap, self.stats = half, cap, stats
         self.whole_h = None if self.whole is None else self.whole.to(half)
         self.whole_t = None
@@ -564,7 +649,7 @@ class _HalfSearch(_Search):
         u = unit_roundoff(self.half)
         rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
-        pool = _Pool(m, self.cap, q.device)
+        pool = _Pool(m, self.cap, q.device, self.dtype)
         bounds = torch.empty(2, m * min(self.tile_b, self.nb), dtype=self.dtype, device=q.device)
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
@@ -575,7 +660,7 @@ class _HalfSearch(_Search):
             # reaches the floor can gain a candidate or a better floor: after the first tiles,
             # few do, and the others cost one row maximum, as in the float32 search
             top = terms.amax(0)
-            reach = s.amax(1).float() + qt @ top + reach_rows * top[1]
+            reach = s.amax(1).to(self.dtype) + qt @ top + reach_rows * top[1]
             hot = (reach >= best_v[:, -1]).nonzero().squeeze(1)
             h = hot.numel()
             if h == 0:
@@ -592,11 +677,12 @@ class _HalfSearch(_Search):
                 best_v[hot], best_i[hot] = v, i
             pool.add(e.add_(sub), j, best_v[:, -1], hot)
         rows, cols = pool.finish(best_v[:, -1])
-        self._settle(q, rows, cols, pool.over, best_v, best_i, buf)
+        self._settle(q, start, rows, cols, pool.over, best_v, best_i, buf)
 
     def _settle(
         self,
         q: torch.Tensor,
+        start: int,
         rows: torch.Tensor,
         cols: torch.Tensor,
         over: torch.Tensor,
@@ -604,16 +690,13 @@ class _HalfSearch(_Search):
         best_i: torch.Tensor,
         buf: torch.Tensor,
     ) -> None:
-        """Re-score the candidates (rows, cols) in float32 into the running top-k, and search the
-        ``over`` rows again in float32, in the bytes of ``buf``."""
+        """Re-score the candidates (rows, cols) of the query tile at ``start`` by the metric's
+        direct form in the compute dtype into the running top-k, and search the ``over`` rows
+        (prepared rows of ``q``) again in the compute dtype, in the bytes of ``buf``."""
         m, k = best_v.shape
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        score = torch.empty(rows.numel(), dtype=self.dtype, device=q.device)
-        step = max(1, buf.numel() * buf.element_size() // _rescore_bytes(q.shape[1], self.a.shape[1]))
-        for s in range(0, rows.numel(), step):
-            r = self.metric.prepare(self._gather_refs(cols[s : s + step]), "ref", self.dtype, self.centre)
-            torch.linalg.vecdot(q.index_select(0, rows[s : s + step]), r, out=score[s : s + step])
+        score = self._direct_scores(start, rows, cols, buf)
         _best_of_candidates(rows, cols, score, best_v, best_i)
         redo = over.nonzero().squeeze(1)
         if redo.numel():
@@ -637,10 +720,6 @@ class _HalfSearch(_Search):
         for s in range(0, q.shape[0], step):
             self._scan(q[s : s + step], v[s : s + step], i[s : s + step], flat)
         return v, i
-
-    def _gather_refs(self, cols: torch.Tensor) -> torch.Tensor:
-        """Raw rows of b at reference positions ``cols`` (positions among the allowed rows)."""
-        return self.b.index_select(0, cols if self.rows_b is None else self.rows_b[cols])
 
 
 class _KernelSearch(_HalfSearch):
@@ -684,7 +763,7 @@ class _KernelSearch(_HalfSearch):
         over = cert["count"] > self.cap
         listed = (cert["cand"] >= 0) & ~over[:, None]
         rows, slot = listed.nonzero().unbind(1)
-        self._settle(q, rows, cert["cand"][rows, slot].long(), over, best_v, best_i, buf)
+        self._settle(q, start, rows, cert["cand"][rows, slot].long(), over, best_v, best_i, buf)
 
     def _search_float32(self, q: torch.Tensor, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The overflowing rows again, through the kernel in IEEE float32 (their order within
@@ -696,46 +775,84 @@ class _KernelSearch(_HalfSearch):
 class _Pool:
     """Candidates of one query tile: every (row, column) whose upper bound reaches the row's
     floor (the running k-th best lower bound). Rows that collect more than ``cap`` are marked
-    ``over`` and collect no more."""
+    ``over`` and collect no more. With ``lazy``, new candidates wait in a list and the pool is
+    pruned only when it holds more than ``cap`` per row on average (for floors that rarely
+    change, this saves a pass over the pool for every tile)."""
 
-    def __init__(self, m: int, cap: int, device: torch.device) -> None:
-        self.m, self.cap = m, cap
+    def __init__(self, m: int, cap: int, device: torch.device, dtype: torch.dtype, lazy: bool = False) -> None:
+        self.m, self.cap, self.lazy = m, cap, lazy
         self.rows = torch.empty(0, dtype=torch.int64, device=device)
         self.cols = torch.empty(0, dtype=torch.int64, device=device)
-        self.vals = torch.empty(0, dtype=torch.float32, device=device)
+        self.vals = torch.empty(0, dtype=dtype, device=device)
         self.over = torch.zeros(m, dtype=torch.bool, device=device)
+        self.overflowed = False
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.held = 0
 
     def add(self, upper: torch.Tensor, offset: int, floor: torch.Tensor, rows: torch.Tensor) -> None:
         """Collect from the block of upper bounds ``upper`` (len(rows), n) of the pool's ``rows``
-        against reference tile ``offset``; ``floor`` has one value per row of the pool."""
-        local = ((upper.amax(1) >= floor[rows]) & ~self.over[rows]).nonzero().squeeze(1)
-        if local.numel() == 0:
-            return
-        hot = rows[local]
-        sub = upper.index_select(0, local)
+        against reference tile ``offset``; ``floor`` has one value per row of the pool. The
+        caller may pass only rows whose best bound reaches the floor (the lazy pool's caller
+        does; the check is repeated otherwise)."""
+        if self.lazy and not self.overflowed:
+            local = None
+        else:
+            reach = ~self.over[rows] if self.lazy else (upper.amax(1) >= floor[rows]) & ~self.over[rows]
+            local = reach.nonzero().squeeze(1)
+            if local.numel() == 0:
+                return
+        every = local is None or local.numel() == rows.numel()
+        hot = rows if every else rows[local]
+        sub = upper if every else upper.index_select(0, local)
         passing = sub >= floor[hot, None]
         # a row with more than cap new candidates overflows at once, before any are listed
-        burst = passing.sum(1) > self.cap
-        if bool(burst.any()):
-            self.over[hot[burst]] = True
-            passing[burst] = False
+        # (counted per row only when the block holds that many in all)
+        if int(torch.count_nonzero(passing)) > self.cap:
+            burst = passing.sum(1) > self.cap
+            if bool(burst.any()):
+                self.over[hot[burst]] = True
+                self.overflowed = True
+                passing[burst] = False
         r, col = passing.nonzero().unbind(1)
-        self.rows = torch.cat([self.rows, hot[r]])
-        self.cols = torch.cat([self.cols, col + offset])
-        self.vals = torch.cat([self.vals, sub[r, col].float()])
-        self._prune(floor)
+        self.pending.append((hot[r], col + offset, sub[r, col].to(self.vals.dtype)))
+        self.held += r.numel()
+        if not self.lazy or self.held > self.m * self.cap:
+            self._prune(floor)
 
     def _prune(self, floor: torch.Tensor) -> None:
+        if self.pending:
+            parts = [(self.rows, self.cols, self.vals), *self.pending]
+            self.rows, self.cols, self.vals = (torch.cat(p) for p in zip(*parts, strict=True))
+            self.pending = []
         keep = self.vals >= floor[self.rows]
         counts = torch.bincount(self.rows[keep], minlength=self.m)
         self.over |= counts > self.cap
+        self.overflowed = bool(self.over.any())
         keep &= ~self.over[self.rows]
         self.rows, self.cols, self.vals = self.rows[keep], self.cols[keep], self.vals[keep]
+        self.held = self.rows.numel()
 
     def finish(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The final candidates (rows, columns), pruned with the final floor."""
         self._prune(floor)
         return self.rows, self.cols
+
+
+def _common_scale(
+    a: torch.Tensor, b: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None, step: int
+) -> float:
+    """A power of two that brings the largest magnitude of the rows searched into [1, 2) when it
+    lies outside [2^-32, 2^32], else 1. Rankings do not change under a common positive scale,
+    and without it the l2 expansion's squared norms (and float32 copies of float64 features)
+    overflow from about 1e19 (3.4e38 for float64 inputs) and underflow below about 1e-19."""
+    peak = 0.0
+    for x, rows in ((a, rows_a), (b, rows_b)):
+        n = x.shape[0] if rows is None else rows.numel()
+        for start in range(0, n, max(1, step)):
+            peak = max(peak, float(_rows(x, rows, start, start + step).abs().amax()))
+    if peak == 0.0 or 2.0**-32 <= peak <= 2.0**32:
+        return 1.0
+    return 2.0 ** -math.floor(math.log2(peak))
 
 
 def _best_of_candidates(

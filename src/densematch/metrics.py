@@ -3,7 +3,8 @@
 Inside the engine every metric is a *score* where higher is better, so one top-k serves all.
 Matrix metrics score a tile with one matrix product:
 
-- cosine: rows are L2-normalised (zero rows stay zero and score 0), score = a . b.
+- cosine: rows are L2-normalised (only exact zero rows stay zero, and score 0; a row's own
+  largest magnitude divides it first, so no row is too small or too large), score = a . b.
 - dot: score = a . b.
 - l2, sqeuclidean: both sides are centred on the reference mean (distances do not change, the
   norms shrink, and so does the cancellation of the expansion); the query gets a column of ones
@@ -23,7 +24,15 @@ import torch
 
 __all__ = ["METRICS", "Metric", "get_metric"]
 
-_EPS = 1e-12
+
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` (..., C) scaled to unit length in place, whatever their magnitude: each row
+    is divided by its largest magnitude first (its squares can then neither overflow nor
+    underflow), then by its norm. Exact zero rows stay zero."""
+    peak = x.abs().amax(-1, keepdim=True)
+    x.div_(torch.where(peak > 0, peak, 1.0))
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x.div_(torch.where(norm > 0, norm, 1.0))
 
 
 @dataclass(frozen=True)
@@ -87,10 +96,7 @@ class Metric:
                 torch.linalg.vecdot(body, body, out=out[:, c]).mul_(-0.5)
             return out
         out = x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
-        if self.name == "cosine":
-            norms = torch.linalg.vector_norm(out, dim=1, keepdim=True).clamp_min_(_EPS)
-            out.div_(norms)
-        return out
+        return unit_rows(out) if self.name == "cosine" else out
 
     def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of shape (len(q), len(r)), higher is better, of prepared rows."""
@@ -119,15 +125,29 @@ class Metric:
             Cosine similarity, dot product, or the distance for the other metrics.
         """
         if self.name == "cosine":
-            na = torch.linalg.vector_norm(a, dim=-1, keepdim=True).clamp_min(_EPS)
-            nb = torch.linalg.vector_norm(b, dim=-1, keepdim=True).clamp_min(_EPS)
-            return ((a / na) * (b / nb)).sum(-1)
+            return (_unit(a) * _unit(b)).sum(-1)
         if self.name == "dot":
             return (a * b).sum(-1)
         d = a - b
         if self.name == "sqeuclidean":
             return d.square().sum(-1)
         return torch.linalg.vector_norm(d, ord=2 if self.p is None else self.p, dim=-1)
+
+    @property
+    def degree(self) -> int:
+        """How values scale with the rows: scaling both by s scales the value by s ** degree."""
+        return {"cosine": 0, "dot": 2, "sqeuclidean": 2}.get(self.name, 1)
+
+    def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Scores of row pairs (n, C) from raw rows in the compute dtype, higher is better,
+        computed directly (no expansion, no centring): equal rows give equal scores, and for l2
+        integer features give exact integers, so exact ties stay exact."""
+        if self.name == "cosine":
+            return torch.linalg.vecdot(unit_rows(a.clone()), unit_rows(b.clone()))
+        if self.name == "dot":
+            return torch.linalg.vecdot(a, b)
+        d = a - b
+        return torch.linalg.vecdot(d, d).neg_() if self.centred else torch.linalg.vector_norm(d, self.p, dim=-1).neg_()
 
     def ratio_distance(self, value: torch.Tensor) -> torch.Tensor:
         """The distance Lowe's ratio test compares: chord distance for cosine, Euclidean for
@@ -139,6 +159,15 @@ class Metric:
         if self.name == "dot":
             raise ValueError("ratio is undefined for metric='dot': dot products are not distances")
         return value
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """Unit rows of ``x`` (differentiable; zero rows give zero): scaled by their largest
+    magnitude before the norm, as in :func:`unit_rows`."""
+    peak = x.detach().abs().amax(-1, keepdim=True)
+    x = x / torch.where(peak > 0, peak, 1.0)
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x / torch.where(norm > 0, norm, 1.0)
 
 
 METRICS: dict[str, Metric] = {

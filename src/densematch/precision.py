@@ -36,7 +36,7 @@ import torch
 
 from .budget import get_config
 
-__all__ = ["PRECISIONS", "RANKINGS", "Precision", "query_terms", "ref_terms", "resolve_precision"]
+__all__ = ["PRECISIONS", "RANKINGS", "Precision", "product_slack", "query_terms", "ref_terms", "resolve_precision"]
 
 # nearest_prototype takes these: its compute dtype follows its inputs (float64 for float64)
 RANKINGS = ("exact", "float32", "fast")
@@ -79,9 +79,19 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2.0
 
 
-def _gamma(c: int) -> float:
+def _gamma(c: int, dtype: torch.dtype = torch.float32) -> float:
+    """The relative error bound of a length-c dot product accumulated in ``dtype``."""
+    u = _U32 if dtype == torch.float32 else unit_roundoff(dtype)
     n = c + 2
-    return 2.0 * n * _U32 / (1.0 - n * _U32)
+    return 2.0 * n * u / (1.0 - n * u)
+
+
+def product_slack(q: torch.Tensor, ref_norm: float) -> torch.Tensor:
+    """(m,) bounds on how far the compute dtype's products of prepared query rows ``q`` (m, C)
+    with any prepared reference row of norm at most ``ref_norm`` lie from the exact products:
+    twice the dot product's rounding bound ``gamma |q| |r|``, the second half for the rows' own
+    preparation (centring, unit scaling, the l2 column), which rounds in the same dtype."""
+    return 2 * _gamma(q.shape[1], q.dtype) * torch.linalg.vector_norm(q, dim=1) * ref_norm + _FLUSH
 
 
 def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
@@ -98,7 +108,7 @@ def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
     qh : Tensor of shape (m, C)
         Their half-precision copies (what the product reads).
     """
-    gamma = _gamma(q.shape[1])
+    gamma = _gamma(q.shape[1], q.dtype)
     qh32 = qh.to(q.dtype, copy=True)  # the one (m, C) temporary: reused for the residual below
     nq = torch.linalg.vector_norm(q, dim=1)
     nqh = torch.linalg.vector_norm(qh32, dim=1)
@@ -111,7 +121,7 @@ def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
 def ref_terms(r: torch.Tensor, rh: torch.Tensor) -> torch.Tensor:
     """The reference side of the per-pair rounding bound: (n, 3) rows ``(y, w, flush)`` of
     prepared float32 rows ``r`` and their half copies ``rh``."""
-    gamma = _gamma(r.shape[1])
+    gamma = _gamma(r.shape[1], r.dtype)
     rh32 = rh.to(r.dtype, copy=True)  # the one (n, C) temporary, as in query_terms
     w = torch.linalg.vector_norm(rh32, dim=1)
     y = torch.linalg.vector_norm(rh32.sub_(r), dim=1) + gamma * torch.linalg.vector_norm(r, dim=1)
