@@ -618,12 +618,28 @@ class _HalfSearch(_Search):
         cap: int,
         stats: dict[str, int] | None,
     ) -> None:
+        self.shift: torch.Tensor | None = None  # set below, once the references' mean is known
         super().__init__(a, b, rows_a, rows_b, metric, dtype, plan, k, scale)
         self.half, self.cap, self.stats = half, cap, stats
+        # cosine and dot: references shifted by their mean change every score of a query row by
+        # the same amount, so no ranking; features that all look alike (raw patches: cosines
+        # near 0.9999) keep only their differences, which half precision then resolves
+        if metric.name in ("cosine", "dot") and half != dtype:
+            total = torch.zeros(b.shape[1], dtype=dtype, device=b.device)
+            for j in range(0, self.nb, self.tile_b):
+                total += self._prepare_refs(j, j + self.tile_b).sum(0)
+            shift = total / self.nb
+            if self.whole is not None:
+                self.whole -= shift
+            self.shift = shift
         self.whole_h = None if self.whole is None else self.whole.to(half)
         self.whole_t = None
         if cap and self.whole is not None:
             self.whole_t = ref_terms(self.whole, self.whole_h)
+
+    def _prepare_refs(self, start: int, stop: int) -> torch.Tensor:
+        refs = super()._prepare_refs(start, stop)
+        return refs if self.whole is not None or self.shift is None else refs.sub_(self.shift)
 
     def _half_refs(self, start: int, stop: int) -> torch.Tensor:
         if self.whole_h is not None:
