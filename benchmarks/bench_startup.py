@@ -86,7 +86,7 @@ def budgets(repeats: int) -> list[dict[str, object]]:
 
     g = torch.Generator().manual_seed(0)
     # smooth random fields: neighbouring pixels alike, as in real feature maps
-    base = torch.nn.functional.avg_pool2d(torch.randn(1, 64, 132, 132, generator=g), 5, 1)[0]
+    base = torch.nn.functional.avg_pool2d(torch.randn(1, 64, 132, 132, generator=g), 5, 1, padding=2)[0]
     a = base[:, :128, :128].permute(1, 2, 0).contiguous()
     b = base[:, 1:129, 2:130].permute(1, 2, 0).contiguous() + 0.05 * torch.randn(128, 128, 64, generator=g)
     rows = []

@@ -198,20 +198,11 @@ def _rows(x: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> 
 
 def _merge_best(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> torch.Tensor:
     """k = 1: keep each row's maximum; an equal score from a later tile never wins. Returns the
-    block's row maxima."""
-    rowmax = s.amax(1)
+    block's row maxima. One pass gives each row's maximum and its first column together."""
+    rowmax, arg = s.max(1)
     need = rowmax > best_v[:, 0]
-    rows = need.nonzero().squeeze(1)
-    n = rows.numel()
-    if n == 0:
-        return rowmax
-    if 4 * n >= s.shape[0]:
-        arg = s.argmax(1)
-        best_v[:, 0] = torch.where(need, rowmax, best_v[:, 0])
-        best_i[:, 0] = torch.where(need, arg + offset, best_i[:, 0])
-    else:
-        best_v[rows, 0] = rowmax[rows].to(best_v.dtype)
-        best_i[rows, 0] = s.index_select(0, rows).argmax(1) + offset
+    best_v[:, 0] = torch.where(need, rowmax.to(best_v.dtype), best_v[:, 0])
+    best_i[:, 0] = torch.where(need, arg + offset, best_i[:, 0])
     return rowmax
 
 
