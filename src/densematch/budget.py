@@ -138,12 +138,22 @@ def config_context(
         The default memory budget (see :func:`resolve_memory`).
     half : {"auto", "bfloat16", "float16", "off"}, optional
         Which half-precision operands ``precision="exact"`` and ``"fast"`` use. "auto" (the
-        default) measures, once per process, whether the device multiplies half precision faster
-        than float32; the others force a choice ("off": never half precision).
+        default) decides from what the device is (tensor-core GPUs and CPUs with AMX use half
+        precision, others float32; never a timing); the others force a choice ("off": never).
     kernel : {"auto", "torch", "triton"}, optional
         Which search runs: "auto" (the default) uses the fused Triton kernel on CUDA devices when
         Triton is installed; "torch" never does; "triton" always does (on a CPU only under
         TRITON_INTERPRET=1, Triton's interpreter, for tests).
+
+    Notes
+    -----
+    Settings live in :mod:`contextvars`: they follow the code inside the block, including
+    asyncio tasks it starts, but not work handed to a thread pool, whose threads start from
+    the defaults. Carry them with ``contextvars.copy_context().run``::
+
+        with densematch.config_context(memory="1GiB"):
+            ctx = contextvars.copy_context()
+            futures = [pool.submit(ctx.copy().run, densematch.match, a, b) for a, b in pairs]
 
     Examples
     --------
