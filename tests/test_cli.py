@@ -41,14 +41,30 @@ def images(tmp_path_factory):
     return d
 
 
+def in_process(*args: str) -> tuple[int, str, str]:
+    """The command's exit status, stdout and stderr, run in this process (no torch start-up)."""
+    import contextlib
+    import io
+
+    from densematch import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as stop:  # argparse's --help, --version and usage errors
+            code = stop.code if isinstance(stop.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
 def test_help_and_version():
-    out = run("--help")
-    assert out.returncode == 0 and all(c in out.stdout for c in ("match", "align", "distance", "demo", "bench"))
+    code, out, _ = in_process("--help")
+    assert code == 0 and all(c in out for c in ("match", "align", "distance", "demo", "bench"))
     for cmd in ("match", "align", "distance", "demo", "bench"):
-        h = run(cmd, "--help")
-        assert h.returncode == 0 and "--quiet" in h.stdout
-    assert "--mutual" in run("match", "--help").stdout and "--scale-h" in run("align", "--help").stdout
-    v = run("--version")
+        code, out, _ = in_process(cmd, "--help")
+        assert code == 0 and "--quiet" in out
+    assert "--mutual" in in_process("match", "--help")[1] and "--scale-h" in in_process("align", "--help")[1]
+    v = run("--version")  # the real entry point, once
     assert v.returncode == 0 and v.stdout.startswith("densematch ")
 
 
@@ -172,16 +188,22 @@ def test_errors_are_one_line_without_traceback(images, args, pattern, tmp_path):
     # a valid header declaring 95 GiB, and no data: refused before any allocation
     with open(images / "huge.npy", "wb") as f:
         np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (20000, 20000, 64)})
-    out = run(
+    code, _, err = in_process(
         *(a.format(d=images) for a in args),
         "-o" if args[0] == "match" else "--quiet",
         *([str(tmp_path / "never.npz")] if args[0] == "match" else []),
     )
-    assert out.returncode != 0
-    assert pattern in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2
+    assert code != 0
+    assert pattern in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2
     assert not (tmp_path / "never.npz").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_the_real_command_reports_an_error_in_one_line(images):
+    out = run("match", str(images / "fa.npy"), str(images / "fc.npy"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == "densematch match: error: A and B must have the same number of channels, got 8 and 5"
 
 
 def test_failed_write_leaves_no_file(images, tmp_path, monkeypatch):

@@ -108,8 +108,10 @@ def _working_set(
         )
     if ties:
         # the near-tie pool (row, column, score, up to twice ties per row while pruning, and its
-        # sorts), the hot rows' scores gathered with their pass mask, and the re-scoring chunk
-        pool += ta * ties * 20 * 4 + ta * tb * (item + 1) + ta * _rescore_bytes(c)
+        # sorts), each tile's row maxima, the gathered query rows and the pass mask of a
+        # recomputed block, and the re-scoring chunk
+        tiles = -(-nb // max(tb, 1))
+        pool += ta * ties * 20 * 4 + ta * tiles * (item + 1) + ta * (cp * item + tb + 8) + ta * _rescore_bytes(c)
     return refs + queries + scores + reduce + state + merge + final + pool
 
 
@@ -198,11 +200,21 @@ def _rows(x: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> 
 
 def _merge_best(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> torch.Tensor:
     """k = 1: keep each row's maximum; an equal score from a later tile never wins. Returns the
-    block's row maxima. One pass gives each row's maximum and its first column together."""
-    rowmax, arg = s.max(1)
+    block's row maxima. (Row maxima, then the argmax of the rows that improve, ran faster here
+    than one ``max`` with indices, which also finds the column of rows that do not improve.)"""
+    rowmax = s.amax(1)
     need = rowmax > best_v[:, 0]
-    best_v[:, 0] = torch.where(need, rowmax.to(best_v.dtype), best_v[:, 0])
-    best_i[:, 0] = torch.where(need, arg + offset, best_i[:, 0])
+    rows = need.nonzero().squeeze(1)
+    n = rows.numel()
+    if n == 0:
+        return rowmax
+    if 4 * n >= s.shape[0]:
+        arg = s.argmax(1)
+        best_v[:, 0] = torch.where(need, rowmax, best_v[:, 0])
+        best_i[:, 0] = torch.where(need, arg + offset, best_i[:, 0])
+    else:
+        best_v[rows, 0] = rowmax[rows].to(best_v.dtype)
+        best_i[rows, 0] = s.index_select(0, rows).argmax(1) + offset
     return rowmax
 
 
@@ -500,21 +512,32 @@ class _Search:
         if not self.ties:
             self._scan(q, best_v, best_i, buf)
             return
-        # each product is within `slack` of the exact one; the exact top k then all score at
-        # least the k-th best minus twice that, and rows with more such candidates than k are
-        # settled by the direct form (a row with more than `ties` keeps its products' ranking)
+        # each product is within `slack` of the exact one, so the exact top k all score at
+        # least the k-th best minus twice that: the candidates. The scan keeps each tile's row
+        # maxima; afterwards only the tiles whose maximum reaches a row's floor (for k=1 mostly
+        # its best's own tile) are multiplied again for that row, to list its candidates. Rows
+        # with more than k are settled by the direct form (more than `ties`: kept as ranked).
+        m, k = best_v.shape
         slack = product_slack(q, self.ref_norm)
-        pool = _Pool(q.shape[0], self.ties, q.device, self.dtype, lazy=True)
+        maxima = torch.empty(m, -(-self.nb // self.tile_b), dtype=self.dtype, device=q.device)
 
-        def collect(s: torch.Tensor, j: int, rowmax: torch.Tensor) -> None:
-            floor = best_v[:, -1] - 2 * slack
-            hot = (rowmax >= floor).nonzero().squeeze(1)
-            if hot.numel():
-                pool.add(s if hot.numel() == s.shape[0] else s.index_select(0, hot), j, floor, hot)
+        def keep_maxima(s: torch.Tensor, j: int, rowmax: torch.Tensor) -> None:
+            maxima[:, j // self.tile_b] = rowmax
 
-        self._scan(q, best_v, best_i, buf, collect=collect)
-        rows, cols = pool.finish(best_v[:, -1] - 2 * slack)
-        crowded = torch.bincount(rows, minlength=q.shape[0]) > best_v.shape[1]
+        self._scan(q, best_v, best_i, buf, collect=keep_maxima)
+        floor = best_v[:, -1] - 2 * slack
+        near = maxima >= floor[:, None]
+        pool = _Pool(m, self.ties, q.device, self.dtype, lazy=True)
+        for t in (near.sum(0) > 0).nonzero().squeeze(1).tolist():
+            j = t * self.tile_b
+            n = min(self.tile_b, self.nb - j)
+            rows = near[:, t].nonzero().squeeze(1)
+            block = self.metric.score_tile(
+                q.index_select(0, rows), self._prepare_refs(j, j + n), out=buf[: rows.numel() * n].view(-1, n)
+            )
+            pool.add(block, j, floor, rows)
+        rows, cols = pool.finish(floor)
+        crowded = torch.bincount(rows, minlength=m) > k
         keep = crowded[rows]
         if bool(keep.any()):
             rows, cols = rows[keep], cols[keep]
@@ -813,14 +836,23 @@ class _Pool:
         sub = upper if every else upper.index_select(0, local)
         passing = sub >= floor[hot, None]
         # a row with more than cap new candidates overflows at once, before any are listed
-        # (counted per row only when the block holds that many in all)
-        if int(torch.count_nonzero(passing)) > self.cap:
-            burst = passing.sum(1) > self.cap
+        # (counted per row only when the block holds that many in all, from the listed pairs
+        # when they are few enough to list)
+        count = int(torch.count_nonzero(passing))
+        listed = None
+        if count > self.cap:
+            if count <= hot.numel() * self.cap:
+                listed = passing.nonzero()
+                per_row = torch.bincount(listed[:, 0], minlength=hot.numel())
+            else:
+                per_row = passing.sum(1)
+            burst = per_row > self.cap
             if bool(burst.any()):
                 self.over[hot[burst]] = True
                 self.overflowed = True
                 passing[burst] = False
-        r, col = passing.nonzero().unbind(1)
+                listed = None
+        r, col = (passing.nonzero() if listed is None else listed).unbind(1)
         self.pending.append((hot[r], col + offset, sub[r, col].to(self.vals.dtype)))
         self.held += r.numel()
         if not self.lazy or self.held > self.m * self.cap:
@@ -856,7 +888,8 @@ def _common_scale(
     for x, rows in ((a, rows_a), (b, rows_b)):
         n = x.shape[0] if rows is None else rows.numel()
         for start in range(0, n, max(1, step)):
-            peak = max(peak, float(_rows(x, rows, start, start + step).abs().amax()))
+            low, high = torch.aminmax(_rows(x, rows, start, start + step))
+            peak = max(peak, -float(low), float(high))
     if peak == 0.0 or 2.0**-32 <= peak <= 2.0**32:
         return 1.0
     return 2.0 ** -math.floor(math.log2(peak))

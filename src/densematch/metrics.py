@@ -29,7 +29,8 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` (..., C) scaled to unit length in place, whatever their magnitude: each row
     is divided by its largest magnitude first (its squares can then neither overflow nor
     underflow), then by its norm. Exact zero rows stay zero."""
-    peak = x.abs().amax(-1, keepdim=True)
+    low, high = torch.aminmax(x, dim=-1, keepdim=True)
+    peak = torch.maximum(high, low.neg_())
     x.div_(torch.where(peak > 0, peak, 1.0))
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     return x.div_(torch.where(norm > 0, norm, 1.0))
