@@ -6,6 +6,9 @@
    ``python -c "import densematch"``, median of several runs.
 3. 128x128x64 against 128x128x64 patch-like features under memory=16MiB and 256MiB, k=1 and 8,
    cosine and l2, side by side in one process, median of repeats.
+4. What settling near-ties costs: the engine's plain float32 search with and without it
+   (``certify=False`` turns it off), on 7x7 patch features of camera, 128x128 against a shifted
+   128x128 crop (C=49), k=1 and 8, cosine and l2, 256 MiB.
 
 Usage: python benchmarks/bench_startup.py [--repeats N] [--json OUT]
 """
@@ -103,6 +106,32 @@ def budgets(repeats: int) -> list[dict[str, object]]:
     return rows
 
 
+def settling(repeats: int) -> list[dict[str, object]]:
+    import torch
+    from skimage import data
+
+    from densematch import engine
+
+    def patches(img: torch.Tensor) -> torch.Tensor:
+        p = torch.nn.functional.unfold(img.float()[None, None] / 255, 7, padding=3)[0]
+        return (p - p.mean(0, keepdim=True)).T.contiguous()
+
+    cam = torch.from_numpy(data.camera())
+    a, b = patches(cam[100:228, 100:228]), patches(cam[104:232, 97:225])
+    rows = []
+    for metric in ("cosine", "l2"):
+        for k in (1, 8):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(repeats):
+                for settle, into in times.items():
+                    t = time.perf_counter()
+                    engine.topk(a, b, metric=metric, k=k, budget=256 * 2**20, certify=settle)
+                    into.append(time.perf_counter() - t)
+            plain, settled = (statistics.median(times[x]) for x in (False, True))
+            rows.append({"metric": metric, "k": k, "plain_s": plain, "settled_s": settled, "ratio": settled / plain})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
@@ -120,6 +149,10 @@ def main() -> None:
     print("| metric | k | 16MiB (s) | 256MiB (s) | ratio |\n|---|---|---|---|---|")
     for r in result["budgets"]:
         print(f"| {r['metric']} | {r['k']} | {r['16MiB_s']:.2f} | {r['256MiB_s']:.2f} | {r['ratio']:.2f} |")
+    result["settling"] = settling(args.repeats)
+    print("| metric | k | plain (s) | with near-ties settled (s) | ratio |\n|---|---|---|---|---|")
+    for r in result["settling"]:
+        print(f"| {r['metric']} | {r['k']} | {r['plain_s']:.3f} | {r['settled_s']:.3f} | {r['ratio']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
