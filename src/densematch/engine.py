@@ -356,9 +356,11 @@ def topk(
         metrics only, with ``dtype`` float32.
     certify : bool, default=True
         With ``half``: keep every candidate that the per-pair rounding bound cannot rule out
-        (:mod:`densematch.precision`), re-score them in float32, and search rows with
+        (:mod:`densematch.precision`), re-score them by the direct form, and search rows with
         more than ``max(32, 4 k)`` candidates again in float32, so the result equals the float32
-        one (ties aside). False: rank by the half-precision scores (approximate).
+        one (ties aside). False: rank by the half-precision scores (approximate). Without
+        ``half``, for matrix metrics: settle each row's near-ties by the direct form, so exact
+        ties go to the lowest index (False: the products' ranking alone).
     tiles : (int or None, int or None), optional
         Force the tile sizes (tests use tiny tiles to force many merges).
     on_tile : callable, optional
