@@ -56,8 +56,31 @@ class TestShapesAndLayouts:
         assert out["coords"].dtype == np.int64 and out["score"].dtype == np.float32
 
     def test_module_twin(self):
-        m = densematch.DenseMatcher(metric="l2", k=3)
-        assert m(torch.randn(8, 8, 4), torch.randn(6, 9, 4)).index.shape == (8, 8, 3)
+        m = densematch.DenseMatcher(metric="l2", k=3, ratio=np.float32(0.9), memory="1MiB")
+        shown = "metric='l2', k=3, ratio=0.8999999761581421, layout='hwc', memory='1MiB', precision='exact'"
+        assert repr(m) == f"DenseMatcher({shown})"
+        a, b = torch.randn(8, 8, 4), torch.randn(6, 9, 4)
+        mask = torch.rand(6, 9) < 0.5
+        got = m(a, b, mask_b=mask)
+        want = match(a, b, metric="l2", k=3, ratio=0.8999999761581421, mask_b=mask)
+        assert torch.equal(got.index, want.index) and torch.equal(got.valid, want.valid)
+
+    @pytest.mark.parametrize(
+        ("kwargs", "error", "pattern"),
+        [
+            (dict(metric="l3"), ValueError, "metric must be one of"),
+            (dict(k=0), ValueError, "k must be >= 1"),
+            (dict(k=1.5), TypeError, "k must be an int"),
+            (dict(ratio=1.5), ValueError, "ratio must be in"),
+            (dict(metric="dot", ratio=0.8), ValueError, "ratio is undefined"),
+            (dict(layout="nhwc"), ValueError, "layout must be one of"),
+            (dict(memory="lots"), ValueError, "memory must be a size"),
+            (dict(precision="half"), ValueError, "precision must be one of"),
+        ],
+    )
+    def test_module_twin_checks_its_settings_at_construction(self, kwargs, error, pattern):
+        with pytest.raises(error, match=pattern):
+            densematch.DenseMatcher(**kwargs)
 
 
 @settings(max_examples=40, deadline=None)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .budget import resolve_memory
+from .budget import chunk_rows, resolve_memory
 from .checks import as_tensor, check_choice, check_finite
 
 __all__ = ["Alignment", "align", "warp"]
@@ -373,12 +373,7 @@ def _align(
     hh, ww = x.shape[-2:]
     # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
     per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
-    if per_cand > budget:
-        raise ValueError(
-            f"memory={budget} bytes cannot hold the refinement of one candidate: "
-            f"at least {per_cand} bytes are needed; raise memory"
-        )
-    step = max(1, budget // per_cand)
+    step = chunk_rows(budget, per_cand, "the refinement of one candidate")
     params, errs = [], []
     for s in range(0, b * m, step):
         part = slice(s, s + step)
@@ -432,15 +427,12 @@ def _grid_search(
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
     per_pair = fh * fw * item * (6 * c + 8)  # one pair, one scale pair: images, squares, spectra
-    if per_pair > budget:
-        raise ValueError(
-            f"memory={budget} bytes cannot hold the search of one scale pair: at least {per_pair} bytes "
-            f"are needed for a {hh}x{ww} image stretched up to ({grid_h.max().item():g}, "
-            f"{grid_w.max().item():g}); raise memory or narrow the scale ranges"
-        )
+    stretch = f"({grid_h.max().item():g}, {grid_w.max().item():g})"
+    what = f"the search of one scale pair of a {hh}x{ww} image stretched up to {stretch}"
+    chunk_rows(budget, per_pair, what, fix="raise memory or narrow the scale ranges")
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
-    pairs = max(1, cap // per_pair)
+    pairs = chunk_rows(cap, per_pair, what)
     step_w = min(nw, pairs)
     step_h = min(nh, max(1, pairs // step_w))
     step_b = max(1, min(b, pairs // (nh * nw)))

@@ -16,20 +16,19 @@ import torch
 from torch import nn
 
 from . import engine
-from .budget import resolve_memory
+from .budget import chunk_rows, resolve_memory
 from .checks import as_tensor, check_choice, check_finite, check_int
 from .metrics import get_metric
 from .precision import RANKINGS, resolve_precision
 
 __all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
 
-DISTANCE_METRICS = ("l2", "sqeuclidean", "l1", "linf", "cosine", "dot")
 _EPS = 1e-12
 
 
 def _check_inputs(x: Any, prototypes: Any, metric: str, finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """Validated x (N, D, H, W), prototypes as (F, D), and the compute dtype."""
-    get_metric(metric, DISTANCE_METRICS)
+    get_metric(metric)
     x = as_tensor(x, "x")
     p = as_tensor(prototypes, "prototypes")
     if x.ndim != 4:
@@ -168,13 +167,7 @@ def _column_tile(budget: int, f: int, d: int, item: int, minkowski: bool) -> int
     pixels' features."""
     per_col = f * 4 * item + 4 * d * item + (f * d * item if minkowski else 0)
     fixed = 4 * f * d * item  # the prepared bank, its centred or unit copy, the bank's gradient
-    cols = (budget - fixed) // per_col
-    if cols < 1:
-        raise ValueError(
-            f"memory={budget} bytes cannot hold one tile of F={f}, D={d}: at least "
-            f"{fixed + per_col} bytes are needed; raise memory"
-        )
-    return int(cols)
+    return chunk_rows(budget, per_col, f"one tile of F={f}, D={d}", fixed=fixed)
 
 
 class _PairwiseDistance(torch.autograd.Function):
@@ -423,7 +416,7 @@ class PrototypeDistance(nn.Module):
         super().__init__()
         check_int(num_prototypes, "num_prototypes", 1)
         check_int(dim, "dim", 1)
-        get_metric(metric, DISTANCE_METRICS)
+        get_metric(metric)
         self.metric, self.memory, self.check_finite = metric, memory, check_finite
         self.compiled = compile  # not self.compile: that is nn.Module's own method
         self.prototypes = nn.Parameter(torch.randn(num_prototypes, dim))

@@ -10,15 +10,13 @@ import torch
 from torch import nn
 
 from . import engine
-from .budget import resolve_memory
+from .budget import parse_memory, resolve_memory
 from .checks import LAYOUTS, check_choice, check_features, check_finite, check_int, check_mask, check_real
 from .metrics import get_metric
 from .precision import PRECISIONS, resolve_precision
 from .progress import progress_bar
 
 __all__ = ["DenseMatcher", "Matches", "match"]
-
-MATCH_METRICS = ("cosine", "dot", "l2", "sqeuclidean", "l1", "linf")
 
 
 @dataclass
@@ -144,7 +142,7 @@ def match(
     True
     """
     layout = check_choice(layout, "layout", LAYOUTS)
-    m = get_metric(metric, MATCH_METRICS)
+    m = get_metric(metric)
     check_choice(precision, "precision", PRECISIONS)
     ra, grid_a, batched_a = check_features(a, "a", layout, finite=False)
     rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
@@ -243,18 +241,68 @@ def _batch_mask(
 
 
 class DenseMatcher(nn.Module):
-    """:func:`match` as a module: it stores the settings, ``forward(a, b)`` calls it.
+    """:func:`match` as a module: the settings are checked and stored, ``forward(a, b)`` matches.
+
+    Parameters
+    ----------
+    metric, k, mutual, ratio, layout, memory, progress, precision
+        As in :func:`match`, checked here (``k`` against b's pixels at each call).
 
     Examples
     --------
     >>> m = DenseMatcher(metric="l2", k=3)
+    >>> m
+    DenseMatcher(metric='l2', k=3, layout='hwc', precision='exact')
     >>> m(torch.randn(8, 8, 4), torch.randn(6, 9, 4)).index.shape
     torch.Size([8, 8, 3])
     """
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(
+        self,
+        *,
+        metric: str = "cosine",
+        k: int = 1,
+        mutual: bool = False,
+        ratio: float | None = None,
+        layout: str = "hwc",
+        memory: int | str | None = None,
+        progress: bool = False,
+        precision: str = "exact",
+    ) -> None:
         super().__init__()
-        self.settings = settings
+        m = get_metric(metric)
+        self.metric = m.name
+        self.k = check_int(k, "k", 1)
+        self.mutual, self.progress = bool(mutual), bool(progress)
+        self.ratio = None if ratio is None else check_real(ratio, "ratio", 0.0, 1.0, low_open=True)
+        if self.ratio is not None and m.name == "dot":
+            raise ValueError("ratio is undefined for metric='dot' (not a distance); use 'cosine'")
+        self.layout = check_choice(layout, "layout", LAYOUTS)
+        if memory is not None:
+            parse_memory(memory)
+        self.memory = memory
+        self.precision = check_choice(precision, "precision", PRECISIONS)
 
-    def forward(self, a: Any, b: Any, **overrides: Any) -> Matches:
-        return match(a, b, **{**self.settings, **overrides})
+    def forward(self, a: Any, b: Any, *, mask_a: Any = None, mask_b: Any = None) -> Matches:
+        return match(
+            a,
+            b,
+            metric=self.metric,
+            k=self.k,
+            mutual=self.mutual,
+            ratio=self.ratio,
+            layout=self.layout,
+            mask_a=mask_a,
+            mask_b=mask_b,
+            memory=self.memory,
+            progress=self.progress,
+            precision=self.precision,
+        )
+
+    def extra_repr(self) -> str:
+        shown = [f"metric={self.metric!r}", f"k={self.k}"]
+        shown += ["mutual=True"] if self.mutual else []
+        shown += [f"ratio={self.ratio}"] if self.ratio is not None else []
+        shown += [f"layout={self.layout!r}"]
+        shown += [f"memory={self.memory!r}"] if self.memory is not None else []
+        return ", ".join([*shown, f"precision={self.precision!r}"])

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["config_context", "get_config", "parse_memory", "resolve_memory"]
+__all__ = ["chunk_rows", "config_context", "get_config", "parse_memory", "resolve_memory"]
 
 _UNITS = {
     "": 1,
@@ -119,6 +119,29 @@ def resolve_memory(memory: int | str | None, device: torch.device) -> int:
         return parse_memory(memory)
     cap = DEFAULT_CAP_CUDA if device.type == "cuda" else DEFAULT_CAP_CPU
     return max(1, min(free_memory(device) // 2, cap))
+
+
+def chunk_rows(budget: int, per_row: int, what: str, *, fixed: int = 0, fix: str = "raise memory") -> int:
+    """How many rows of ``per_row`` bytes fit in ``budget`` beside ``fixed`` bytes: the one
+    chunking rule of densematch, with its one error.
+
+    Raises
+    ------
+    ValueError
+        "memory=<budget> bytes cannot hold <what>: at least <fixed + per_row> bytes are needed;
+        <fix>" when not even one row fits.
+
+    Examples
+    --------
+    >>> chunk_rows(1000, 300, "one tile", fixed=100)
+    3
+    """
+    rows = (budget - fixed) // per_row
+    if rows < 1:
+        raise ValueError(
+            f"memory={budget} bytes cannot hold {what}: at least {fixed + per_row} bytes are needed; {fix}"
+        )
+    return int(rows)
 
 
 def get_config() -> dict[str, int | str | None]:

@@ -16,10 +16,11 @@ import torch
 
 from . import __version__
 from ._align import OBJECTIVES, align
-from ._distance import DISTANCE_METRICS, nearest_prototype, pairwise_distance
-from ._match import MATCH_METRICS, match
+from ._distance import nearest_prototype, pairwise_distance
+from ._match import match
 from .features import FEATURES, dense_features
 from .io import check_output, is_image, load_any, load_array, load_image, save_npy, save_npz
+from .metrics import METRICS
 from .precision import PRECISIONS, RANKINGS
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("a", metavar="A", help="features (.npy/.pt, shape (H, W, C)) or an image (needs --features)")
     m.add_argument("b", metavar="B", help="the same for the second map")
     m.add_argument("-o", "--output", metavar="OUT.npz", help="write coords, score, valid and index here")
-    m.add_argument("--metric", default="cosine", choices=MATCH_METRICS, help="similarity or distance (default cosine)")
+    m.add_argument("--metric", default="cosine", choices=tuple(METRICS), help="similarity or distance (default cosine)")
     m.add_argument("--k", type=int, default=1, help="matches per pixel, best first (default 1)")
     m.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours valid")
     m.add_argument("--ratio", type=float, help="Lowe's ratio test threshold in (0, 1]")
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT.npy",
         help="write (N, F, H, W) distances; with --nearest, an .npz of distance and index",
     )
-    d.add_argument("--metric", default="l2", choices=DISTANCE_METRICS)
+    d.add_argument("--metric", default="l2", choices=tuple(METRICS))
     d.add_argument("--nearest", action="store_true", help="only the nearest prototype(s), never the full tensor")
     d.add_argument("--k", type=int, default=1, help="with --nearest: how many")
     d.add_argument("--precision", default="exact", choices=RANKINGS, help="with --nearest: " + _PRECISION_HELP)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from .budget import chunk_rows
 from .metrics import Metric, get_metric
 from .precision import product_slack, query_terms, ref_terms, unit_roundoff
 
@@ -165,11 +166,7 @@ def plan_tiles(
         kernel=kernel,
     )
     minimum = _working_set(1, 1, whole_b=False, **kw) + reserved
-    if budget < minimum:
-        raise ValueError(
-            f"memory={budget} bytes cannot hold one tile: at least {minimum} bytes are needed "
-            f"for C={c}, k={k} and {na} query rows; raise memory"
-        )
+    chunk_rows(budget, minimum, "one tile", fix=f"raise memory (C={c}, k={k}, {na} query rows)")
 
     total, budget = budget, budget - reserved
 
@@ -186,11 +183,8 @@ def plan_tiles(
         if fixed_b or tb == 1 or ta >= min(cap_a, 64) or (kernel and tb <= 1024):
             break
         tb = max(1, tb // 2)
-    if ta < 1:
-        raise ValueError(
-            f"memory={total} bytes cannot hold one tile of tile_b={tb}: at least "
-            f"{_working_set(1, tb, whole_b=whole_b, **kw) + reserved} bytes are needed; raise memory"
-        )
+    if ta < 1:  # raises: not even one query row fits beside this reference tile
+        chunk_rows(total, _working_set(1, tb, whole_b=whole_b, **kw) + reserved, f"one tile of tile_b={tb}")
     return TilePlan(int(ta), int(tb), whole_b, _working_set(int(ta), tb, whole_b=whole_b, **kw))
 
 
