@@ -516,11 +516,7 @@ class _Search:
         m, k = best_v.shape
         slack = product_slack(q, self.ref_norm)
         maxima = torch.empty(m, -(-self.nb // self.tile_b), dtype=self.dtype, device=q.device)
-
-        def keep_maxima(s: torch.Tensor, j: int, rowmax: torch.Tensor) -> None:
-            maxima[:, j // self.tile_b] = rowmax
-
-        self._scan(q, best_v, best_i, buf, collect=keep_maxima)
+        self._scan(q, best_v, best_i, buf, maxima=maxima)
         floor = best_v[:, -1] - 2 * slack
         near = maxima >= floor[:, None]
         pool = _Pool(m, self.ties, q.device, self.dtype, lazy=True)
@@ -566,11 +562,11 @@ class _Search:
         best_i: torch.Tensor,
         buf: torch.Tensor,
         refs: Callable[[int, int], torch.Tensor] | None = None,
-        collect: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None,
+        maxima: torch.Tensor | None = None,
     ) -> None:
         """The plain search of prepared query rows ``q`` over every reference tile that
         ``refs(start, stop)`` gives (default: the prepared references), scores in ``buf``;
-        ``collect(block, offset, row_maxima)`` sees each merged block."""
+        each tile's row maxima go into column ``start // tile_b`` of ``maxima`` when given."""
         refs = refs or self._prepare_refs
         m = q.shape[0]
         best_v.fill_(-math.inf)
@@ -579,8 +575,8 @@ class _Search:
             n = min(self.tile_b, self.nb - j)
             s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n))
             rowmax = self.merge(s, j, best_v, best_i)
-            if collect is not None:
-                collect(s, j, rowmax)
+            if maxima is not None:
+                maxima[:, j // self.tile_b] = rowmax
 
     def finalise(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int) -> None:
         """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""
