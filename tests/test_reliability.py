@@ -291,6 +291,19 @@ def test_float64_features_beyond_float32s_range():
     torch.testing.assert_close(exact.score, want.score.double() * 1e300, rtol=1e-5, atol=0)
 
 
+def test_cosine_distances_treat_only_exact_zeros_as_zero_vectors():
+    # the full distance tensor and its gradient follow the same rule as the search
+    g = torch.Generator().manual_seed(5)
+    x, p = torch.randn(1, 8, 4, 5, generator=g), torch.randn(6, 8, generator=g)
+    tiny = (x * 1e-25).requires_grad_()
+    want = densematch.pairwise_distance(x.requires_grad_(), p, "cosine")
+    got = densematch.pairwise_distance(tiny, p, "cosine")
+    torch.testing.assert_close(got, want)
+    (gx,) = torch.autograd.grad(got.sum(), tiny)
+    (wx,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(gx * 1e-25, wx, rtol=1e-4, atol=1e-6)  # d/d(cx) = (d/dx) / c
+
+
 def test_cosine_treats_only_exact_zeros_as_zero_vectors():
     g = torch.Generator().manual_seed(4)
     a, b = torch.randn(30, 16, generator=g), torch.randn(40, 16, generator=g)

@@ -18,7 +18,7 @@ from torch import nn
 from . import engine
 from .budget import chunk_rows, resolve_memory
 from .checks import as_tensor, check_choice, check_finite, check_int
-from .metrics import get_metric
+from .metrics import get_metric, row_norms, unit_rows
 from .precision import RANKINGS, resolve_precision
 
 __all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
@@ -74,8 +74,8 @@ class _Bank:
             self.pc = self.p - self.centre
             self.pp = self.pc.square().sum(1)
         elif metric == "cosine":
-            self.norm = torch.linalg.vector_norm(self.p, dim=1).clamp_min(_EPS)
-            self.unit = self.p / self.norm[:, None]
+            self.norm = row_norms(self.p, dim=1)[:, 0]
+            self.unit = unit_rows(self.p, dim=1)
 
     def forward_tile(self, xt: torch.Tensor, out: torch.Tensor) -> None:
         """Distances (F, m) of the columns of xt (D, m) into ``out``, in place."""
@@ -85,8 +85,7 @@ class _Bank:
         elif m == "dot":
             torch.mm(self.p, xt, out=out)
         elif m == "cosine":
-            xn = xt / torch.linalg.vector_norm(xt, dim=0).clamp_min(_EPS)
-            torch.mm(self.unit, xn, out=out).neg_().add_(1.0)
+            torch.mm(self.unit, unit_rows(xt, dim=0), out=out).neg_().add_(1.0)
         else:
             xc = xt - self.centre[:, None]
             xx = xc.square().sum(0)
@@ -114,8 +113,8 @@ class _Bank:
         if m == "dot":
             return self.p.T @ g, g @ xt.T
         if m == "cosine":
-            nx = torch.linalg.vector_norm(xt, dim=0).clamp_min(_EPS)
-            xn = xt / nx
+            nx = row_norms(xt, dim=0)[0]
+            xn = unit_rows(xt, dim=0)
             gx = _unit_grad(xn, nx, -(self.unit.T @ g), dim=0)
             # the bank's projection is linear: it is applied once, after the last tile
             return gx, -(g @ xn.T)
@@ -155,10 +154,11 @@ def _compiled_minkowski(metric: str, rows_last: bool) -> Any:
 
 
 def _unit_grad(unit: torch.Tensor, norm: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
-    """Gradient through x / max(||x||, eps) given the gradient g at the unit vector."""
-    full = norm > _EPS
+    """Gradient through the unit vector x / ||x|| given the gradient g there; exact zero vectors
+    (unit 0) pass g / eps, as through x / max(||x||, eps)."""
+    full = norm > 0
     proj = torch.where(full, (unit * g).sum(dim), 0.0)
-    return (g - unit * proj.unsqueeze(dim)) / norm.unsqueeze(dim)
+    return (g - unit * proj.unsqueeze(dim)) / torch.where(full, norm, _EPS).unsqueeze(dim)
 
 
 def _column_tile(budget: int, f: int, d: int, item: int, minkowski: bool) -> int:

@@ -25,15 +25,30 @@ import torch
 __all__ = ["METRICS", "Metric", "get_metric"]
 
 
-def unit_rows(x: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` (..., C) scaled to unit length in place, whatever their magnitude: each row
-    is divided by its largest magnitude first (its squares can then neither overflow nor
-    underflow), then by its norm. Exact zero rows stay zero."""
-    low, high = torch.aminmax(x, dim=-1, keepdim=True)
+def _peaks(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Each line's largest magnitude along ``dim`` (kept as a size-1 axis), 1 for zero lines."""
+    low, high = torch.aminmax(x.detach(), dim=dim, keepdim=True)
     peak = torch.maximum(high, low.neg_())
-    x.div_(torch.where(peak > 0, peak, 1.0))
-    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return x.div_(torch.where(norm > 0, norm, 1.0))
+    return torch.where(peak > 0, peak, 1.0)
+
+
+def row_norms(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Euclidean norms along ``dim`` (kept as a size-1 axis), whatever the magnitude: each line
+    is divided by its largest magnitude first, so its squares can neither overflow nor
+    underflow. Exact zero lines have norm 0."""
+    peak = _peaks(x, dim)
+    return torch.linalg.vector_norm(x / peak, dim=dim, keepdim=True) * peak
+
+
+def unit_rows(x: torch.Tensor, dim: int = -1, *, inplace: bool = False) -> torch.Tensor:
+    """``x`` scaled to unit length along ``dim``, divided by each line's largest magnitude first
+    as in :func:`row_norms` (in place with ``inplace``, no temporary; differentiable
+    otherwise). Only exact zero lines stay zero."""
+    peak = _peaks(x, dim)
+    y = x.div_(peak) if inplace else x / peak
+    norm = torch.linalg.vector_norm(y, dim=dim, keepdim=True)
+    norm = torch.where(norm > 0, norm, 1.0)
+    return y.div_(norm) if inplace else y / norm
 
 
 @dataclass(frozen=True)
@@ -97,7 +112,7 @@ class Metric:
                 torch.linalg.vecdot(body, body, out=out[:, c]).mul_(-0.5)
             return out
         out = x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
-        return unit_rows(out) if self.name == "cosine" else out
+        return unit_rows(out, inplace=True) if self.name == "cosine" else out
 
     def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of shape (len(q), len(r)), higher is better, of prepared rows."""
@@ -126,7 +141,7 @@ class Metric:
             Cosine similarity, dot product, or the distance for the other metrics.
         """
         if self.name == "cosine":
-            return (_unit(a) * _unit(b)).sum(-1)
+            return (unit_rows(a) * unit_rows(b)).sum(-1)
         if self.name == "dot":
             return (a * b).sum(-1)
         d = a - b
@@ -144,7 +159,7 @@ class Metric:
         computed directly (no expansion, no centring): equal rows give equal scores, and for l2
         integer features give exact integers, so exact ties stay exact."""
         if self.name == "cosine":
-            return torch.linalg.vecdot(unit_rows(a.clone()), unit_rows(b.clone()))
+            return torch.linalg.vecdot(unit_rows(a), unit_rows(b))
         if self.name == "dot":
             return torch.linalg.vecdot(a, b)
         d = a - b
@@ -160,15 +175,6 @@ class Metric:
         if self.name == "dot":
             raise ValueError("ratio is undefined for metric='dot': dot products are not distances")
         return value
-
-
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    """Unit rows of ``x`` (differentiable; zero rows give zero): scaled by their largest
-    magnitude before the norm, as in :func:`unit_rows`."""
-    peak = x.detach().abs().amax(-1, keepdim=True)
-    x = x / torch.where(peak > 0, peak, 1.0)
-    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return x / torch.where(norm > 0, norm, 1.0)
 
 
 METRICS: dict[str, Metric] = {
