@@ -157,10 +157,7 @@ def match(
         raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
     nb = rb.shape[1]
     k = check_int(k, "k", 1, nb)
-    if ratio is not None:
-        ratio = check_real(ratio, "ratio", 0.0, 1.0, low_open=True)
-        if m.name == "dot":
-            raise ValueError("ratio is undefined for metric='dot' (not a distance); use 'cosine'")
+    ratio = _check_ratio(ratio, m.name)
     nbatch = ra.shape[0]
     prec = resolve_precision(precision, ra.device, m.name, ra.shape[2])
     masks = [
@@ -209,6 +206,16 @@ def match(
         coords = torch.stack((index.div(width, rounding_mode="floor"), index.remainder(width)), dim=-1)
         coords = torch.where(index[..., None] >= 0, coords, -1)
     return Matches(index=index, coords=coords, score=score, valid=valid)
+
+
+def _check_ratio(ratio: Any, metric: str) -> float | None:
+    """``ratio`` as a float in (0, 1], or None; refused for "dot", which is not a distance."""
+    if ratio is None:
+        return None
+    ratio = check_real(ratio, "ratio", 0.0, 1.0, low_open=True)
+    if metric == "dot":
+        raise ValueError("ratio is undefined for metric='dot' (not a distance); use 'cosine'")
+    return ratio
 
 
 def _passes_ratio(d: torch.Tensor, idx: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -274,9 +281,7 @@ class DenseMatcher(nn.Module):
         self.metric = m.name
         self.k = check_int(k, "k", 1)
         self.mutual, self.progress = bool(mutual), bool(progress)
-        self.ratio = None if ratio is None else check_real(ratio, "ratio", 0.0, 1.0, low_open=True)
-        if self.ratio is not None and m.name == "dot":
-            raise ValueError("ratio is undefined for metric='dot' (not a distance); use 'cosine'")
+        self.ratio = _check_ratio(ratio, m.name)
         self.layout = check_choice(layout, "layout", LAYOUTS)
         if memory is not None:
             parse_memory(memory)
