@@ -158,14 +158,13 @@ def _check_size(size: Any) -> tuple[int, int]:
 
 def _warp_param(value: Any, name: str, b: int, x4: torch.Tensor) -> torch.Tensor:
     """One warp parameter as a (b,) tensor: a number, or one value per image of the batch."""
+    wrong_type = TypeError(f"{name} must be a real number or a tensor of shape ({b},), got {type(value).__name__}")
     if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a real number or a tensor of shape ({b},), got {type(value).__name__}")
+        raise wrong_type
     try:
         t = torch.as_tensor(value, device=x4.device)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(
-            f"{name} must be a real number or a tensor of shape ({b},), got {type(value).__name__}"
-        ) from None
+        raise wrong_type from None
     if t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{name} must hold real numbers, got {t.dtype}")
     if t.numel() not in (1, b) or t.ndim > 1:
