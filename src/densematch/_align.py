@@ -145,14 +145,15 @@ def warp(image: Any, scale_h: Any, scale_w: Any, shift_y: Any, shift_x: Any, siz
 
 
 def _check_size(size: Any) -> tuple[int, int]:
+    rule = f"size must be a pair (h, w) of positive ints, got {size!r}"
     try:
         h, w = size
     except (TypeError, ValueError):
-        raise TypeError(f"size must be a pair (h, w) of positive ints, got {size!r}") from None
+        raise TypeError(rule) from None
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (h, w)):
-        raise TypeError(f"size must be a pair (h, w) of positive ints, got {size!r}")
+        raise TypeError(rule)
     if h < 1 or w < 1:
-        raise ValueError(f"size must be a pair (h, w) of positive ints, got {size!r}")
+        raise ValueError(rule)
     return int(h), int(w)
 
 
