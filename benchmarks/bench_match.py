@@ -110,6 +110,7 @@ def time_methods(a: torch.Tensor, b: torch.Tensor, size: str, features: str, arg
 def certificate_rows(a: torch.Tensor, b: torch.Tensor, size: str, features: str) -> list[dict]:
     """The certified search's counts per half dtype, and how often plain half ranking errs."""
     from densematch import engine
+    from densematch.precision import Precision
 
     c = a.shape[-1]
     qa, rb = a.reshape(-1, c), b.reshape(-1, c)
@@ -117,8 +118,8 @@ def certificate_rows(a: torch.Tensor, b: torch.Tensor, size: str, features: str)
     rows = []
     for half in (torch.bfloat16, torch.float16):
         stats: dict[str, int] = {}
-        engine.topk(qa, rb, metric="cosine", k=1, budget=2**30, half=half, stats=stats)
-        _, fast = engine.topk(qa, rb, metric="cosine", k=1, budget=2**30, half=half, certify=False)
+        engine.topk(qa, rb, metric="cosine", k=1, budget=2**30, precision=Precision(half=half), stats=stats)
+        _, fast = engine.topk(qa, rb, metric="cosine", k=1, budget=2**30, precision=Precision(half=half, certify=False))
         rows.append(
             {
                 "size": size,
@@ -169,11 +170,7 @@ def main() -> None:
             rows += time_methods(a, b, size, features, args, faiss)
             certs += certificate_rows(a, b, size, features)
     info["precision_choice"] = {
-        size: str(
-            densematch.precision.resolve_precision(
-                "exact", torch.device(args.device), "cosine", int(size.split("x")[2])
-            ).half
-        )
+        size: str(densematch.precision.resolve_precision("exact", torch.device(args.device), "cosine").half)
         for size in args.sizes
     }
     path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows, "certificate": certs})

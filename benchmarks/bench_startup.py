@@ -111,6 +111,7 @@ def settling(repeats: int) -> list[dict[str, object]]:
     from skimage import data
 
     from densematch import engine
+    from densematch.precision import Precision
 
     def patches(img: torch.Tensor) -> torch.Tensor:
         p = torch.nn.functional.unfold(img.float()[None, None] / 255, 7, padding=3)[0]
@@ -125,7 +126,7 @@ def settling(repeats: int) -> list[dict[str, object]]:
             for _ in range(repeats):
                 for settle, into in times.items():
                     t = time.perf_counter()
-                    engine.topk(a, b, metric=metric, k=k, budget=256 * 2**20, certify=settle)
+                    engine.topk(a, b, metric=metric, k=k, budget=256 * 2**20, precision=Precision(certify=settle))
                     into.append(time.perf_counter() - t)
             plain, settled = (statistics.median(times[x]) for x in (False, True))
             rows.append({"metric": metric, "k": k, "plain_s": plain, "settled_s": settled, "ratio": settled / plain})

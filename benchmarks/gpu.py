@@ -93,16 +93,9 @@ def match_rows(dev: torch.device, *, small: bool, checks: dict[str, bool]) -> li
         # the certificate's counts (the kernel on CUDA, else the torch engine with bfloat16)
         stats: dict[str, int] = {}
         with densematch.config_context(half="auto" if dev.type == "cuda" else "bfloat16"):
-            prec = resolve_precision("exact", dev, "cosine", c)
+            prec = resolve_precision("exact", dev, "cosine")
         engine.topk(
-            fa.reshape(-1, c),
-            fb.reshape(-1, c),
-            metric="cosine",
-            k=k,
-            budget=8 * 2**30,
-            half=prec.half,
-            certify=True,
-            stats=stats,
+            fa.reshape(-1, c), fb.reshape(-1, c), metric="cosine", k=k, budget=8 * 2**30, precision=prec, stats=stats
         )
         rows.append(
             {

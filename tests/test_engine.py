@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from densematch import engine
+from densematch.engine.plain import PlainSearch
 from densematch.metrics import METRICS, get_metric
 
 from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores, reported, tolerance
@@ -108,7 +109,7 @@ def test_out_of_memory_in_a_tile_halves_the_tile_and_retries(monkeypatch):
     g = torch.Generator().manual_seed(7)
     a, b = torch.randn(100, 6, generator=g), torch.randn(80, 6, generator=g)
     want = engine.topk(a, b, metric="l2", k=2, budget=2**30)
-    real_rank = engine._Search.rank
+    real_rank = PlainSearch.rank
     sizes = []
 
     def flaky(self, best_v, best_i, start, buf):
@@ -117,7 +118,7 @@ def test_out_of_memory_in_a_tile_halves_the_tile_and_retries(monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_rank(self, best_v, best_i, start, buf)
 
-    monkeypatch.setattr(engine._Search, "rank", flaky)
+    monkeypatch.setattr(PlainSearch, "rank", flaky)
     got = engine.topk(a, b, metric="l2", k=2, budget=2**30, tiles=(100, 16))
     assert sizes[:3] == [100, 50, 25]
     assert_same_up_to_ties(a, b, got[1], want[1], "l2")

@@ -9,16 +9,19 @@ pytest.importorskip("triton")
 import densematch
 from densematch import engine, kernels
 from densematch.metrics import get_metric
+from densematch.precision import Precision
 
 from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores
 from .conftest import patch_features
 
 MATRIX = ["cosine", "dot", "l2", "sqeuclidean"]
+TORCH = Precision(backend="torch")
 
 
-def run(a, b, **kw):
+def run(a, b, half=None, certify=True, **kw):
     stats: dict[str, int] = {}
-    v, i = engine.topk(a, b, budget=2**28, backend="triton", stats=stats, **kw)
+    precision = Precision(half=half, certify=certify, backend="triton")
+    v, i = engine.topk(a, b, budget=2**28, precision=precision, stats=stats, **kw)
     return v, i, stats
 
 
@@ -27,7 +30,7 @@ def run(a, b, **kw):
 def test_certified_kernel_equals_float32_on_odd_sizes(metric, k):
     g = torch.Generator().manual_seed(k)
     a, b = torch.randn(37, 19, generator=g), torch.randn(53, 19, generator=g)
-    _, want = engine.topk(a, b, metric=metric, k=k, budget=2**28, backend="torch")
+    _, want = engine.topk(a, b, metric=metric, k=k, budget=2**28, precision=TORCH)
     value, got, stats = run(a, b, metric=metric, k=k, half=torch.bfloat16, tiles=(None, 24))
     assert_topk_exact(a, b, got, metric, k)
     assert_same_up_to_ties(a, b, got, want, metric)
@@ -63,7 +66,7 @@ def test_kernel_on_photo_features_with_masks(camera_small):
     allowed = torch.rand(g.shape[0], generator=gen) < 0.5
     rows_b = allowed.nonzero().squeeze(1)
     kw = dict(metric="cosine", k=2, rows_a=rows_a, rows_b=rows_b)
-    _, want = engine.topk(f, g, budget=2**28, backend="torch", **kw)
+    _, want = engine.topk(f, g, budget=2**28, precision=TORCH, **kw)
     _, got, stats = run(f, g, half=torch.bfloat16, **kw)
     assert_topk_exact(f[rows_a], g, got, "cosine", 2, allowed_b=allowed)
     assert_same_up_to_ties(f[rows_a], g, got, want, "cosine")

@@ -1,11 +1,13 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import densematch
-from densematch.budget import parse_memory, resolve_memory
+from densematch.budget import parse_memory
+from densematch.config import resolve_memory
 
 
 def test_import_loads_no_optional_dependency():
@@ -64,3 +66,11 @@ def test_default_budget_comes_from_free_memory_and_is_capped(monkeypatch):
     with densematch.config_context(memory="5MiB"):
         assert resolve_memory(None, cpu) == 5 * 2**20
         assert resolve_memory("7MiB", cpu) == 7 * 2**20
+
+
+def test_source_passes_ruff_and_mypy():
+    # CI runs only `make test`: the lint and the type check of `make lint` run here too
+    root = Path(__file__).resolve().parents[1]
+    for command in (["ruff", "check", "src", "tests", "benchmarks"], ["mypy"]):
+        done = subprocess.run([sys.executable, "-m", *command], cwd=root, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout}{done.stderr}"

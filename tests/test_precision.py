@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 
 import densematch
 from densematch import engine, precision
+from densematch.engine.strategy import Strategy
 from densematch.metrics import get_metric
-from densematch.precision import query_terms, ref_terms, resolve_precision
+from densematch.precision import Precision, query_terms, ref_terms, resolve_precision
 
 from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores
 from .conftest import patch_features
+
+BF16 = Precision(half=torch.bfloat16)
 
 MATRIX = ["cosine", "dot", "l2", "sqeuclidean"]
 HALVES = [torch.bfloat16, torch.float16]
@@ -60,7 +63,7 @@ def test_certified_search_equals_float32_on_a_photo(camera_small, metric, k):
     a, b = photo_pair(camera_small)
     _, want = engine.topk(a, b, metric=metric, k=k, budget=2**28)
     stats: dict[str, int] = {}
-    _, got = engine.topk(a, b, metric=metric, k=k, budget=2**28, half=torch.bfloat16, stats=stats, tiles=(700, 300))
+    _, got = engine.topk(a, b, metric=metric, k=k, budget=2**28, precision=BF16, stats=stats, tiles=(700, 300))
     assert_same_up_to_ties(a, b, got, want, metric)
     assert_topk_exact(a, b, got, metric, k)
     assert stats["rows"] == a.shape[0] and stats["candidates"] >= k * (a.shape[0] - stats["fallback"])
@@ -72,7 +75,7 @@ def test_certified_search_equals_float32_on_a_photo(camera_small, metric, k):
 def test_certified_search_on_noise(half):
     a, b = torch.randn(300, 40), torch.randn(450, 40)
     _, want = engine.topk(a, b, metric="cosine", k=2, budget=2**28)
-    _, got = engine.topk(a, b, metric="cosine", k=2, budget=2**28, half=half, tiles=(64, 100))
+    _, got = engine.topk(a, b, metric="cosine", k=2, budget=2**28, precision=Precision(half=half), tiles=(64, 100))
     assert_same_up_to_ties(a, b, got, want, "cosine")
 
 
@@ -90,8 +93,10 @@ def test_planted_near_ties_far_below_half_resolution(metric):
     b = (q[:, None] + (1e-3 * (1 + steps) ** 0.5)[None, :, None] * noise).reshape(-1, 32)
     b = torch.cat([b, torch.randn(300, 32, generator=g)])
     _, want = engine.topk(q, b, metric=metric, k=3, budget=2**28)
-    _, got = engine.topk(q, b, metric=metric, k=3, budget=2**28, half=torch.bfloat16)
-    _, fast = engine.topk(q, b, metric=metric, k=3, budget=2**28, half=torch.bfloat16, certify=False)
+    _, got = engine.topk(q, b, metric=metric, k=3, budget=2**28, precision=BF16)
+    _, fast = engine.topk(
+        q, b, metric=metric, k=3, budget=2**28, precision=Precision(half=torch.bfloat16, certify=False)
+    )
     ref = reference_scores(q, b, metric)
     # the planted steps (~5e-7) sit inside float32's own rounding bound (~2e-6 here): ties
     assert_same_up_to_ties(q, b, got, ref.topk(3, dim=1).indices, metric)
@@ -105,15 +110,15 @@ def test_rows_that_overflow_fall_back_to_float32(monkeypatch, backend):
     # far more candidates than fit; ties in float32 still go to the lowest index
     if backend == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setattr(engine, "CANDIDATES", 4)
     g = torch.Generator().manual_seed(1)
     base = torch.randn(1, 16, generator=g)
     b = torch.cat([base + 1e-6 * torch.randn(60, 16, generator=g), torch.randn(40, 16, generator=g)])
     a = torch.cat([base.repeat(5, 1), torch.randn(20, 16, generator=g)])
     stats: dict[str, int] = {}
     kw = dict(metric="cosine", k=1, budget=2**28, tiles=(16, 32))
-    _, want = engine.topk(a, b, **kw)
-    _, got = engine.topk(a, b, **kw, half=torch.bfloat16, stats=stats, backend=backend)
+    _, want = engine.topk(a, b, **kw, precision=Precision(candidates=4))
+    few = Precision(half=torch.bfloat16, backend=backend, candidates=4)
+    _, got = engine.topk(a, b, **kw, precision=few, stats=stats)
     assert stats["fallback"] >= 5
     # the 60 near-copies tie within float32's rounding: which one wins depends on the kernel's
     # summation order, and both are right
@@ -128,13 +133,11 @@ def test_small_budgets_plan_within_them_and_give_the_same_answer(budget, kernel)
         pytest.importorskip("triton")
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(90, 8, generator=g), torch.randn(77, 8, generator=g)
-    plan = engine.plan_tiles(
-        90, 77, 8, 2, budget, metric=get_metric("l2"), device=a.device, half=torch.bfloat16, cap=32, kernel=kernel
-    )
+    precision = Precision(half=torch.bfloat16, backend="triton" if kernel else "torch")
+    plan = engine.plan_tiles(90, 77, 8, 2, budget, metric=get_metric("l2"), device=a.device, precision=precision)
     assert plan.bytes <= budget
-    backend = "triton" if kernel else "torch"
     _, want = engine.topk(a, b, metric="l2", k=2, budget=2**30)
-    _, got = engine.topk(a, b, metric="l2", k=2, budget=budget, half=torch.bfloat16, backend=backend)
+    _, got = engine.topk(a, b, metric="l2", k=2, budget=budget, precision=precision)
     assert_same_up_to_ties(a, b, got, want, "l2")
 
 
@@ -160,7 +163,7 @@ def test_certified_search_property(na, nb, c, k, metric, tiles, masked, scale, s
     k = min(k, int(allowed.sum()))
     kw = dict(metric=metric, k=k, budget=2**28, rows_b=rows_b)
     _, want = engine.topk(a, b, **kw)
-    _, got = engine.topk(a, b, **kw, half=torch.bfloat16, tiles=tiles)
+    _, got = engine.topk(a, b, **kw, precision=BF16, tiles=tiles)
     assert_topk_exact(a, b, got, metric, k, allowed_b=allowed)
     assert_same_up_to_ties(a, b, got, want, metric)
 
@@ -202,22 +205,22 @@ class TestPrecisionArgument:
 
     def test_resolution(self):
         cpu = torch.device("cpu")
-        assert resolve_precision("float32", cpu, "cosine", 64).half is None
-        assert resolve_precision("float64", cpu, "cosine", 64).dtype == torch.float64
-        assert resolve_precision("exact", cpu, "l1", 64).half is None  # no product to speed up
+        assert resolve_precision("float32", cpu, "cosine").half is None
+        assert resolve_precision("float64", cpu, "cosine").dtype == torch.float64
+        assert resolve_precision("exact", cpu, "l1").half is None  # no product to speed up
         with densematch.config_context(half="float16"):
-            p = resolve_precision("exact", cpu, "cosine", 64)
+            p = resolve_precision("exact", cpu, "cosine")
             assert (p.half, p.certify) == (torch.float16, True)
-            assert resolve_precision("fast", cpu, "l2", 64).certify is False
+            assert resolve_precision("fast", cpu, "l2").certify is False
         with densematch.config_context(half="off"):
-            assert resolve_precision("exact", cpu, "cosine", 64).half is None
+            assert resolve_precision("exact", cpu, "cosine").half is None
 
     def test_auto_choice_follows_what_the_device_is(self, monkeypatch):
         # no timing: the same device gives the same path in every process
         cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
         monkeypatch.setattr(precision, "_cpu_has_amx", lambda: False)
         assert precision.device_half(cpu, "cosine") is None
-        assert resolve_precision("exact", cpu, "cosine", 64).half is None
+        assert resolve_precision("exact", cpu, "cosine").half is None
         monkeypatch.setattr(precision, "_cpu_has_amx", lambda: True)
         assert precision.device_half(cpu, "cosine") == torch.bfloat16
         assert precision.device_half(cpu, "l2") == torch.bfloat16
@@ -252,21 +255,23 @@ class TestPrecisionArgument:
         with pytest.raises(ValueError, match="kernel must be one of"):
             with densematch.config_context(kernel="cuda"):
                 pass
-        with pytest.raises(ValueError, match="needs a matrix metric and float32"):
-            engine.topk(torch.randn(3, 2), torch.randn(3, 2), metric="l1", k=1, budget=2**20, half=torch.bfloat16)
+        with pytest.raises(ValueError, match="needs a matrix metric"):
+            engine.topk(torch.randn(3, 2), torch.randn(3, 2), metric="l1", k=1, budget=2**20, precision=BF16)
+        with pytest.raises(ValueError, match=r"half must be torch\.bfloat16 or torch\.float16 with dtype float32"):
+            Precision(dtype=torch.float64, half=torch.bfloat16)
 
     def test_products_stay_ieee_whatever_the_process_set(self, monkeypatch):
         # TF32 (or bfloat16 on some CPUs) for float32 products, and reduced-precision sums in
         # cuBLAS's half products, would void the results and the bound: the search turns them off
         seen = []
-        rank = engine._Search.finalise
+        rank = Strategy.finalise
         cuda = torch.backends.cuda.matmul
 
         def spy(self, *args):
             seen.append((torch.get_float32_matmul_precision(), cuda.allow_bf16_reduced_precision_reduction))
             return rank(self, *args)
 
-        monkeypatch.setattr(engine._Search, "finalise", spy)
+        monkeypatch.setattr(Strategy, "finalise", spy)
         saved = torch.get_float32_matmul_precision(), cuda.allow_bf16_reduced_precision_reduction
         torch.set_float32_matmul_precision("medium")
         cuda.allow_bf16_reduced_precision_reduction = True

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import densematch
-from densematch import engine
+from densematch.engine.strategy import Strategy
 
 from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores, reported, tolerance
 
@@ -73,7 +73,7 @@ class TestNoProcessWideState:
         torch.set_float32_matmul_precision("medium")
         start = threading.Barrier(4)
         seen = []
-        real_rank = engine._Search.finalise
+        real_rank = Strategy.finalise
 
         def spy(self, *args):
             seen.append(torch.get_float32_matmul_precision())
@@ -86,12 +86,12 @@ class TestNoProcessWideState:
             return densematch.match(a, b, layout="flat", memory="256KiB").index
 
         try:
-            engine._Search.finalise = spy
+            Strategy.finalise = spy
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 results = list(pool.map(one, range(4)))
             after = torch.get_float32_matmul_precision()
         finally:
-            engine._Search.finalise = real_rank
+            Strategy.finalise = real_rank
             torch.set_float32_matmul_precision(saved)
         assert after == "medium"
         assert seen and set(seen) == {"highest"}  # every tile ran with IEEE products

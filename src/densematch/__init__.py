@@ -3,7 +3,8 @@
 from ._align import Alignment, align, warp
 from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
 from ._match import DenseMatcher, Matches, match
-from .budget import config_context, get_config, parse_memory
+from .budget import parse_memory
+from .config import config_context, get_config
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .budget import chunk_rows, resolve_memory
+from .budget import chunk_rows
 from .checks import as_tensor, check_choice, check_finite
+from .config import resolve_memory
 
 __all__ = ["Alignment", "align", "warp"]
 
@@ -139,8 +140,10 @@ def warp(image: Any, scale_h: Any, scale_w: Any, shift_y: Any, shift_x: Any, siz
     x4 = x.reshape(-1, 1, *x.shape[-2:]) if ndim < 4 else x
     b = x4.shape[0]
     names = ("scale_h", "scale_w", "shift_y", "shift_x")
-    params = [_warp_param(v, name, b, x4) for v, name in zip((scale_h, scale_w, shift_y, shift_x), names, strict=True)]
-    out = _warp(x4, *params, size)
+    sh, sw, sy, sx = (
+        _warp_param(v, name, b, x4) for v, name in zip((scale_h, scale_w, shift_y, shift_x), names, strict=True)
+    )
+    out = _warp(x4, sh, sw, sy, sx, size)
     return out.reshape(*x.shape[:-2], *size)
 
 
@@ -497,7 +500,9 @@ def _shift_scores(
     # stretched images (B, C, nh, nw, rows, cols), by two batched matrix products
     s = torch.einsum("hrH,bcHW->bchrW", ry, x)
     s = torch.einsum("bchrW,wkW->bchwrk", s, rx)
-    spec = lambda v: torch.fft.rfft2(v, s=fft_size)  # noqa: E731
+
+    def spec(v: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft2(v, s=fft_size)
 
     def corr(img_spec: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         # circular cross-correlation, valid for shifts that keep the kernel inside the image
@@ -555,7 +560,7 @@ def _refine(
     range_h: tuple[float, float],
     range_w: tuple[float, float],
     photometric: bool,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Levenberg-Marquardt on (scale_h, scale_w, shift_y, shift_x) [+ gain, bias], batched.
 
     Candidate i starts at ``start[i]`` (M, 4) and fits template ``owner[i]`` into its image."""
@@ -648,12 +653,12 @@ def _objective(
     x: torch.Tensor,
     mask: torch.Tensor,
     owner: torch.Tensor,
-    params: tuple[torch.Tensor, ...],
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     objective: str,
 ) -> torch.Tensor:
     """The objective (M,) of candidates (template ``owner[i]``) at the parameters."""
     t, x, mask = t[owner], x[owner], mask[owner]
-    warped = _warp(x, *params, t.shape[-2:])
+    warped = _warp(x, *params, (t.shape[-2], t.shape[-1]))
     total = mask.sum((1, 2, 3)) * t.shape[1]
     diff = warped - t
     if objective == "l1":

@@ -16,19 +16,20 @@ import torch
 from torch import nn
 
 from . import engine
-from .budget import chunk_rows, resolve_memory
+from .budget import chunk_rows
 from .checks import as_tensor, check_choice, check_finite, check_int
-from .metrics import get_metric, row_norms, unit_rows
+from .config import resolve_memory
+from .metrics import Metric, Minkowski, get_metric
 from .precision import RANKINGS, resolve_precision
 
 __all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
 
-_EPS = 1e-12
 
-
-def _check_inputs(x: Any, prototypes: Any, metric: str, finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """Validated x (N, D, H, W), prototypes as (F, D), and the compute dtype."""
-    get_metric(metric)
+def _check_inputs(
+    x: Any, prototypes: Any, metric: str, finite: bool
+) -> tuple[torch.Tensor, torch.Tensor, Metric, torch.dtype]:
+    """Validated x (N, D, H, W), prototypes as (F, D), the metric, and the compute dtype."""
+    m = get_metric(metric)
     x = as_tensor(x, "x")
     p = as_tensor(prototypes, "prototypes")
     if x.ndim != 4:
@@ -52,113 +53,21 @@ def _check_inputs(x: Any, prototypes: Any, metric: str, finite: bool) -> tuple[t
         check_finite(x.detach(), "x")
         check_finite(p.detach(), "prototypes")
     dtype = torch.float64 if torch.float64 in (x.dtype, p.dtype) else torch.float32
-    return x, p, dtype
-
-
-# The expansion's error is about eps * (||x||^2 + ||p||^2); below this fraction of that scale a
-# squared distance would keep too few correct digits, so it is recomputed from x - p directly.
-_CLOSE = 1e-4
-
-
-class _Bank:
-    """The prototypes, prepared once per call in the compute dtype: (F, D) rows, and for the
-    matrix metrics their centre, centred rows and squared norms, or their unit rows."""
-
-    def __init__(self, p: torch.Tensor, metric: str, dtype: torch.dtype) -> None:
-        self.metric = metric
-        self.p = p.detach().to(dtype).contiguous()
-        if metric in ("l2", "sqeuclidean"):
-            # centring on the prototypes' mean leaves distances alone and shrinks the norms,
-            # and with them the cancellation of ||x||^2 - 2 x.p + ||p||^2
-            self.centre = self.p.mean(0)
-            self.pc = self.p - self.centre
-            self.pp = self.pc.square().sum(1)
-        elif metric == "cosine":
-            self.norm = row_norms(self.p, dim=1)[:, 0]
-            self.unit = unit_rows(self.p, dim=1)
-
-    def forward_tile(self, xt: torch.Tensor, out: torch.Tensor) -> None:
-        """Distances (F, m) of the columns of xt (D, m) into ``out``, in place."""
-        m = self.metric
-        if m in ("l1", "linf"):
-            torch.ops.aten._cdist_forward.out(self.p, xt.T.contiguous(), _P[m], None, out=out)
-        elif m == "dot":
-            torch.mm(self.p, xt, out=out)
-        elif m == "cosine":
-            torch.mm(self.unit, unit_rows(xt, dim=0), out=out).neg_().add_(1.0)
-        else:
-            xc = xt - self.centre[:, None]
-            xx = xc.square().sum(0)
-            torch.addmm(self.pp[:, None], self.pc, xc, alpha=-2.0, out=out).add_(xx)
-            # columns with a near prototype have lost digits: recompute them directly
-            close = (out.amin(0) < _CLOSE * (xx + self.pp.max())).nonzero().squeeze(1)
-            step = max(1, out.numel() // max(1, xt.shape[0] * self.p.shape[0]))
-            for start in range(0, close.numel(), step):
-                cols = close[start : start + step]
-                diff = self.pc[:, :, None] - xc[:, cols][None]
-                out[:, cols] = diff.square_().sum(1)
-            out.clamp_min_(0.0)
-            if m == "l2":
-                out.sqrt_()
-
-    def backward_tile(self, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients for the columns xt (D, m) and the bank (F, D), from g and d, both (F, m)."""
-        m = self.metric
-        if m in ("l1", "linf"):
-            # torch's own kernel, on one tile: its buffer of (m, F, D) stays inside the plan
-            rows = xt.T.contiguous()
-            gx = torch.ops.aten._cdist_backward(g.T.contiguous(), rows, self.p, _P[m], d.T.contiguous()).T
-            gp = torch.ops.aten._cdist_backward(g.contiguous(), self.p, rows, _P[m], d.contiguous())
-            return gx, gp
-        if m == "dot":
-            return self.p.T @ g, g @ xt.T
-        if m == "cosine":
-            nx = row_norms(xt, dim=0)[0]
-            xn = unit_rows(xt, dim=0)
-            gx = _unit_grad(xn, nx, -(self.unit.T @ g), dim=0)
-            # the bank's projection is linear: it is applied once, after the last tile
-            return gx, -(g @ xn.T)
-        # d = ||x - p||^2: gradient 2 (x - p) g per pair; d = ||x - p||: (x - p) g / d, and 0
-        # where d = 0 (the subgradient that keeps training finite)
-        if m == "sqeuclidean":
-            w, scale = g, 2.0
-        else:
-            w, scale = torch.div(g, d).masked_fill_(d == 0, 0.0), 1.0
-        gx = torch.addmm(xt * w.sum(0), self.p.T, w, alpha=-1.0)
-        gp = torch.addmm(self.p * w.sum(1, keepdim=True), w, xt.T, alpha=-1.0)
-        return gx.mul_(scale), gp.mul_(scale)
-
-    def finish_grad(self, gp: torch.Tensor) -> torch.Tensor:
-        if self.metric == "cosine":
-            return _unit_grad(self.unit, self.norm, gp, dim=1)
-        return gp
-
-
-_P = {"l1": 1.0, "linf": float("inf")}
+    return x, p, m, dtype
 
 
 @functools.cache
-def _compiled_minkowski(metric: str, rows_last: bool) -> Any:
+def _compiled_minkowski(metric: Minkowski, rows_last: bool) -> Any:
     """A torch.compile'd l1 / linf kernel. Inductor fuses the difference, absolute value and
     reduction into one loop nest vectorised across pixels, so the broadcast is never stored.
     Maps (N, D, HW) to (N, F, HW), or rows (N, HW, D) to (N, HW, F) when ``rows_last``."""
 
     def kernel(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         if rows_last:
-            diff = (x[:, :, None, :] - p[None, None, :, :]).abs()
-            return diff.sum(-1) if metric == "l1" else diff.amax(-1)
-        diff = (x[:, None, :, :] - p[None, :, :, None]).abs()
-        return diff.sum(2) if metric == "l1" else diff.amax(2)
+            return metric.reduce_abs((x[:, :, None, :] - p[None, None, :, :]).abs(), -1)
+        return metric.reduce_abs((x[:, None, :, :] - p[None, :, :, None]).abs(), 2)
 
     return torch.compile(kernel, dynamic=True)
-
-
-def _unit_grad(unit: torch.Tensor, norm: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
-    """Gradient through the unit vector x / ||x|| given the gradient g there; exact zero vectors
-    (unit 0) pass g / eps, as through x / max(||x||, eps)."""
-    full = norm > 0
-    proj = torch.where(full, (unit * g).sum(dim), 0.0)
-    return (g - unit * proj.unsqueeze(dim)) / torch.where(full, norm, _EPS).unsqueeze(dim)
 
 
 def _column_tile(budget: int, f: int, d: int, item: int, minkowski: bool) -> int:
@@ -178,7 +87,7 @@ class _PairwiseDistance(torch.autograd.Function):
         ctx: Any,
         x: torch.Tensor,
         p: torch.Tensor,
-        metric: str,
+        metric: Metric,
         dtype: torch.dtype,
         cols: int,
         cols_backward: int,
@@ -187,18 +96,18 @@ class _PairwiseDistance(torch.autograd.Function):
         n, d, h, w = x.shape
         f, hw = p.shape[0], h * w
         channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        bank = _Bank(p, metric, dtype)
+        bank = metric.bank(p, dtype)
         x3 = x.detach().flatten(2)  # (N, D, HW): a view for NCHW and channels_last alike
-        if compiled and metric in _P and x.dtype == dtype:
+        if compiled and isinstance(metric, Minkowski) and x.dtype == dtype:
             # the fused kernel holds nothing but its output: no tiling needed
             kernel = _compiled_minkowski(metric, channels_last)
-            buf = kernel(x3.transpose(1, 2) if channels_last else x3, bank.p)
-        elif metric in _P and cols >= hw and x.dtype == dtype:
+            buf = kernel(x3.transpose(1, 2) if channels_last else x3, bank.rows)
+        elif isinstance(metric, Minkowski) and cols >= hw and x.dtype == dtype:
             # whole maps fit: one batched kernel call writes the output in x's layout directly
             rows = x3.transpose(1, 2).contiguous()  # (N, HW, D): a view already if channels_last
-            bank_n = bank.p.expand(n, f, d).contiguous()
+            bank_n = bank.rows.expand(n, f, d).contiguous()
             buf = torch.ops.aten._cdist_forward(
-                *((rows, bank_n) if channels_last else (bank_n, rows)), _P[metric], None
+                *((rows, bank_n) if channels_last else (bank_n, rows)), metric.order, None
             )
         else:
             # the output is laid out like x: NCHW, or channels_last as a (N, HW, F) buffer
@@ -209,7 +118,7 @@ class _PairwiseDistance(torch.autograd.Function):
                     o = out[i, :, s : s + cols]
                     direct = o.dtype == dtype and o.is_contiguous()
                     tile = o if direct else torch.empty(o.shape, dtype=dtype, device=x.device)
-                    bank.forward_tile(x3[i, :, s : s + cols].to(dtype), tile)
+                    metric.bank_distances(bank, x3[i, :, s : s + cols].to(dtype), tile)
                     if not direct:
                         o.copy_(tile)
         result = (buf.transpose(1, 2) if channels_last else buf).view(n, f, h, w)
@@ -224,21 +133,21 @@ class _PairwiseDistance(torch.autograd.Function):
         metric, dtype, cols = ctx.settings
         n, d, h, w = x.shape
         x3, g3, d3 = x.flatten(2), grad.flatten(2), result.flatten(2)
-        bank = _Bank(p, metric, dtype)
+        bank = metric.bank(p, dtype)
         gx = torch.empty((n, d, h * w), dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
         gp = torch.zeros(p.shape, dtype=dtype, device=p.device)
         for i in range(n):
             for s in range(0, h * w, cols):
                 part = slice(s, s + cols)
-                tx, tp = bank.backward_tile(
-                    x3[i, :, part].to(dtype), g3[i, :, part].to(dtype), d3[i, :, part].to(dtype)
+                tx, tp = metric.bank_grads(
+                    bank, x3[i, :, part].to(dtype), g3[i, :, part].to(dtype), d3[i, :, part].to(dtype)
                 )
                 if gx is not None:
                     gx[i, :, part] = tx
                 gp += tp
-        gx = None if gx is None else gx.view(n, d, h, w)
-        gp = bank.finish_grad(gp).to(p.dtype) if ctx.needs_input_grad[1] else None
-        return gx, gp, None, None, None, None, None
+        grad_x = None if gx is None else gx.view(n, d, h, w)
+        grad_p = metric.bank_grad_finish(bank, gp).to(p.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_p, None, None, None, None, None
 
 
 def pairwise_distance(
@@ -290,20 +199,15 @@ def pairwise_distance(
     >>> pairwise_distance(x, torch.randn(3, 8)).shape
     torch.Size([2, 3, 5, 7])
     """
-    x, p, dtype = _check_inputs(x, prototypes, metric, check_finite)
+    x, p, m, dtype = _check_inputs(x, prototypes, metric, check_finite)
     budget = resolve_memory(memory, x.device)
     item = torch.finfo(dtype).bits // 8
     hw = x.shape[2] * x.shape[3]
     cols = min(_column_tile(budget, p.shape[0], p.shape[1], item, False), hw)
-    cols_backward = min(_column_tile(budget, p.shape[0], p.shape[1], item, metric in ("l1", "linf")), hw)
+    cols_backward = min(_column_tile(budget, p.shape[0], p.shape[1], item, not m.matrix), hw)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return _PairwiseDistance.apply(x, p, metric, dtype, cols, cols_backward, bool(compile))
-
-
-def _pair_distance(xr: torch.Tensor, pr: torch.Tensor, metric: str) -> torch.Tensor:
-    """Distances of matched row pairs (..., D), computed directly, differentiable."""
-    value = get_metric(metric).pair_value(xr, pr)
-    return 1.0 - value if metric == "cosine" else value
+        out: torch.Tensor = _PairwiseDistance.apply(x, p, m, dtype, cols, cols_backward, bool(compile))  # type: ignore[no-untyped-call]
+        return out
 
 
 def nearest_prototype(
@@ -351,9 +255,9 @@ def nearest_prototype(
     >>> d.shape, i.shape
     (torch.Size([2, 3, 5, 7]), torch.Size([2, 3, 5, 7]))
     """
-    x, p, dtype = _check_inputs(x, prototypes, metric, check_finite)
+    x, p, m, dtype = _check_inputs(x, prototypes, metric, check_finite)
     check_choice(precision, "precision", RANKINGS)
-    prec = resolve_precision(precision, x.device, metric, x.shape[1], float64=dtype == torch.float64)
+    prec = resolve_precision(precision, x.device, m, float64=dtype == torch.float64)
     n, _d, h, w = x.shape
     k = check_int(k, "k", 1, p.shape[0])
     budget = resolve_memory(memory, x.device)
@@ -363,16 +267,13 @@ def nearest_prototype(
     with torch.autocast(device_type=x.device.type, enabled=False):
         for i in range(n):
             rows = x[i].detach().flatten(1).T  # (HW, D), a view
-            v, idx = engine.topk(
-                rows, pd, metric=metric, k=k, budget=budget, dtype=dtype, half=prec.half, certify=prec.certify
-            )
+            v, idx = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec)
             index[i], value[i] = idx, v
-        if metric == "cosine":
-            value = 1.0 - value
         if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad):
             # the chosen pairs again, with autograd: (N, HW, k, D) gathered rows, never (.., F, ..)
             xr = x.flatten(2).transpose(1, 2).to(dtype)[:, :, None, :]
-            value = _pair_distance(xr, p.to(dtype)[index], metric)
+            value = m.pair_value(xr, p.to(dtype)[index])
+        value = m.distance(value)
     index = index.permute(0, 2, 1).reshape(n, k, h, w)
     value = value.permute(0, 2, 1).reshape(n, k, h, w)
     if k == 1:

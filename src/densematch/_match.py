@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -10,9 +11,10 @@ import torch
 from torch import nn
 
 from . import engine
-from .budget import parse_memory, resolve_memory
+from .budget import parse_memory
 from .checks import LAYOUTS, check_choice, check_features, check_finite, check_int, check_mask, check_real
-from .metrics import get_metric
+from .config import resolve_memory
+from .metrics import Metric, get_metric
 from .precision import PRECISIONS, resolve_precision
 from .progress import progress_bar
 
@@ -157,9 +159,9 @@ def match(
         raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
     nb = rb.shape[1]
     k = check_int(k, "k", 1, nb)
-    ratio = _check_ratio(ratio, m.name)
+    ratio = _check_ratio(ratio, m)
     nbatch = ra.shape[0]
-    prec = resolve_precision(precision, ra.device, m.name, ra.shape[2])
+    prec = resolve_precision(precision, ra.device, m)
     masks = [
         _batch_mask(mask, name, nbatch, grid, batched_a, ra.device)
         for mask, name, grid in ((mask_a, "mask_a", grid_a), (mask_b, "mask_b", grid_b))
@@ -178,21 +180,17 @@ def match(
     passes = 2 if mutual else 1
     with progress_bar(progress, total=passes * nbatch * na, unit="px", desc="match") as bar:
         # what both passes (a against b, and the mutual check's b against a) search with
-        search = dict(
-            metric=m, budget=budget, dtype=prec.dtype, half=prec.half, certify=prec.certify, on_tile=bar.update
-        )
+        search = functools.partial(engine.topk, metric=m, budget=budget, precision=prec, on_tile=bar.update)
         for i in range(nbatch):
             rows_a, rows_b = (None if mk is None else mk[i].reshape(-1).nonzero().squeeze(1) for mk in masks)
-            v, idx = engine.topk(ra[i], rb[i], k=k_rank, rows_a=rows_a, rows_b=rows_b, reserved=reserved, **search)
+            v, idx = search(ra[i], rb[i], k=k_rank, rows_a=rows_a, rows_b=rows_b, reserved=reserved)
             ok = idx >= 0
             if ratio is not None:
                 ok &= _passes_ratio(m.ratio_distance(v[:, :2]), idx, ratio)[:, None]
             v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
             if mutual:
                 # the second bounded pass: the best pixel of a for every allowed pixel of b
-                _, back = engine.topk(
-                    rb[i], ra[i], k=1, rows_a=rows_b, rows_b=rows_a, reserved=reserved + 8 * nb, **search
-                )
+                _, back = search(rb[i], ra[i], k=1, rows_a=rows_b, rows_b=rows_a, reserved=reserved + 8 * nb)
                 ok &= _is_mutual(idx, back[:, 0], rows_a, rows_b, na, nb)
             target = slice(None) if rows_a is None else rows_a
             index[i, target] = idx
@@ -208,13 +206,13 @@ def match(
     return Matches(index=index, coords=coords, score=score, valid=valid)
 
 
-def _check_ratio(ratio: Any, metric: str) -> float | None:
+def _check_ratio(ratio: Any, metric: Metric) -> float | None:
     """``ratio`` as a float in (0, 1], or None; refused for "dot", which is not a distance."""
     if ratio is None:
         return None
     ratio = check_real(ratio, "ratio", 0.0, 1.0, low_open=True)
-    if metric == "dot":
-        raise ValueError("ratio is undefined for metric='dot' (not a distance); use 'cosine'")
+    if not metric.has_ratio:
+        raise ValueError(f"ratio is undefined for metric={metric.name!r} (not a distance); use 'cosine'")
     return ratio
 
 
@@ -281,7 +279,7 @@ class DenseMatcher(nn.Module):
         self.metric = m.name
         self.k = check_int(k, "k", 1)
         self.mutual, self.progress = bool(mutual), bool(progress)
-        self.ratio = _check_ratio(ratio, m.name)
+        self.ratio = _check_ratio(ratio, m)
         self.layout = check_choice(layout, "layout", LAYOUTS)
         if memory is not None:
             parse_memory(memory)

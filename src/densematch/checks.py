@@ -129,10 +129,8 @@ def check_features(
     return rows, grid, batched
 
 
-def check_mask(mask: Any, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+def check_mask(mask: Any, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """A boolean mask of exactly ``shape``, on ``device``."""
-    if mask is None:
-        return None
     mask = as_tensor(mask, name)
     if mask.dtype != torch.bool:
         raise TypeError(f"{name} must be a boolean mask, got dtype {mask.dtype}; use mask > 0")

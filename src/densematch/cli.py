@@ -162,14 +162,14 @@ def cmd_distance(args: argparse.Namespace) -> int:
         x = x[None]
     if x.ndim != 4:
         raise CommandError(f"FEATURES must have shape (N, D, H, W) or (D, H, W), got {x.shape}")
-    x, p = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
+    xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
     if args.nearest:
-        d, i = nearest_prototype(x, p, args.metric, k=args.k, memory=args.memory, precision=args.precision)
+        d, i = nearest_prototype(xt, pt, args.metric, k=args.k, memory=args.memory, precision=args.precision)
         if args.output:
             save_npz(args.output, distance=d.numpy(), index=i.numpy())
         summary = f"nearest prototypes {tuple(i.shape)}; mean distance {d.float().mean():.4f}"
     else:
-        d = pairwise_distance(x, p, args.metric, memory=args.memory)
+        d = pairwise_distance(xt, pt, args.metric, memory=args.memory)
         if args.output:
             save_npy(args.output, d.numpy())
         summary = f"distances {tuple(d.shape)}; mean {d.float().mean():.4f}"

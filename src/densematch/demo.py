@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False) -> int:
     # where each pixel of A truly lands in B
     rows = (np.arange(96) + 8 + 0.5) * 1.05 - 0.5 - 2.0
     cols = (np.arange(96) + 12 + 0.5) * 1.05 - 0.5 - 6.0
+    assert r.coords is not None  # a grid layout has coordinates
     err = np.hypot(r.coords[..., 0].numpy() - rows[:, None], r.coords[..., 1].numpy() - cols[None, :])
     valid = r.valid.numpy()
     say(f"match: 96x96 against 110x118 patch features (C=49), mutual + ratio 0.9, {seconds * 1e3:.0f} ms")
@@ -62,7 +64,9 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False) -> int:
     # 2. alignment: a template cut from a stretched photo
     ast = _downsize(_sample("astronaut"), 4)[:125, :125]
     truth = {"scale_h": 1.07, "scale_w": 0.93, "shift_y": 7.3, "shift_x": 4.6}
-    tpl = warp(torch.from_numpy(ast), *truth.values(), (100, 100))
+    tpl = warp(
+        torch.from_numpy(ast), truth["scale_h"], truth["scale_w"], truth["shift_y"], truth["shift_x"], (100, 100)
+    )
     t0 = time.perf_counter()
     a = align(tpl, ast)
     seconds = time.perf_counter() - t0
@@ -131,8 +135,8 @@ def run_bench(quick: bool = False) -> int:
     x, p = torch.randn(2, 64, 64, 64, generator=g), torch.randn(128, 64, generator=g)
     flat = x.flatten(2).transpose(1, 2)
     for metric, order in (("l2", 2.0), ("l1", 1.0)):
-        t_dm = _median(lambda metric=metric: pairwise_distance(x, p, metric), repeats)
-        t_cd = _median(lambda order=order: torch.cdist(flat, p, p=order), repeats)
+        t_dm = _median(functools.partial(pairwise_distance, x, p, metric), repeats)
+        t_cd = _median(functools.partial(torch.cdist, flat, p, p=order), repeats)
         rows.append((f"pairwise_distance {metric} 2x64x64x64, F=128", t_dm, "torch.cdist", t_cd, ""))
     img = torch.rand(125, 125, generator=g)
     img = torch.nn.functional.avg_pool2d(img[None, None], 3, 1, 1)[0, 0]

@@ -18,11 +18,11 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".we
 ARRAY_SUFFIXES = (".npy", ".pt", ".pth")
 
 
-def is_image(path: str | os.PathLike) -> bool:
+def is_image(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix.lower() in IMAGE_SUFFIXES
 
 
-def _existing(path: str | os.PathLike, what: str) -> Path:
+def _existing(path: str | os.PathLike[str], what: str) -> Path:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{what} {str(p)!r} does not exist")
@@ -31,7 +31,7 @@ def _existing(path: str | os.PathLike, what: str) -> Path:
     return p
 
 
-def load_array(path: str | os.PathLike, what: str = "input") -> np.ndarray:
+def load_array(path: str | os.PathLike[str], what: str = "input") -> np.ndarray:
     """An array from .npy or .pt (a tensor saved with torch.save)."""
     p = _existing(path, what)
     suffix = p.suffix.lower()
@@ -79,7 +79,7 @@ def _load_npy(p: Path, what: str) -> np.ndarray:
         return np.load(f, allow_pickle=False)
 
 
-def load_image(path: str | os.PathLike, what: str = "image", grey: bool = False) -> np.ndarray:
+def load_image(path: str | os.PathLike[str], what: str = "image", grey: bool = False) -> np.ndarray:
     """An image as float32 in [0, 1]: (H, W) when grey, else (H, W, 3). Needs Pillow."""
     p = _existing(path, what)
     try:
@@ -94,12 +94,12 @@ def load_image(path: str | os.PathLike, what: str = "image", grey: bool = False)
         raise ValueError(f"{what} {str(p)!r} could not be read as an image: {err}") from None
 
 
-def load_any(path: str | os.PathLike, what: str, grey: bool = False) -> np.ndarray:
+def load_any(path: str | os.PathLike[str], what: str, grey: bool = False) -> np.ndarray:
     """An image (float in [0, 1]) or an array, by the file's suffix."""
     return load_image(path, what, grey) if is_image(path) else load_array(path, what)
 
 
-def check_output(path: str | os.PathLike, what: str = "output") -> Path:
+def check_output(path: str | os.PathLike[str], what: str = "output") -> Path:
     """Check, before any work, that ``path`` can be written: its folder exists and it is not a
     folder itself."""
     target = Path(path)
@@ -112,7 +112,7 @@ def check_output(path: str | os.PathLike, what: str = "output") -> Path:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     """Open a temporary file beside `path`; rename it to `path` only if the block succeeds.
 
     The temporary file is created with mode 0666, so the process umask applies as to any new
@@ -136,17 +136,17 @@ def atomic_write(path: str | os.PathLike) -> Iterator[IO[bytes]]:
         raise
 
 
-def save_npz(path: str | os.PathLike, **arrays: np.ndarray) -> None:
+def save_npz(path: str | os.PathLike[str], **arrays: np.ndarray) -> None:
     with atomic_write(path) as f:
-        np.savez(f, **arrays)
+        np.savez(f, allow_pickle=False, **arrays)
 
 
-def save_npy(path: str | os.PathLike, array: np.ndarray) -> None:
+def save_npy(path: str | os.PathLike[str], array: np.ndarray) -> None:
     with atomic_write(path) as f:
         np.save(f, array)
 
 
-def save_with(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> None:
+def save_with(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> None:
     """Write through ``write(file)`` atomically (figures: ``lambda f: fig.savefig(f, format="png")``)."""
     with atomic_write(path) as f:
         write(f)

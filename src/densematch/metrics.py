@@ -1,4 +1,4 @@
-"""Metrics: how to prepare rows, score a tile, and report a value, for every metric.
+"""Metrics: the one model of each metric, for the search engine and for prototype distances.
 
 Inside the engine every metric is a *score* where higher is better, so one top-k serves all.
 Matrix metrics score a tile with one matrix product:
@@ -14,6 +14,13 @@ Matrix metrics score a tile with one matrix product:
 l1 and linf have no matrix form; a tile is ``-torch.cdist(a, b, p)``, which never builds the
 (tile_a, tile_b, C) broadcast. Whatever the ranking used, the reported value of every chosen pair
 is recomputed directly from the two rows (:meth:`Metric.pair_value`).
+
+The same classes give :func:`densematch.pairwise_distance` its distances from every pixel to a
+bank of prototypes and their gradients (:meth:`Metric.bank`, :meth:`Metric.bank_distances`,
+:meth:`Metric.bank_grads`), a tile of pixels at a time.
+
+Adding a metric is one class here (and one entry of :data:`METRICS`); the engine, the CLI's
+choices and the checks all read that dict.
 """
 
 from __future__ import annotations
@@ -22,7 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["METRICS", "Metric", "get_metric"]
+__all__ = ["METRICS", "Bank", "Metric", "get_metric", "row_norms", "unit_rows"]
+
+# Zero rows pass gradients g / _EPS through their unit vector, as through x / max(||x||, eps).
+_EPS = 1e-12
+# The l2 expansion's error is about eps * (||x||^2 + ||p||^2); below this fraction of that scale a
+# squared distance would keep too few correct digits, so it is recomputed from x - p directly.
+_CLOSE = 1e-4
 
 
 def _peaks(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -51,9 +64,39 @@ def unit_rows(x: torch.Tensor, dim: int = -1, *, inplace: bool = False) -> torch
     return y.div_(norm) if inplace else y / norm
 
 
+def _unit_grad(unit: torch.Tensor, norm: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
+    """Gradient through the unit vector x / ||x|| given the gradient g there; exact zero vectors
+    (unit 0) pass g / eps, as through x / max(||x||, eps)."""
+    full = norm > 0
+    proj = torch.where(full, (unit * g).sum(dim), 0.0)
+    return (g - unit * proj.unsqueeze(dim)) / torch.where(full, norm, _EPS).unsqueeze(dim)
+
+
 @dataclass(frozen=True)
+class Bank:
+    """Prototypes prepared once per call of :func:`densematch.pairwise_distance`.
+
+    Attributes
+    ----------
+    rows : Tensor of shape (F, D)
+        The prototypes in the compute dtype, contiguous.
+    body : Tensor of shape (F, D)
+        What the metric multiplies: centred rows (l2, sqeuclidean), unit rows (cosine), or
+        ``rows`` itself.
+    norms : Tensor of shape (F,)
+        Squared norms of the centred rows (l2, sqeuclidean), norms of the rows (cosine), or empty.
+    centre : Tensor of shape (D,)
+        The mean the rows were centred on (zeros where the metric does not centre).
+    """
+
+    rows: torch.Tensor
+    body: torch.Tensor
+    norms: torch.Tensor
+    centre: torch.Tensor
+
+
 class Metric:
-    """How one metric scores, compares and reports.
+    """How one metric prepares rows, scores a tile, reports a value and takes a gradient.
 
     Attributes
     ----------
@@ -63,21 +106,42 @@ class Metric:
         True for similarities (cosine, dot), False for distances.
     p : float or None
         The Minkowski order for metrics scored by ``torch.cdist``; None for matrix metrics.
+    extra_columns : int
+        Columns that :meth:`prepare` adds to C (1 for the l2 expansion).
+    centred : bool
+        Whether rows are centred on the reference mean before scoring.
+    degree : int
+        Scaling both rows by s scales the value by s ** degree.
     """
 
-    name: str
-    higher_is_better: bool
+    name: str = ""
+    higher_is_better = False
     p: float | None = None
+    extra_columns = 0
+    centred = False
+    degree = 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
 
     @property
-    def extra_columns(self) -> int:
-        """Columns that :meth:`prepare` adds to C (1 for the l2 expansion)."""
-        return 1 if self.name in ("l2", "sqeuclidean") else 0
+    def matrix(self) -> bool:
+        """Whether a tile of scores is one matrix product of prepared rows."""
+        return self.p is None
 
     @property
-    def centred(self) -> bool:
-        """Whether rows are centred on the reference mean before scoring."""
-        return self.name in ("l2", "sqeuclidean")
+    def shiftable(self) -> bool:
+        """Whether subtracting one vector from every prepared reference changes all scores of a
+        query row by one amount (a plain product, no extra column): rankings stay, and half
+        precision then resolves the references' differences rather than their common part."""
+        return self.matrix and not self.extra_columns
+
+    @property
+    def has_ratio(self) -> bool:
+        """Whether Lowe's ratio test has a distance to compare (:meth:`ratio_distance`)."""
+        return True
+
+    # -- the search engine's rows, scores and values ------------------------------------------
 
     def prepare(
         self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None
@@ -99,32 +163,11 @@ class Metric:
         -------
         Tensor of shape (n, C + extra_columns), contiguous, of ``dtype``.
         """
-        n, c = x.shape
-        if self.extra_columns:
-            out = torch.empty(n, c + 1, dtype=dtype, device=x.device)
-            body = out[:, :c]
-            body.copy_(x)
-            if centre is not None:
-                body.sub_(centre)
-            if role == "query":
-                out[:, c] = 1.0
-            else:
-                torch.linalg.vecdot(body, body, out=out[:, c]).mul_(-0.5)
-            return out
-        out = x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
-        return unit_rows(out, inplace=True) if self.name == "cosine" else out
+        return x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
     def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of shape (len(q), len(r)), higher is better, of prepared rows."""
-        if self.p is None:
-            if out is None:
-                return q @ r.T
-            return torch.mm(q, r.T, out=out)
-        if out is None:
-            return torch.cdist(q, r, p=self.p).neg_()
-        # torch.cdist has no out=; its kernel does, and writing into the caller's reused buffer
-        # keeps the allocator from churning one fresh block per tile
-        return torch.ops.aten._cdist_forward.out(q, r, self.p, None, out=out).neg_()
+        return q @ r.T if out is None else torch.mm(q, r.T, out=out)
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The reported value of each row pair, computed directly (differentiable; the gradient
@@ -140,62 +183,267 @@ class Metric:
         Tensor of shape (...)
             Cosine similarity, dot product, or the distance for the other metrics.
         """
-        if self.name == "cosine":
-            return (unit_rows(a) * unit_rows(b)).sum(-1)
-        if self.name == "dot":
-            return (a * b).sum(-1)
-        d = a - b
-        if self.name == "sqeuclidean":
-            return d.square().sum(-1)
-        return torch.linalg.vector_norm(d, ord=2 if self.p is None else self.p, dim=-1)
-
-    @property
-    def degree(self) -> int:
-        """How values scale with the rows: scaling both by s scales the value by s ** degree."""
-        return {"cosine": 0, "dot": 2, "sqeuclidean": 2}.get(self.name, 1)
+        raise NotImplementedError
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Scores of row pairs (n, C) from raw rows in the compute dtype, higher is better,
         computed directly (no expansion, no centring): equal rows give equal scores, and for l2
         integer features give exact integers, so exact ties stay exact."""
-        if self.name == "cosine":
-            return torch.linalg.vecdot(unit_rows(a), unit_rows(b))
-        if self.name == "dot":
-            return torch.linalg.vecdot(a, b)
-        d = a - b
-        return torch.linalg.vecdot(d, d).neg_() if self.centred else torch.linalg.vector_norm(d, self.p, dim=-1).neg_()
+        raise NotImplementedError
 
     def ratio_distance(self, value: torch.Tensor) -> torch.Tensor:
         """The distance Lowe's ratio test compares: chord distance for cosine, Euclidean for
         l2 and sqeuclidean, the metric's own distance for l1 and linf."""
-        if self.name == "cosine":
-            return (2.0 - 2.0 * value).clamp_min_(0.0).sqrt_()
-        if self.name == "sqeuclidean":
-            return value.clamp_min(0.0).sqrt()
-        if self.name == "dot":
-            raise ValueError("ratio is undefined for metric='dot': dot products are not distances")
         return value
+
+    def distance(self, value: torch.Tensor) -> torch.Tensor:
+        """The value as :func:`densematch.pairwise_distance` reports it: 1 - cos for cosine,
+        the value itself otherwise (for dot, a similarity: larger is nearer)."""
+        return value
+
+    # -- prototype banks: distances from pixels (columns) to every prototype --------------------
+
+    def bank(self, p: torch.Tensor, dtype: torch.dtype) -> Bank:
+        """The prototypes (F, D) prepared once for :meth:`bank_distances` and :meth:`bank_grads`."""
+        rows = p.detach().to(dtype).contiguous()
+        return Bank(rows, rows, rows.new_empty(0), rows.new_zeros(rows.shape[1]))
+
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
+        """Distances (F, m) of the columns of ``xt`` (D, m) to the prototypes, into ``out``."""
+        raise NotImplementedError
+
+    def bank_grads(
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients for the columns ``xt`` (D, m) and the bank (F, D), from the output's
+        gradient ``g`` and the distances ``d``, both (F, m)."""
+        raise NotImplementedError
+
+    def bank_grad_finish(self, bank: Bank, gp: torch.Tensor) -> torch.Tensor:
+        """The bank's gradient once every tile has added its part (a linear last step some
+        metrics apply once rather than per tile)."""
+        return gp
+
+
+class Dot(Metric):
+    """The dot product, a similarity."""
+
+    name = "dot"
+    higher_is_better = True
+    degree = 2
+
+    @property
+    def has_ratio(self) -> bool:
+        return False
+
+    def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a * b).sum(-1)
+
+    def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vecdot(a, b)
+
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(bank.rows, xt, out=out)
+
+    def bank_grads(
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return bank.rows.T @ g, g @ xt.T
+
+
+class Cosine(Metric):
+    """Cosine similarity; as a prototype distance, 1 - cos (zero vectors have cos 0)."""
+
+    name = "cosine"
+    higher_is_better = True
+    degree = 0
+
+    def prepare(
+        self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return unit_rows(super().prepare(x, role, dtype), inplace=True)
+
+    def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (unit_rows(a) * unit_rows(b)).sum(-1)
+
+    def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vecdot(unit_rows(a), unit_rows(b))
+
+    def ratio_distance(self, value: torch.Tensor) -> torch.Tensor:
+        return (2.0 - 2.0 * value).clamp_min_(0.0).sqrt_()
+
+    def distance(self, value: torch.Tensor) -> torch.Tensor:
+        return 1.0 - value
+
+    def bank(self, p: torch.Tensor, dtype: torch.dtype) -> Bank:
+        rows = super().bank(p, dtype).rows
+        return Bank(rows, unit_rows(rows, dim=1), row_norms(rows, dim=1)[:, 0], rows.new_zeros(rows.shape[1]))
+
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(bank.body, unit_rows(xt, dim=0), out=out).neg_().add_(1.0)
+
+    def bank_grads(
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        nx = row_norms(xt, dim=0)[0]
+        xn = unit_rows(xt, dim=0)
+        gx = _unit_grad(xn, nx, -(bank.body.T @ g), dim=0)
+        # the bank's projection is linear: bank_grad_finish applies it once, after the last tile
+        return gx, -(g @ xn.T)
+
+    def bank_grad_finish(self, bank: Bank, gp: torch.Tensor) -> torch.Tensor:
+        return _unit_grad(bank.body, bank.norms, gp, dim=1)
+
+
+class Euclidean(Metric):
+    """The Euclidean distance, ranked through the centred expansion of its square."""
+
+    name = "l2"
+    extra_columns = 1
+    centred = True
+
+    def prepare(
+        self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        n, c = x.shape
+        out = torch.empty(n, c + 1, dtype=dtype, device=x.device)
+        body = out[:, :c]
+        body.copy_(x)
+        if centre is not None:
+            body.sub_(centre)
+        if role == "query":
+            out[:, c] = 1.0
+        else:
+            torch.linalg.vecdot(body, body, out=out[:, c]).mul_(-0.5)
+        return out
+
+    def _finish(self, squared: torch.Tensor) -> torch.Tensor:
+        """The distance from its square (in place where it can be)."""
+        return squared.sqrt_()
+
+    def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(a - b, dim=-1)
+
+    def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        d = a - b
+        return torch.linalg.vecdot(d, d).neg_()
+
+    def bank(self, p: torch.Tensor, dtype: torch.dtype) -> Bank:
+        # centring on the prototypes' mean leaves distances alone and shrinks the norms, and
+        # with them the cancellation of ||x||^2 - 2 x.p + ||p||^2
+        rows = super().bank(p, dtype).rows
+        centre = rows.mean(0)
+        body = rows - centre
+        return Bank(rows, body, body.square().sum(1), centre)
+
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
+        xc = xt - bank.centre[:, None]
+        xx = xc.square().sum(0)
+        torch.addmm(bank.norms[:, None], bank.body, xc, alpha=-2.0, out=out).add_(xx)
+        # columns with a near prototype have lost digits: recompute them directly, in chunks
+        # no larger than ``out``
+        close = (out.amin(0) < _CLOSE * (xx + bank.norms.max())).nonzero().squeeze(1)
+        step = max(1, out.numel() // max(1, xt.shape[0] * bank.rows.shape[0]))
+        for start in range(0, close.numel(), step):
+            cols = close[start : start + step]
+            diff = bank.body[:, :, None] - xc[:, cols][None]
+            out[:, cols] = diff.square_().sum(1)
+        self._finish(out.clamp_min_(0.0))
+
+    def _pair_weights(self, g: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """d = ||x - p||: the gradient is (x - p) g / d per pair, and 0 where d = 0 (the
+        subgradient that keeps training finite)."""
+        return torch.div(g, d).masked_fill_(d == 0, 0.0), 1.0
+
+    def bank_grads(
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        w, scale = self._pair_weights(g, d)
+        gx = torch.addmm(xt * w.sum(0), bank.rows.T, w, alpha=-1.0)
+        gp = torch.addmm(bank.rows * w.sum(1, keepdim=True), w, xt.T, alpha=-1.0)
+        return gx.mul_(scale), gp.mul_(scale)
+
+
+class SquaredEuclidean(Euclidean):
+    """The squared Euclidean distance."""
+
+    name = "sqeuclidean"
+    degree = 2
+
+    def _finish(self, squared: torch.Tensor) -> torch.Tensor:
+        return squared
+
+    def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a - b).square().sum(-1)
+
+    def ratio_distance(self, value: torch.Tensor) -> torch.Tensor:
+        return value.clamp_min(0.0).sqrt()
+
+    def _pair_weights(self, g: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """d = ||x - p||^2: the gradient is 2 (x - p) g per pair."""
+        return g, 2.0
+
+
+class Minkowski(Metric):
+    """l1 (p=1) and linf (p=inf): no matrix form, tiles through torch.cdist's kernel."""
+
+    def __init__(self, name: str, p: float) -> None:
+        self.name, self.p = name, p
+
+    @property
+    def order(self) -> float:
+        """The Minkowski order (``p``, never None here)."""
+        assert self.p is not None
+        return self.p
+
+    def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return torch.cdist(q, r, p=self.order).neg_()
+        # torch.cdist has no out=; its kernel does, and writing into the caller's reused buffer
+        # keeps the allocator from churning one fresh block per tile
+        return torch.ops.aten._cdist_forward.out(q, r, self.order, None, out=out).neg_()
+
+    def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(a - b, ord=self.order, dim=-1)
+
+    def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(a - b, self.order, dim=-1).neg_()
+
+    def reduce_abs(self, diff: torch.Tensor, dim: int) -> torch.Tensor:
+        """The distance from absolute differences along ``dim``: their sum (l1) or maximum."""
+        return diff.sum(dim) if self.order == 1.0 else diff.amax(dim)
+
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
+        torch.ops.aten._cdist_forward.out(bank.rows, xt.T.contiguous(), self.order, None, out=out)
+
+    def bank_grads(
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # torch's own kernel, on one tile: its buffer of (m, F, D) stays inside the plan
+        rows = xt.T.contiguous()
+        gx = torch.ops.aten._cdist_backward(g.T.contiguous(), rows, bank.rows, self.order, d.T.contiguous()).T
+        gp = torch.ops.aten._cdist_backward(g.contiguous(), bank.rows, rows, self.order, d.contiguous())
+        return gx, gp
 
 
 METRICS: dict[str, Metric] = {
     m.name: m
     for m in (
-        Metric("cosine", True),
-        Metric("dot", True),
-        Metric("l2", False),
-        Metric("sqeuclidean", False),
-        Metric("l1", False, p=1.0),
-        Metric("linf", False, p=float("inf")),
+        Cosine(),
+        Dot(),
+        Euclidean(),
+        SquaredEuclidean(),
+        Minkowski("l1", 1.0),
+        Minkowski("linf", float("inf")),
     )
 }
 
 
-def get_metric(metric: str | Metric, allowed: tuple[str, ...] | None = None) -> Metric:
+def get_metric(metric: str | Metric) -> Metric:
     """Look up a metric by name, raising a ValueError that lists the choices."""
     if isinstance(metric, Metric):
         return metric
-    names = allowed or tuple(METRICS)
-    if not isinstance(metric, str) or metric not in names:
-        choices = ", ".join(repr(n) for n in names)
+    if not isinstance(metric, str) or metric not in METRICS:
+        choices = ", ".join(repr(n) for n in METRICS)
         raise ValueError(f"metric must be one of {choices}, got {metric!r}")
     return METRICS[metric]

@@ -34,14 +34,29 @@ from dataclasses import dataclass
 
 import torch
 
-from .budget import get_config
+from .config import half_setting, kernel_setting
+from .metrics import Metric, get_metric
 
-__all__ = ["PRECISIONS", "RANKINGS", "Precision", "product_slack", "query_terms", "ref_terms", "resolve_precision"]
+__all__ = [
+    "FLOAT32",
+    "PRECISIONS",
+    "RANKINGS",
+    "Precision",
+    "product_slack",
+    "query_terms",
+    "ref_terms",
+    "resolve_precision",
+]
 
 # nearest_prototype takes these: its compute dtype follows its inputs (float64 for float64)
 RANKINGS = ("exact", "float32", "fast")
 PRECISIONS = (*RANKINGS, "float64")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("auto", "torch", "triton")
+# Candidates kept per row (at least 4 k) by the certified half-precision search and by the
+# float32 search's near-tie settling: enough for the near-ties of real features; a row with more
+# is searched again in float32 (half) or kept as ranked (float32). docs/precision.md.
+CANDIDATES = 32
 
 # Unit roundoff of float32; gamma for n terms is n * u / (1 - n * u), doubled here because fused
 # dot-product instructions may round twice per pair of products.
@@ -54,7 +69,8 @@ _FLUSH = 2.0**-110
 
 @dataclass(frozen=True)
 class Precision:
-    """What a precision resolved to on one device.
+    """How a search ranks: made once from ``precision=`` and the config at the public boundary
+    (:func:`resolve_precision`) and passed whole to the engine, which reads no global setting.
 
     Attributes
     ----------
@@ -63,15 +79,52 @@ class Precision:
     dtype : torch.dtype
         Accumulation and reported dtype (float32 or float64).
     half : torch.dtype or None
-        Operand dtype of the candidate search; None to score in ``dtype``.
+        Operand dtype of the candidate search (bfloat16 or float16, with ``dtype`` float32, for
+        matrix metrics); None to score in ``dtype``.
     certify : bool
-        Re-score every candidate inside the rounding bound (``"exact"``); False for ``"fast"``.
+        With ``half``: keep every candidate inside the rounding bound and re-score it
+        (``"exact"``); False ranks by the half scores (``"fast"``). Without ``half``, for matrix
+        metrics: settle near-ties by the direct form, so exact ties go to the lowest index.
+    backend : {"auto", "torch", "triton"}
+        "triton" runs the fused kernel of :mod:`densematch.kernels` (on a CPU only under
+        TRITON_INTERPRET=1); "auto" chooses it on CUDA devices when Triton is installed and the
+        search fits it; "torch" never does.
+    candidates : int
+        The least number of candidates kept per row (the cap is ``max(candidates, 4 k)``).
+
+    Examples
+    --------
+    >>> Precision("fast", half=torch.bfloat16, certify=False)
+    Precision(name='fast', dtype=torch.float32, half=torch.bfloat16, certify=False, backend='auto', candidates=32)
     """
 
-    name: str
-    dtype: torch.dtype
+    name: str = "float32"
+    dtype: torch.dtype = torch.float32
     half: torch.dtype | None = None
     certify: bool = True
+    backend: str = "auto"
+    candidates: int = CANDIDATES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {self.dtype}")
+        if self.half is not None and (self.half not in HALF_DTYPES.values() or self.dtype != torch.float32):
+            raise ValueError(f"half must be torch.bfloat16 or torch.float16 with dtype float32, got {self.half}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {self.backend!r}")
+
+    def check(self, metric: Metric) -> None:
+        """Raise a ValueError when ``metric`` cannot be searched this way: half-precision
+        operands need a matrix metric (l1 and linf have no product to speed up)."""
+        if self.half is not None and not metric.matrix:
+            raise ValueError(f"half={self.half} needs a matrix metric, got {metric.name!r}; use half=None")
+
+    def cap(self, k: int) -> int:
+        """Candidates kept per row for a top-``k`` search."""
+        return max(self.candidates, 4 * k)
+
+
+FLOAT32 = Precision()
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -163,23 +216,29 @@ def device_half(device: torch.device, metric: str) -> torch.dtype | None:
     return None
 
 
-def resolve_precision(precision: str, device: torch.device, metric: str, c: int, *, float64: bool = False) -> Precision:
-    """Turn a public precision name into a :class:`Precision` for this device and metric.
+def resolve_precision(
+    precision: str, device: torch.device, metric: str | Metric, *, float64: bool = False
+) -> Precision:
+    """Turn a public precision name, and the config, into a :class:`Precision` for this device
+    and metric: the one place either is read.
 
     The choice depends only on the device and the metric (:func:`device_half`), so every process
-    on one machine takes the same path. ``config_context(half=...)`` overrides it: ``"bfloat16"`` or ``"float16"``
-    force that operand dtype for ``"exact"`` and ``"fast"``, ``"off"`` never uses half precision.
-    l1 and linf have no product to speed up: they always score in float32 (or float64).
+    on one machine takes the same path. ``config_context(half=...)`` overrides it: ``"bfloat16"``
+    or ``"float16"`` force that operand dtype for ``"exact"`` and ``"fast"``, ``"off"`` never
+    uses half precision. l1 and linf have no product to speed up: they always score in float32
+    (or float64). ``config_context(kernel=...)`` gives the backend.
     """
+    metric = get_metric(metric)
+    backend = kernel_setting()
     if precision == "float64" or float64:
-        return Precision(precision, torch.float64)
-    if precision == "float32" or metric in ("l1", "linf"):
-        return Precision(precision, torch.float32)
-    setting = get_config()["half"]
+        return Precision(precision, torch.float64, backend=backend)
+    if precision == "float32" or not metric.matrix:
+        return Precision(precision, torch.float32, backend=backend)
+    setting = half_setting()
     if setting == "off":
         half = None
     elif setting in HALF_DTYPES:
         half = HALF_DTYPES[setting]
     else:
-        half = device_half(device, metric)
-    return Precision(precision, torch.float32, half, certify=precision == "exact")
+        half = device_half(device, metric.name)
+    return Precision(precision, torch.float32, half, certify=precision == "exact", backend=backend)

@@ -95,7 +95,7 @@ def alignment_cases(
     *,
     seed: int = 0,
     kinds: tuple[str, ...] = ("photo", "mask"),
-    sizes: tuple = SIZES,
+    sizes: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = SIZES,
     scale_range: tuple[float, float] = (0.82, 1.18),
     noise: tuple[float, ...] = (0.0, 0.02),
     photos: tuple[str, ...] = PHOTOS,

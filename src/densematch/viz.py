@@ -120,7 +120,7 @@ def distance_figure(image: np.ndarray, index: np.ndarray, distance: np.ndarray, 
     return fig
 
 
-def save_figure(fig: Any, path: str | os.PathLike) -> None:
+def save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
     """Write a figure as PNG atomically, then close it."""
     plt = _plt()
     try:

@@ -15,7 +15,6 @@ import os
 
 import torch
 
-from ..budget import get_config
 from ..metrics import Metric
 
 __all__ = ["MAX_K", "interpreting", "triton_available", "wanted"]
@@ -38,15 +37,13 @@ def interpreting() -> bool:
 def wanted(backend: str, device: torch.device, metric: Metric, k: int) -> bool:
     """Whether the engine should run the fused kernel for this search.
 
-    ``backend`` "auto" defers to ``config_context(kernel=...)``, whose "auto" picks the kernel
-    on CUDA devices with Triton installed, for matrix metrics and k <= MAX_K. "triton" insists,
-    and raises a ValueError saying why when the kernel cannot run.
+    ``backend`` (:attr:`densematch.precision.Precision.backend`): "auto" picks the kernel on CUDA
+    devices with Triton installed, for matrix metrics and k <= MAX_K; "torch" never does;
+    "triton" insists, and raises a ValueError saying why when the kernel cannot run.
     """
-    if backend == "auto":
-        backend = str(get_config()["kernel"])
     if backend == "torch":
         return False
-    fits = metric.p is None and k <= MAX_K
+    fits = metric.matrix and k <= MAX_K
     if backend == "triton":
         if not fits:
             raise ValueError(

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="untyped-decorator, no-untyped-def"
+# (a Triton kernel: its arguments are Triton's own types, bound when the kernel is launched)
 """A fused Triton kernel: tile products plus a running top-k per row, scores never written.
 
 One program owns ``BLOCK_M`` query rows. It walks the references ``BLOCK_N`` rows at a time,

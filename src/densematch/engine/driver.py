@@ -1,0 +1,240 @@
+"""The driver: :func:`topk` chooses the strategy once, plans its tiles with that strategy's own
+memory model, and runs the tile loop with its out-of-memory retry."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .. import kernels
+from ..metrics import Metric, get_metric
+from ..precision import FLOAT32, Precision
+from .fused import KernelSearch
+from .half import HalfSearch
+from .plain import PlainSearch
+from .plan import Dims, TilePlan, fit_tiles
+from .products import strict_products
+from .strategy import Inputs, Strategy, rows_of
+
+__all__ = ["choose", "plan_tiles", "topk"]
+
+
+def choose(precision: Precision, metric: Metric, k: int, device: torch.device) -> type[Strategy]:
+    """The strategy that runs a top-``k`` search of ``metric`` on ``device``: the fused kernel
+    where ``precision.backend`` wants it (:func:`densematch.kernels.wanted`), else the certified
+    half-precision search where ``precision.half`` is set, else the plain one."""
+    precision.check(metric)
+    if kernels.wanted(precision.backend, device, metric, k):
+        return KernelSearch
+    return PlainSearch if precision.half is None else HalfSearch
+
+
+def _item(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def _plan(
+    strategy: type[Strategy],
+    na: int,
+    nb: int,
+    c: int,
+    k: int,
+    budget: int,
+    *,
+    metric: Metric,
+    device: torch.device,
+    precision: Precision,
+    in_dtype: torch.dtype,
+    tiles: tuple[int | None, int | None] | None,
+    reserved: int,
+) -> tuple[Dims, TilePlan]:
+    dims = Dims(
+        na=na,
+        nb=nb,
+        c=c,
+        cp=c + metric.extra_columns,
+        k=k,
+        item=_item(precision.dtype),
+        in_item=_item(in_dtype),
+        half_item=0 if precision.half is None else _item(precision.half),
+        cdist=not metric.matrix,
+        cap=strategy.cap(precision, metric, k),
+    )
+    plan = fit_tiles(
+        dims,
+        budget,
+        strategy.working_set,
+        caps=strategy.tile_caps(device, na, nb),
+        narrowest_b=strategy.narrowest_b,
+        tiles=tiles,
+        reserved=reserved,
+    )
+    return dims, plan
+
+
+def plan_tiles(
+    na: int,
+    nb: int,
+    c: int,
+    k: int,
+    budget: int,
+    *,
+    metric: str | Metric,
+    device: torch.device,
+    precision: Precision = FLOAT32,
+    in_dtype: torch.dtype = torch.float32,
+    tiles: tuple[int | None, int | None] | None = None,
+    reserved: int = 0,
+) -> TilePlan:
+    """The tiles :func:`topk` would use for these sizes: the strategy it would choose, planned
+    with that strategy's memory model (:func:`densematch.engine.plan.fit_tiles`).
+
+    Raises
+    ------
+    ValueError
+        When even tiles of one row do not fit, naming the minimum budget.
+    """
+    m = get_metric(metric)
+    strategy = choose(precision, m, k, device)
+    _, plan = _plan(
+        strategy,
+        na,
+        nb,
+        c,
+        k,
+        budget,
+        metric=m,
+        device=device,
+        precision=precision,
+        in_dtype=in_dtype,
+        tiles=tiles,
+        reserved=reserved,
+    )
+    return plan
+
+
+def common_scale(
+    a: torch.Tensor, b: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None, step: int
+) -> float:
+    """A power of two that brings the largest magnitude of the rows searched into [1, 2) when it
+    lies outside [2^-32, 2^32], else 1. Rankings do not change under a common positive scale,
+    and without it the l2 expansion's squared norms (and float32 copies of float64 features)
+    overflow from about 1e19 (3.4e38 for float64 inputs) and underflow below about 1e-19."""
+    peak = 0.0
+    for x, rows in ((a, rows_a), (b, rows_b)):
+        n = x.shape[0] if rows is None else rows.numel()
+        for start in range(0, n, max(1, step)):
+            low, high = torch.aminmax(rows_of(x, rows, start, start + step))
+            peak = max(peak, -float(low), float(high))
+    if peak == 0.0 or 2.0**-32 <= peak <= 2.0**32:
+        return 1.0
+    return 2.0 ** -math.floor(math.log2(peak))
+
+
+def topk(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    metric: str | Metric,
+    k: int,
+    budget: int,
+    precision: Precision = FLOAT32,
+    rows_a: torch.Tensor | None = None,
+    rows_b: torch.Tensor | None = None,
+    tiles: tuple[int | None, int | None] | None = None,
+    on_tile: Callable[[int], None] | None = None,
+    reserved: int = 0,
+    stats: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of every query row over the reference rows, tiled within ``budget`` bytes.
+
+    Parameters
+    ----------
+    a : Tensor of shape (Na, C)
+        Query rows, any float dtype, any strides (a transposed view costs no copy).
+    b : Tensor of shape (Nb, C)
+        Reference rows, on the same device.
+    metric : str or Metric
+        One of :data:`densematch.metrics.METRICS`.
+    k : int
+        How many best rows to keep; slots beyond the references available get index -1.
+    budget : int
+        Hard cap, in bytes, on the working memory of the call (see :func:`plan_tiles`).
+    precision : Precision, default=FLOAT32
+        How to rank (:class:`densematch.precision.Precision`: compute dtype, half-precision
+        operands, certification, backend), as :func:`densematch.precision.resolve_precision`
+        made it from ``precision=`` and the config. The default: plain float32, near-ties
+        settled by the direct form, the fused kernel on CUDA devices with Triton.
+    rows_a : Tensor of shape (na,), int64, optional
+        Only these query rows are ranked (the rows of the result follow this order).
+    rows_b : Tensor of shape (nb,), int64, increasing, optional
+        Only these reference rows can be chosen.
+    tiles : (int or None, int or None), optional
+        Force the tile sizes (tests use tiny tiles to force many merges).
+    on_tile : callable, optional
+        Called with the number of query rows finished after each query tile (progress bars).
+    reserved : int, default=0
+        Bytes of ``budget`` the caller already holds (they shrink the tiles).
+    stats : dict, optional
+        Filled with counts of the certified search: ``rows``, ``candidates`` (kept in all),
+        ``most`` (the most for one row) and ``fallback`` (rows searched again in float32).
+
+    Returns
+    -------
+    value : Tensor of shape (na, k), ``precision.dtype``
+        The metric's value of each chosen pair, recomputed directly from the two rows:
+        similarity for cosine and dot, distance otherwise; NaN in empty slots.
+    index : Tensor of shape (na, k), int64
+        Row of ``b`` chosen, best first; equal scores go to the lower row; -1 in empty slots.
+    """
+    metric = get_metric(metric)
+    na = a.shape[0] if rows_a is None else rows_a.numel()
+    nb = b.shape[0] if rows_b is None else rows_b.numel()
+    device = a.device
+    strategy = choose(precision, metric, k, device)
+    value = torch.full((na, k), math.nan, dtype=precision.dtype, device=device)
+    index = torch.full((na, k), -1, dtype=torch.int64, device=device)
+    if stats is not None:
+        stats.update(rows=na, candidates=0, most=0, fallback=0)
+    if na == 0 or nb == 0:
+        return value, index
+    dims, plan = _plan(
+        strategy,
+        na,
+        nb,
+        a.shape[1],
+        k,
+        budget,
+        metric=metric,
+        device=device,
+        precision=precision,
+        in_dtype=a.dtype,
+        tiles=tiles,
+        reserved=reserved,
+    )
+    with torch.inference_mode(), strict_products(device):
+        scale = common_scale(a, b, rows_a, rows_b, plan.tile_a)
+        search = strategy(Inputs(a, b, rows_a, rows_b, metric, precision, k, scale, dims.cap, stats), plan)
+        ta = plan.tile_a
+        buf = None
+        start = 0
+        while start < na:
+            stop = min(start + ta, na)
+            try:
+                if buf is None:  # one block, reused by every tile pair
+                    buf = search.block(ta)
+                search.rank(value[start:stop], index[start:stop], start, buf)
+            except torch.cuda.OutOfMemoryError:
+                # another process took memory since the plan: halve the query tile and retry
+                if ta == 1:
+                    raise
+                ta, buf = max(1, ta // 2), None
+                torch.cuda.empty_cache()
+                continue
+            search.finalise(value[start:stop], index[start:stop], start)
+            if on_tile is not None:
+                on_tile(stop - start)
+            start = stop
+    return value, index

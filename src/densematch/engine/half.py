@@ -1,0 +1,170 @@
+"""The certified half-precision search: candidates from half-precision products, made exact by
+the rounding certificate of :mod:`densematch.precision`.
+
+For each reference tile, ``e`` (the per-pair bound, one small product) turns half scores ``h``
+into lower bounds ``h - e``, whose running k-th best ``t`` the usual merge keeps; every pair with
+``h + e >= t`` joins a pool of (row, column, h + e), pruned as ``t`` rises. A row whose pool
+outgrows the cap stops collecting and is searched again in float32 at the end; the others'
+candidates are re-scored in float32 by the direct form. Without ``certify`` ("fast"), the half
+scores rank alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..metrics import Metric
+from ..precision import Precision, query_terms, ref_terms, unit_roundoff
+from .merge import best_of_candidates
+from .plan import Dims, TilePlan
+from .pool import Pool
+from .strategy import Inputs, Strategy
+
+__all__ = ["HalfSearch"]
+
+
+class HalfSearch(Strategy):
+    """Candidates from half-precision products, certified and re-scored (see the module)."""
+
+    @classmethod
+    def cap(cls, precision: Precision, metric: Metric, k: int) -> int:
+        return precision.cap(k) if precision.certify else 0
+
+    @classmethod
+    def own_bytes(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:
+        held = super().own_bytes(d, ta, tb, whole_b)
+        if d.cap:
+            # per pair: the bound and lower-bound blocks (`bounds`), |h| and the hot rows' half
+            # scores, and the pool's gathered upper bounds with their pass mask; per row: the
+            # pool and the bound terms' float32 copies of the half rows (query tile and
+            # references: ref_terms, query_terms). The re-scoring chunk reuses the score block.
+            held += (
+                Pool.bytes(ta, d.cap)
+                + ta * tb * (3 * d.item + 2 * (d.half_item or d.item) + 1)
+                + d.ref_rows(tb, whole_b) * (3 * d.item + d.cp * d.item)
+                + ta * d.cp * d.item
+            )
+        return held
+
+    def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
+        self.shift: torch.Tensor | None = None  # set below, once the references' mean is known
+        super().__init__(inputs, plan)
+        self.half = inputs.precision.half or self.dtype
+        self.stats = inputs.stats
+        # cosine and dot: references shifted by their mean change every score of a query row by
+        # the same amount, so no ranking; features that all look alike (raw patches: cosines
+        # near 0.9999) keep only their differences, which half precision then resolves
+        if self.metric.shiftable and self.half != self.dtype:
+            total = torch.zeros(self.b.shape[1], dtype=self.dtype, device=self.b.device)
+            for j in range(0, self.nb, self.tile_b):
+                total += self._prepare_refs(j, j + self.tile_b).sum(0)
+            shift = total / self.nb
+            if self.whole is not None:
+                self.whole -= shift
+            self.shift = shift
+        self.whole_h = None if self.whole is None else self.whole.to(self.half)
+        self.whole_t = None
+        if self.cap_rows and self.whole is not None and self.whole_h is not None:
+            self.whole_t = ref_terms(self.whole, self.whole_h)
+
+    def _prepare_refs(self, start: int, stop: int) -> torch.Tensor:
+        refs = super()._prepare_refs(start, stop)
+        return refs if self.whole is not None or self.shift is None else refs.sub_(self.shift)
+
+    def _half_refs(self, start: int, stop: int) -> torch.Tensor:
+        if self.whole_h is not None:
+            return self.whole_h[start:stop]
+        return self._prepare_refs(start, stop).to(self.half)
+
+    def _ref_terms(self, start: int, stop: int, half_refs: torch.Tensor) -> torch.Tensor:
+        if self.whole_t is not None:
+            return self.whole_t[start:stop]
+        return ref_terms(self._prepare_refs(start, stop), half_refs)
+
+    def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
+        m = best_v.shape[0]
+        q = self._prepare_queries(start, m)
+        qh = q.to(self.half)
+        if not self.cap_rows:  # "fast": rank by the half scores
+            self._scan(qh, best_v, best_i, buf, refs=self._half_refs)
+            return
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        qt = query_terms(q, qh)
+        # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
+        u = unit_roundoff(self.half)
+        rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
+        reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
+        pool = Pool(m, self.cap_rows, q.device, self.dtype)
+        bounds = torch.empty(2, m * min(self.tile_b, self.nb), dtype=self.dtype, device=q.device)
+        for j in range(0, self.nb, self.tile_b):
+            n = min(self.tile_b, self.nb - j)
+            rh = self._half_refs(j, j + n)
+            s = torch.mm(qh, rh.T, out=buf[: m * n].view(m, n))
+            terms = self._ref_terms(j, j + n, rh)
+            # only rows whose best score, raised by the largest bound it can have in this tile,
+            # reaches the floor can gain a candidate or a better floor: after the first tiles,
+            # few do, and the others cost one row maximum, as in the float32 search
+            top = terms.amax(0)
+            reach = s.amax(1).to(self.dtype) + qt @ top + reach_rows * top[1]
+            hot = (reach >= best_v[:, -1]).nonzero().squeeze(1)
+            h = hot.numel()
+            if h == 0:
+                continue
+            every = h == m
+            sub = s if every else s.index_select(0, hot)
+            e = torch.mm(qt if every else qt.index_select(0, hot), terms.T, out=bounds[0, : h * n].view(h, n))
+            low = torch.sub(sub, e.add_(sub.abs(), alpha=rounding), out=bounds[1, : h * n].view(h, n))
+            if every:
+                self.merge(low, j, best_v, best_i)
+            else:
+                v, i = best_v[hot], best_i[hot]
+                self.merge(low, j, v, i)
+                best_v[hot], best_i[hot] = v, i
+            pool.add(e.add_(sub), j, best_v[:, -1], hot)
+        rows, cols = pool.finish(best_v[:, -1])
+        self._settle(q, start, rows, cols, pool.over, best_v, best_i, buf)
+
+    def _settle(
+        self,
+        q: torch.Tensor,
+        start: int,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        over: torch.Tensor,
+        best_v: torch.Tensor,
+        best_i: torch.Tensor,
+        buf: torch.Tensor,
+    ) -> None:
+        """Re-score the candidates (rows, cols) of the query tile at ``start`` by the metric's
+        direct form in the compute dtype into the running top-k, and search the ``over`` rows
+        (prepared rows of ``q``) again in the compute dtype, in the bytes of ``buf``."""
+        m, k = best_v.shape
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        score = self._direct_scores(start, rows, cols, buf)
+        best_of_candidates(rows, cols, score, best_v, best_i)
+        redo = over.nonzero().squeeze(1)
+        if redo.numel():
+            v, i = self._search_float32(q.index_select(0, redo), k, buf)
+            best_v[redo], best_i[redo] = v, i
+        if self.stats is not None:
+            counts = torch.bincount(rows, minlength=m)
+            self.stats["candidates"] += int(rows.numel())
+            self.stats["most"] = max(self.stats["most"], int(counts.max()) if m else 0)
+            self.stats["fallback"] += int(redo.numel())
+
+    def _search_float32(self, q: torch.Tensor, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain float32 search of prepared rows ``q`` (the rows that overflowed), its score
+        blocks in the bytes of the half block ``buf``: half as many rows at a time."""
+        v = torch.empty(q.shape[0], k, dtype=self.dtype, device=q.device)
+        i = torch.empty(q.shape[0], k, dtype=torch.int64, device=q.device)
+        flat = buf[: buf.numel() // 2 * 2].view(self.dtype) if buf.dtype != self.dtype else buf
+        if flat.numel() < self.tile_b:
+            flat = torch.empty(self.tile_b, dtype=self.dtype, device=q.device)
+        step = flat.numel() // self.tile_b
+        for s in range(0, q.shape[0], step):
+            self._scan(q[s : s + step], v[s : s + step], i[s : s + step], flat)
+        return v, i

@@ -1,0 +1,213 @@
+"""What every search strategy shares: its inputs, the prepared rows, the scan of reference tiles,
+re-scoring by the direct form, the final values, and the part of the memory model they hold.
+
+A strategy is a class with a memory model (:meth:`Strategy.working_set`, the bytes it holds for
+tiles of (ta, tb)) beside the allocations it counts, and two steps per query tile: ``rank`` (the
+running top-k of the tile) and ``finalise`` (rows of b, values recomputed, order). The driver
+(:mod:`densematch.engine.driver`) chooses one per call, plans with its memory model, and runs it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..metrics import Metric
+from ..precision import Precision
+from .merge import merge_best, merge_topk, order
+from .plan import Dims, TilePlan, device_caps
+
+__all__ = ["Inputs", "Strategy", "rescore_bytes", "rows_of"]
+
+
+def rows_of(x: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of ``x``, or of ``x[rows]`` when a row list is given."""
+    return x[start:stop] if rows is None else x.index_select(0, rows[start:stop])
+
+
+def rescore_bytes(c: int) -> int:
+    """Bytes to re-score one candidate by the direct form: its raw query and reference rows
+    gathered, their copies in the compute dtype, and their difference or unit copies (8-byte
+    items at most), and its indices and score."""
+    return 6 * 8 * c + 64
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One call's inputs, as the driver resolved them.
+
+    Attributes
+    ----------
+    a, b : Tensor of shape (Na, C), (Nb, C)
+        Query and reference rows (any float dtype, any strides).
+    rows_a, rows_b : Tensor of int64, optional
+        The query rows ranked, and the reference rows that may be chosen (increasing).
+    metric : Metric
+    precision : Precision
+    k : int
+    scale : float
+        A power of two applied to every row before use (1: none); see ``driver.common_scale``.
+    cap : int
+        Candidates kept per row by the strategy (its :meth:`Strategy.cap`).
+    stats : dict, optional
+        Counts of the certified search, filled by the strategies that certify.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    rows_a: torch.Tensor | None
+    rows_b: torch.Tensor | None
+    metric: Metric
+    precision: Precision
+    k: int
+    scale: float = 1.0
+    cap: int = 0
+    stats: dict[str, int] | None = None
+
+    @property
+    def nb(self) -> int:
+        return self.b.shape[0] if self.rows_b is None else self.rows_b.numel()
+
+
+class Strategy:
+    """One call's prepared references; ranks and finalises one query tile at a time, its score
+    blocks in one reused buffer (:meth:`block`)."""
+
+    # the reference tile may halve down to this many rows to make room for taller query tiles
+    narrowest_b = 1
+
+    @classmethod
+    def cap(cls, precision: Precision, metric: Metric, k: int) -> int:
+        """Candidates kept per row (0: the strategy keeps none)."""
+        return 0
+
+    @classmethod
+    def tile_caps(cls, device: torch.device, na: int, nb: int) -> tuple[int, int]:
+        """The largest tiles worth having (query rows, reference rows)."""
+        return device_caps(device)
+
+    @classmethod
+    def working_set(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:
+        """Bytes one call holds at once for tiles of (ta, tb): the terms every strategy shares,
+        named below beside what allocates them, plus :meth:`own_bytes`."""
+        row_prep = d.cp * (d.item + d.half_item) + d.c * d.in_item  # a gathered raw row, its prepared copies
+        refs = d.ref_rows(tb, whole_b) * row_prep  # _prepare_refs: all references, or one tile
+        queries = ta * row_prep  # _prepare_queries: one tile
+        state = d.na * d.k * (d.item + 8)  # the driver's running top-k: value + int64 index
+        merge = ta * 2 * d.k * (d.item + 8) * 3  # merge_topk's candidates and their sorts
+        final = ta * d.k * d.c * (d.in_item + 4 * d.item)  # finalise: rows regathered, repeated, differenced
+        return refs + queries + state + merge + final + cls.own_bytes(d, ta, tb, whole_b)
+
+    @classmethod
+    def own_bytes(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:
+        """The strategy's own temporaries: here the score block (:meth:`block`; cdist also
+        makes its own) and the merge's reductions of it (row maxima, the rows that improve, the
+        boundary-ties count of :func:`merge.topk_lowest_index`)."""
+        block_item = d.half_item or d.item
+        scores = ta * tb * block_item * (2 if d.cdist else 1)
+        reduce = ta * tb * (block_item if d.k == 1 else 2 * block_item + 1)
+        return scores + reduce
+
+    def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
+        self.inputs = inputs
+        self.a, self.b, self.rows_a, self.rows_b = inputs.a, inputs.b, inputs.rows_a, inputs.rows_b
+        self.metric, self.dtype, self.scale = inputs.metric, inputs.precision.dtype, inputs.scale
+        self.tile_b, self.nb, self.cap_rows = plan.tile_b, inputs.nb, inputs.cap
+        self.merge = merge_best if inputs.k == 1 else merge_topk
+        self.centre = self._reference_mean() if self.metric.centred else None
+        # references prepared once when the plan allows, else tile by tile
+        self.whole: torch.Tensor | None = None
+        if plan.whole_b:
+            self.whole = self._prepare_refs(0, self.nb)
+
+    def block(self, ta: int) -> torch.Tensor:
+        """The buffer every score block of query tiles of ``ta`` rows is written into."""
+        dtype = self.inputs.precision.half or self.dtype
+        return torch.empty(ta * self.tile_b, dtype=dtype, device=self.a.device)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw rows times the common scale (a power of two: exact), in their own dtype."""
+        return x if self.scale == 1.0 else x * self.scale
+
+    def _reference_mean(self) -> torch.Tensor:
+        total = torch.zeros(self.b.shape[1], dtype=self.dtype, device=self.b.device)
+        for j in range(0, self.nb, self.tile_b):
+            total += self._scaled(rows_of(self.b, self.rows_b, j, j + self.tile_b)).sum(0, dtype=self.dtype)
+        return total / self.nb
+
+    def _prepare_refs(self, start: int, stop: int) -> torch.Tensor:
+        if self.whole is not None:
+            return self.whole[start:stop]
+        rows = self._scaled(rows_of(self.b, self.rows_b, start, stop))
+        return self.metric.prepare(rows, "ref", self.dtype, self.centre)
+
+    def _prepare_queries(self, start: int, m: int) -> torch.Tensor:
+        rows = self._scaled(rows_of(self.a, self.rows_a, start, start + m))
+        return self.metric.prepare(rows, "query", self.dtype, self.centre)
+
+    def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
+        """Merge every reference tile into the running top-k of the query tile at ``start``."""
+        raise NotImplementedError
+
+    def _scan(
+        self,
+        q: torch.Tensor,
+        best_v: torch.Tensor,
+        best_i: torch.Tensor,
+        buf: torch.Tensor,
+        refs: Callable[[int, int], torch.Tensor] | None = None,
+        maxima: torch.Tensor | None = None,
+    ) -> None:
+        """The plain search of prepared query rows ``q`` over every reference tile that
+        ``refs(start, stop)`` gives (default: the prepared references), scores in ``buf``;
+        each tile's row maxima go into column ``start // tile_b`` of ``maxima`` when given."""
+        refs = refs or self._prepare_refs
+        m = q.shape[0]
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        for j in range(0, self.nb, self.tile_b):
+            n = min(self.tile_b, self.nb - j)
+            s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n))
+            rowmax = self.merge(s, j, best_v, best_i)
+            if maxima is not None:
+                maxima[:, j // self.tile_b] = rowmax
+
+    def _direct_scores(self, start: int, rows: torch.Tensor, cols: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """The metric's direct scores of candidates (rows of the query tile at ``start``,
+        reference positions ``cols``) in the compute dtype, in chunks within the bytes of
+        ``buf`` (:func:`rescore_bytes` per candidate)."""
+        score = torch.empty(rows.numel(), dtype=self.dtype, device=rows.device)
+        step = max(1, buf.numel() * buf.element_size() // rescore_bytes(self.a.shape[1]))
+        queries = start + rows if self.rows_a is None else self.rows_a[start + rows]
+        for s in range(0, rows.numel(), step):
+            a = self._scaled(self.a.index_select(0, queries[s : s + step]))
+            r = self._scaled(self._gather_refs(cols[s : s + step]))
+            score[s : s + step] = self.metric.direct_score(a.to(self.dtype), r.to(self.dtype))
+        return score
+
+    def _gather_refs(self, cols: torch.Tensor) -> torch.Tensor:
+        """Raw rows of b at reference positions ``cols`` (positions among the allowed rows)."""
+        return self.b.index_select(0, cols if self.rows_b is None else self.rows_b[cols])
+
+    def finalise(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int) -> None:
+        """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""
+        k = best_i.shape[1]
+        found = best_i >= 0
+        local = best_i.clamp_min(0)
+        if self.rows_b is not None:
+            best_i.copy_(torch.where(found, self.rows_b[local], best_i))
+            local = best_i.clamp_min(0)
+        q = self._scaled(rows_of(self.a, self.rows_a, start, start + best_i.shape[0])).to(self.dtype)
+        r = self._scaled(self.b.index_select(0, local.reshape(-1))).to(self.dtype)
+        v = self.metric.pair_value(q[:, None, :], r.view(-1, k, r.shape[-1]))
+        missing = math.inf if self.metric.higher_is_better else -math.inf
+        v, i = order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
+        if self.scale != 1.0 and self.metric.degree:
+            # ordered at the search's scale, then back to the caller's units: a value past the
+            # dtype's range (only where the inputs had to be rescaled) becomes inf, never NaN
+            v = v / self.scale**self.metric.degree
+        best_v.copy_(torch.where(i >= 0, v, math.nan))
+        best_i.copy_(i)
