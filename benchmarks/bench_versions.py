@@ -116,9 +116,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="one match and one distance case")
+    p.add_argument("--only", default="", help="only the cases whose name contains this")
     p.add_argument("--name", default="versions")
     args = p.parse_args()
     cases = [MATCH[0], DISTANCE[0]] if args.quick else MATCH + DISTANCE
+    cases = [(kind, case) for kind, case in cases if args.only in describe(kind, case)]
     this = ROOT / "src"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
