@@ -112,6 +112,8 @@ class Metric:
         Whether rows are centred on the reference mean before scoring.
     degree : int
         Scaling both rows by s scales the value by s ** degree.
+    unit : bool
+        Whether prepared rows have unit length (so float16's range holds them).
     """
 
     name: str = ""
@@ -120,6 +122,7 @@ class Metric:
     extra_columns = 0
     centred = False
     degree = 1
+    unit = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -257,6 +260,7 @@ class Cosine(Metric):
     name = "cosine"
     higher_is_better = True
     degree = 0
+    unit = True
 
     def prepare(
         self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None

@@ -181,11 +181,11 @@ def ref_terms(r: torch.Tensor, rh: torch.Tensor) -> torch.Tensor:
     return torch.stack([y, w, torch.full_like(y, _FLUSH * (r.shape[1] + 2))], dim=1)
 
 
-def _half_candidates(device: torch.device, metric: str) -> tuple[torch.dtype, ...]:
+def _half_candidates(device: torch.device, metric: Metric) -> tuple[torch.dtype, ...]:
     """Half dtypes safe for this metric: float16's range (65504) only holds unit rows."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return (torch.float16,) if metric == "cosine" else ()
-    return (torch.bfloat16, torch.float16) if metric == "cosine" else (torch.bfloat16,)
+        return (torch.float16,) if metric.unit else ()
+    return (torch.bfloat16, torch.float16) if metric.unit else (torch.bfloat16,)
 
 
 def _cpu_has_amx() -> bool:
@@ -198,7 +198,7 @@ def _cpu_has_amx() -> bool:
     return bool(tile is not None and tile())
 
 
-def device_half(device: torch.device, metric: str) -> torch.dtype | None:
+def device_half(device: torch.device, metric: str | Metric) -> torch.dtype | None:
     """The half dtype this device multiplies fastest, from what the device is, never timed.
 
     CUDA devices with tensor cores (compute capability 7.0 and up): float16 for unit rows (an
@@ -206,7 +206,7 @@ def device_half(device: torch.device, metric: str) -> torch.dtype | None:
     older GPUs: None, since their half products are no faster than float32 (many CPUs without
     AMX multiply bfloat16 at half the float32 rate).
     """
-    choices = _half_candidates(device, metric)
+    choices = _half_candidates(device, get_metric(metric))
     if not choices:
         return None
     if device.type == "cuda":
@@ -240,5 +240,5 @@ def resolve_precision(
     elif setting in HALF_DTYPES:
         half = HALF_DTYPES[setting]
     else:
-        half = device_half(device, metric.name)
+        half = device_half(device, metric)
     return Precision(precision, torch.float32, half, certify=precision == "exact", backend=backend)
