@@ -20,15 +20,16 @@ from .budget import chunk_rows
 from .checks import as_tensor, check_choice, check_finite, check_int
 from .config import resolve_memory
 from .metrics import Metric, Minkowski, get_metric
-from .precision import RANKINGS, resolve_precision
+from .precision import RANKINGS, Precision, resolve_precision
 
 __all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
 
 
 def _check_inputs(
-    x: Any, prototypes: Any, metric: str, finite: bool
+    x: Any, prototypes: Any, metric: str, finite: bool, *, empty: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, Metric, torch.dtype]:
-    """Validated x (N, D, H, W), prototypes as (F, D), the metric, and the compute dtype."""
+    """Validated x (N, D, H, W), prototypes as (F, D), the metric, and the compute dtype
+    (``empty``: a bank without rows is allowed, as one rank's slice of a sharded bank may be)."""
     m = get_metric(metric)
     x = as_tensor(x, "x")
     p = as_tensor(prototypes, "prototypes")
@@ -41,7 +42,7 @@ def _check_inputs(
     for t, name in ((x, "x"), (p, "prototypes")):
         if not t.is_floating_point():
             raise TypeError(f"{name} must hold floats, got {t.dtype}; convert with .float()")
-    if p.shape[0] == 0:
+    if p.shape[0] == 0 and not empty:
         raise ValueError(f"prototypes must hold at least one prototype (F >= 1), got {tuple(p.shape)}")
     if p.shape[1] != x.shape[1]:
         raise ValueError(f"prototypes must have D={x.shape[1]} features like x (N, D, H, W), got D={p.shape[1]}")
@@ -255,25 +256,49 @@ def nearest_prototype(
     >>> d.shape, i.shape
     (torch.Size([2, 3, 5, 7]), torch.Size([2, 3, 5, 7]))
     """
-    x, p, m, dtype = _check_inputs(x, prototypes, metric, check_finite)
-    check_choice(precision, "precision", RANKINGS)
-    prec = resolve_precision(precision, x.device, m, float64=dtype == torch.float64)
+    x, p, m, prec, k, budget = nearest_task(x, prototypes, metric, k, memory, check_finite, precision)
     n, _d, h, w = x.shape
-    k = check_int(k, "k", 1, p.shape[0])
-    budget = resolve_memory(memory, x.device)
     index = torch.empty((n, h * w, k), dtype=torch.int64, device=x.device)
-    value = torch.empty((n, h * w, k), dtype=dtype, device=x.device)
+    value = torch.empty((n, h * w, k), dtype=prec.dtype, device=x.device)
     pd = p.detach()
     with torch.autocast(device_type=x.device.type, enabled=False):
         for i in range(n):
             rows = x[i].detach().flatten(1).T  # (HW, D), a view
-            v, idx = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec)
-            index[i], value[i] = idx, v
+            value[i], index[i] = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec)
         if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad):
             # the chosen pairs again, with autograd: (N, HW, k, D) gathered rows, never (.., F, ..)
-            xr = x.flatten(2).transpose(1, 2).to(dtype)[:, :, None, :]
-            value = m.pair_value(xr, p.to(dtype)[index])
-        value = m.distance(value)
+            xr = x.flatten(2).transpose(1, 2).to(prec.dtype)[:, :, None, :]
+            value = m.pair_value(xr, p.to(prec.dtype)[index])
+    return nearest_result(m.distance(value), index, x.shape)
+
+
+def nearest_task(
+    x: Any,
+    prototypes: Any,
+    metric: str,
+    k: int,
+    memory: int | str | None,
+    finite: bool,
+    precision: str,
+    *,
+    bank: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Metric, Precision, int, int]:
+    """A validated :func:`nearest_prototype` call: x, the prototypes (F, D), the metric, the
+    resolved precision (float64 for float64 inputs), k and the budget. ``bank``: the size of
+    the whole bank when ``prototypes`` is one slice of it (which may then be empty); ``k`` is
+    checked against it."""
+    x, p, m, dtype = _check_inputs(x, prototypes, metric, finite, empty=bank is not None)
+    check_choice(precision, "precision", RANKINGS)
+    prec = resolve_precision(precision, x.device, m, float64=dtype == torch.float64)
+    k = check_int(k, "k", 1, p.shape[0] if bank is None else bank)
+    return x, p, m, prec, k, resolve_memory(memory, x.device)
+
+
+def nearest_result(value: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, HW, k) distances and indices as :func:`nearest_prototype` returns them: (N, k, H, W),
+    or (N, H, W) for k = 1."""
+    n, _d, h, w = shape
+    k = index.shape[-1]
     index = index.permute(0, 2, 1).reshape(n, k, h, w)
     value = value.permute(0, 2, 1).reshape(n, k, h, w)
     if k == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -15,7 +16,7 @@ from .budget import parse_memory
 from .checks import LAYOUTS, check_choice, check_features, check_finite, check_int, check_mask, check_real
 from .config import resolve_memory
 from .metrics import Metric, get_metric
-from .precision import PRECISIONS, resolve_precision
+from .precision import PRECISIONS, Precision, resolve_precision
 from .progress import progress_bar
 
 __all__ = ["DenseMatcher", "Matches", "match"]
@@ -143,11 +144,98 @@ def match(
     >>> bool((match(f, f).coords[..., 1] == torch.arange(32)).all())
     True
     """
+    task = _task(a, b, metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
+    passes = 2 if mutual else 1
+    with progress_bar(progress, total=passes * task.nbatch * task.na, unit="px", desc="match") as bar:
+        # what both passes (a against b, and the mutual check's b against a) search with
+        search = functools.partial(
+            engine.topk, metric=task.metric, budget=task.budget, precision=task.precision, on_tile=bar.update
+        )
+
+        def forward(i: int, rows_a: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            rows_b = task.rows(1, i)
+            return search(task.ra[i], task.rb[i], k=k, rows_a=rows_a, rows_b=rows_b, reserved=task.reserved)
+
+        def backward(i: int, rows_a: torch.Tensor | None) -> torch.Tensor:
+            rows_b = task.rows(1, i)
+            reserved = task.reserved + 8 * task.nb
+            _, back = search(task.rb[i], task.ra[i], k=1, rows_a=rows_b, rows_b=rows_a, reserved=reserved)
+            return owners(back[:, 0], rows_b, task.nb)
+
+        return solve(task, forward, backward)
+
+
+@dataclass
+class Task:
+    """A validated :func:`match` call: flat rows, grids, batch masks and the resolved settings.
+
+    ``nb`` and ``grid_b`` describe the whole of b (for a sharded search, every band together),
+    ``rb`` and the b mask only the rows this process holds.
+    """
+
+    ra: torch.Tensor
+    rb: torch.Tensor
+    grid_a: tuple[int, ...]
+    grid_b: tuple[int, ...]
+    batched: bool
+    masks: tuple[torch.Tensor | None, torch.Tensor | None]
+    metric: Metric
+    k: int
+    mutual: bool
+    ratio: float | None
+    layout: str
+    precision: Precision
+    budget: int
+    nb: int
+
+    @property
+    def nbatch(self) -> int:
+        return self.ra.shape[0]
+
+    @property
+    def na(self) -> int:
+        return self.ra.shape[1]
+
+    @property
+    def k_rank(self) -> int:
+        """How many best rows the search keeps: two at least for the ratio test."""
+        return max(self.k, 2) if self.ratio is not None else self.k
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of the budget the mask row lists take."""
+        return 8 * (self.na + self.nb)
+
+    def rows(self, side: int, i: int) -> torch.Tensor | None:
+        """The allowed rows of a (``side`` 0) or of the held rows of b (1) in batch item ``i``."""
+        mask = self.masks[side]
+        return None if mask is None else mask[i].reshape(-1).nonzero().squeeze(1)
+
+
+def _task(
+    a: Any,
+    b: Any,
+    metric: str,
+    k: int,
+    mutual: bool,
+    ratio: float | None,
+    layout: str,
+    mask_a: Any,
+    mask_b: Any,
+    memory: int | str | None,
+    precision: str,
+    *,
+    nb: int | None = None,
+    grid_b: tuple[int, ...] | None = None,
+    empty_b: bool = False,
+) -> Task:
+    """Validate a :func:`match` call. ``nb`` and ``grid_b`` give the whole of b where this
+    process holds only a band of it (``empty_b``: a band may have no rows)."""
     layout = check_choice(layout, "layout", LAYOUTS)
     m = get_metric(metric)
     check_choice(precision, "precision", PRECISIONS)
     ra, grid_a, batched_a = check_features(a, "a", layout, finite=False)
-    rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
+    rb, band_grid, batched_b = check_features(b, "b", layout, finite=False, empty=empty_b)
     if ra.device != rb.device:
         raise ValueError(f"a and b must be on one device, got {ra.device} and {rb.device}")
     if batched_a != batched_b or ra.shape[0] != rb.shape[0]:
@@ -157,53 +245,79 @@ def match(
         )
     if ra.shape[2] != rb.shape[2]:
         raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
-    nb = rb.shape[1]
-    k = check_int(k, "k", 1, nb)
-    ratio = _check_ratio(ratio, m)
+    total = rb.shape[1] if nb is None else nb
+    k = check_int(k, "k", 1, total)
     nbatch = ra.shape[0]
-    prec = resolve_precision(precision, ra.device, m)
-    masks = [
-        _batch_mask(mask, name, nbatch, grid, batched_a, ra.device)
-        for mask, name, grid in ((mask_a, "mask_a", grid_a), (mask_b, "mask_b", grid_b))
-    ]
+    masks = (
+        _batch_mask(mask_a, "mask_a", nbatch, grid_a, batched_a, ra.device),
+        _batch_mask(mask_b, "mask_b", nbatch, band_grid, batched_a, ra.device),
+    )
     # masked-out pixels are never read, so they may hold anything (NaN padding of ragged batches)
     for rows, mask, name in ((ra, masks[0], "a"), (rb, masks[1], "b")):
         check_finite(rows, name, mask=None if mask is None else mask.reshape(nbatch, -1))
-    budget = resolve_memory(memory, ra.device)
-    na = ra.shape[1]
-    reserved = 8 * (na + nb)  # the mask row lists
-    k_rank = max(k, 2) if ratio is not None else k
+    return Task(
+        ra=ra,
+        rb=rb,
+        grid_a=grid_a,
+        grid_b=band_grid if grid_b is None else grid_b,
+        batched=batched_a,
+        masks=masks,
+        metric=m,
+        k=k,
+        mutual=bool(mutual),
+        ratio=_check_ratio(ratio, m),
+        layout=layout,
+        precision=resolve_precision(precision, ra.device, m),
+        budget=resolve_memory(memory, ra.device),
+        nb=total,
+    )
 
-    index = torch.full((nbatch, na, k), -1, dtype=torch.int64, device=ra.device)
-    score = torch.full((nbatch, na, k), float("nan"), dtype=prec.dtype, device=ra.device)
-    valid = torch.zeros((nbatch, na, k), dtype=torch.bool, device=ra.device)
-    passes = 2 if mutual else 1
-    with progress_bar(progress, total=passes * nbatch * na, unit="px", desc="match") as bar:
-        # what both passes (a against b, and the mutual check's b against a) search with
-        search = functools.partial(engine.topk, metric=m, budget=budget, precision=prec, on_tile=bar.update)
-        for i in range(nbatch):
-            rows_a, rows_b = (None if mk is None else mk[i].reshape(-1).nonzero().squeeze(1) for mk in masks)
-            v, idx = search(ra[i], rb[i], k=k_rank, rows_a=rows_a, rows_b=rows_b, reserved=reserved)
-            ok = idx >= 0
-            if ratio is not None:
-                ok &= _passes_ratio(m.ratio_distance(v[:, :2]), idx, ratio)[:, None]
-            v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
-            if mutual:
-                # the second bounded pass: the best pixel of a for every allowed pixel of b
-                _, back = search(rb[i], ra[i], k=1, rows_a=rows_b, rows_b=rows_a, reserved=reserved + 8 * nb)
-                ok &= _is_mutual(idx, back[:, 0], rows_a, rows_b, na, nb)
-            target = slice(None) if rows_a is None else rows_a
-            index[i, target] = idx
-            score[i, target] = v
-            valid[i, target] = ok
-    shape = (*((nbatch,) if batched_a else ()), *grid_a, *((k,) if k > 1 else ()))
+
+Forward = Callable[[int, "torch.Tensor | None", int], tuple[torch.Tensor, torch.Tensor]]
+Backward = Callable[[int, "torch.Tensor | None"], torch.Tensor]
+
+
+def solve(task: Task, forward: Forward, backward: Backward) -> Matches:
+    """The matches of ``task``, from ``forward(i, rows_a, k)``: the (value, index) top-k over
+    the whole of b of the allowed rows of a in batch item ``i``, indices in the whole of b, and
+    ``backward(i, rows_a)``: for every row of the whole of b, its best allowed row of a (-1 for
+    a row that may not be chosen). The filters and the packing are the same however those two
+    are computed (one process, or shards of a sharded search)."""
+    nbatch, na, k = task.nbatch, task.na, task.k
+    index = torch.full((nbatch, na, k), -1, dtype=torch.int64, device=task.ra.device)
+    score = torch.full((nbatch, na, k), float("nan"), dtype=task.precision.dtype, device=task.ra.device)
+    valid = torch.zeros((nbatch, na, k), dtype=torch.bool, device=task.ra.device)
+    for i in range(nbatch):
+        rows_a = task.rows(0, i)
+        v, idx = forward(i, rows_a, task.k_rank)
+        ok = idx >= 0
+        if task.ratio is not None:
+            ok &= _passes_ratio(task.metric.ratio_distance(v[:, :2]), idx, task.ratio)[:, None]
+        v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
+        if task.mutual:
+            owner = backward(i, rows_a)
+            me = torch.arange(na, device=idx.device) if rows_a is None else rows_a
+            ok &= owner[idx.clamp_min(0)] == me[:, None]
+        target = slice(None) if rows_a is None else rows_a
+        index[i, target] = idx
+        score[i, target] = v
+        valid[i, target] = ok
+    shape = (*((nbatch,) if task.batched else ()), *task.grid_a, *((k,) if k > 1 else ()))
     index, score, valid = (t.reshape(shape) for t in (index, score, valid))
     coords = None
-    if layout != "flat":
-        width = grid_b[1]
+    if task.layout != "flat":
+        width = task.grid_b[1]
         coords = torch.stack((index.div(width, rounding_mode="floor"), index.remainder(width)), dim=-1)
         coords = torch.where(index[..., None] >= 0, coords, -1)
     return Matches(index=index, coords=coords, score=score, valid=valid)
+
+
+def owners(back: torch.Tensor, rows_b: torch.Tensor | None, nb: int) -> torch.Tensor:
+    """(nb,) the best row of a of every row of b, from ``back``, that of the allowed rows
+    ``rows_b`` (all rows when None); -1 for the others."""
+    owner = torch.full((nb,), -1, dtype=torch.int64, device=back.device)
+    owner[rows_b if rows_b is not None else slice(None)] = back
+    return owner
 
 
 def _check_ratio(ratio: Any, metric: Metric) -> float | None:
@@ -220,16 +334,6 @@ def _passes_ratio(d: torch.Tensor, idx: torch.Tensor, ratio: float) -> torch.Ten
     """Lowe's test on the best two distances d (n, 2): d1 <= ratio * d2, and d2 > 0 (a second
     candidate at distance 0 makes the match ambiguous); a pixel with no second candidate passes."""
     return (idx[:, 1] < 0) | ((d[:, 1] > 0) & (d[:, 0] <= ratio * d[:, 1]))
-
-
-def _is_mutual(
-    idx: torch.Tensor, back: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None, na: int, nb: int
-) -> torch.Tensor:
-    """(n, k) True where the best pixel of a for b-pixel idx is the querying pixel itself."""
-    owner = torch.full((nb,), -1, dtype=torch.int64, device=idx.device)
-    owner[rows_b if rows_b is not None else slice(None)] = back
-    me = torch.arange(na, device=idx.device) if rows_a is None else rows_a
-    return owner[idx.clamp_min(0)] == me[:, None]
 
 
 def _batch_mask(

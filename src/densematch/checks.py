@@ -88,10 +88,11 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
 
 
 def check_features(
-    x: Any, name: str, layout: str, *, finite: bool = True
+    x: Any, name: str, layout: str, *, finite: bool = True, empty: bool = False
 ) -> tuple[torch.Tensor, tuple[int, ...], bool]:
     """Validate a feature map and view it as flat rows (``finite=False``: the caller checks
-    finiteness itself, where its mask allows).
+    finiteness itself, where its mask allows; ``empty``: a map without pixels is allowed, as
+    the band of a sharded search may be).
 
     Returns
     -------
@@ -111,9 +112,10 @@ def check_features(
         raise TypeError(
             f"{name} must hold floats (float16, bfloat16, float32 or float64), got {x.dtype}; convert with .float()"
         )
-    if x.numel() == 0:
-        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     batched = x.ndim == nd + 1
+    channels = x.shape[-1] if layout != "chw" else x.shape[-3]
+    if x.numel() == 0 and not (empty and channels > 0 and (not batched or x.shape[0] > 0)):
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     xb = x if batched else x.unsqueeze(0)
     if layout == "hwc":
         grid = tuple(xb.shape[1:3])

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from . import __version__
 from ._align import OBJECTIVES, align
 from ._distance import nearest_prototype, pairwise_distance
-from ._match import match
+from ._match import Matches, match
 from .features import FEATURES, dense_features
 from .io import check_output, is_image, load_any, load_array, load_image, save_npy, save_npz
 from .metrics import METRICS
@@ -65,14 +66,32 @@ def _preview(feat: torch.Tensor, img: np.ndarray | None) -> np.ndarray:
     return (norm / norm.max().clamp_min(1e-12)).numpy()
 
 
+def _sharded(args: argparse.Namespace) -> bool:
+    """Whether torchrun launched this command with more than one process: the process group is
+    then initialised (gloo on CPUs, NCCL on GPUs) and the search sharded over it."""
+    from .distributed import init_from_env
+
+    return init_from_env(getattr(args, "device", "cpu"))
+
+
+def _is_first_rank() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
 def cmd_match(args: argparse.Namespace) -> int:
+    sharded = _sharded(args)
     dev = _device(args.device)
     fa, ia = _features(args.a, args, "A")
     fb, ib = _features(args.b, args, "B")
     if fa.shape[-1] != fb.shape[-1]:
         raise CommandError(f"A and B must have the same number of channels, got {fa.shape[-1]} and {fb.shape[-1]}")
     t0 = time.perf_counter()
-    r = match(
+    search: Callable[..., Matches] = match
+    if sharded:
+        from . import distributed
+
+        search = functools.partial(distributed.match, shard="queries")
+    r = search(
         fa.to(dev),
         fb.to(dev),
         metric=args.metric,
@@ -83,6 +102,8 @@ def cmd_match(args: argparse.Namespace) -> int:
         precision=args.precision,
         progress=_progress(args),
     )
+    if not _is_first_rank():  # sharded: rank 0 alone writes and reports
+        return 0
     seconds = time.perf_counter() - t0
     out = r.numpy()
     if args.output:
@@ -164,11 +185,20 @@ def cmd_distance(args: argparse.Namespace) -> int:
         raise CommandError(f"FEATURES must have shape (N, D, H, W) or (D, H, W), got {x.shape}")
     xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
     if args.nearest:
-        d, i = nearest_prototype(xt, pt, args.metric, k=args.k, memory=args.memory, precision=args.precision)
+        nearest: Callable[..., tuple[torch.Tensor, torch.Tensor]] = nearest_prototype
+        if _sharded(args):
+            from . import distributed
+
+            nearest = functools.partial(distributed.nearest_prototype, shard="pixels")
+        d, i = nearest(xt, pt, args.metric, k=args.k, memory=args.memory, precision=args.precision)
+        if not _is_first_rank():
+            return 0
         if args.output:
             save_npz(args.output, distance=d.numpy(), index=i.numpy())
         summary = f"nearest prototypes {tuple(i.shape)}; mean distance {d.float().mean():.4f}"
     else:
+        if _sharded(args) and not _is_first_rank():  # the full tensor is not sharded: rank 0 writes it
+            return 0
         d = pairwise_distance(xt, pt, args.metric, memory=args.memory)
         if args.output:
             save_npy(args.output, d.numpy())

@@ -1,0 +1,7 @@
+"""``python -m densematch``: the densematch command (also under torchrun, sharded)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,398 @@
+"""Exact search sharded over processes: :func:`match` and :func:`nearest_prototype` on
+torch.distributed (launched by torchrun; gloo on CPUs, NCCL on GPUs).
+
+Each is a collective: every rank of the group calls it, and every rank gets the whole result,
+equal to the one-process call on the whole input (ties to the lowest global index). Two ways to
+shard:
+
+- the queries (``shard="queries"``, ``"pixels"``): every rank holds all of both inputs and searches
+  a contiguous share of the query rows; the shares' top-k lists are gathered;
+- the references (``shard="references"``, ``"prototypes"``): every rank holds all of the queries
+  and its own band of the references, searches it, and the per-band top-k lists are gathered and
+  merged (by value, equal values to the lower global index). Each rank holds only its band.
+
+What is sent: each rank's top-k lists, 12 bytes (a float32 value and an int64 index) per query
+row and k, plus, for ``mutual``, 8 bytes per reference row. Ranks agree on success before any
+result is exchanged: a bad input on one rank raises the same error on every rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+
+from . import _distance, _match, engine
+from .checks import LAYOUTS, as_tensor, check_choice
+from .engine.merge import order
+from .progress import progress_bar
+
+__all__ = ["init_from_env", "match", "nearest_prototype"]
+
+MATCH_SHARDS = ("queries", "references")
+NEAREST_SHARDS = ("prototypes", "pixels")
+T = TypeVar("T")
+# errors raised again, by type, on every rank; anything else becomes a RuntimeError there
+_ERRORS: dict[str, type[Exception]] = {e.__name__: e for e in (ValueError, TypeError, RuntimeError, MemoryError)}
+_ERRORS["OutOfMemoryError"] = MemoryError
+
+
+class _Group:
+    """The process group of one collective call: rank, size, and the agreed exchanges."""
+
+    def __init__(self, group: Any, timeout: float | None, stats: dict[str, float] | None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "densematch.distributed needs an initialised process group: launch with torchrun "
+                "(torchrun --nproc-per-node 2 your_script.py) and call "
+                "torch.distributed.init_process_group() or densematch.distributed.init_from_env() first; "
+                "in one process, call densematch.match / nearest_prototype directly"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.gloo = dist.get_backend(group) == "gloo"
+        self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.stats = stats
+        if stats is not None:
+            stats.update(bytes_sent=0, seconds_communicating=0.0, collectives=0)
+
+    def _account(self, started: float, sent: int) -> None:
+        if self.stats is not None:
+            self.stats["bytes_sent"] += sent
+            self.stats["seconds_communicating"] += time.perf_counter() - started
+            self.stats["collectives"] += 1
+
+    def agree(self, step: Callable[[], T]) -> T:
+        """Run ``step`` here, then learn whether it succeeded on every rank: the first failure
+        (by rank) is raised on all of them, with the rank named. A rank that does not answer
+        within ``timeout`` seconds is named by gloo's monitored barrier."""
+        result: T | None = None
+        failure: Exception | None = None
+        try:
+            result = step()
+        except (ValueError, TypeError, RuntimeError, MemoryError) as err:
+            failure = err
+        started = time.perf_counter()
+        if self.gloo and self.timeout is not None:
+            dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
+        reports: list[tuple[str, str] | None] = [None] * self.size
+        mine = None if failure is None else (type(failure).__name__, str(failure))
+        dist.all_gather_object(reports, mine, group=self.group)
+        self._account(started, 0)
+        for rank, report in enumerate(reports):
+            if report is not None:
+                kind, message = report
+                raise _ERRORS.get(kind, RuntimeError)(f"{message} (rank {rank} of {self.size})") from failure
+        return cast(T, result)
+
+    def objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small Python values), in rank order."""
+        started = time.perf_counter()
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        self._account(started, 0)
+        return out
+
+    def gather(self, t: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Every rank's ``t``, of ``sizes[r]`` rows on rank r (known to all), in rank order."""
+        started = time.perf_counter()
+        most = max(sizes)
+        device = torch.device("cpu") if self.gloo else t.device
+        padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=device)
+        padded[: t.shape[0]] = t
+        out = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(out, padded, group=self.group)
+        self._account(started, padded.numel() * padded.element_size() * (self.size - 1))
+        return [o[:n].to(t.device) for o, n in zip(out, sizes, strict=True)]
+
+    def share(self, n: int, rank: int | None = None) -> tuple[int, int]:
+        """The contiguous share [start, stop) of n rows that ``rank`` (default: this one) searches."""
+        r = self.rank if rank is None else rank
+        return n * r // self.size, n * (r + 1) // self.size
+
+    def share_sizes(self, n: int) -> list[int]:
+        return [stop - start for start, stop in (self.share(n, r) for r in range(self.size))]
+
+
+def _merge(
+    values: list[torch.Tensor], indices: list[torch.Tensor], k: int, higher_is_better: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best k of per-band top-k lists (n, k_r) with global indices: by value, equal values
+    to the lower index; empty slots (index -1) last, NaN in the value."""
+    v, i = torch.cat(values, dim=1), torch.cat(indices, dim=1)
+    v = torch.where(i >= 0, v, -torch.inf if higher_is_better else torch.inf)
+    v, i = order(v, i, descending=higher_is_better)
+    v, i = v[:, :k], i[:, :k]
+    return torch.where(i >= 0, v, torch.nan), i
+
+
+def _band_rows(b: Any, layout: str) -> tuple[int, int]:
+    """(rows of the band, pixels per row) of a band of b: rows of the grid for hwc and chw (the
+    width), rows of the list for flat (1)."""
+    x = as_tensor(b, "b")
+    if layout == "flat":
+        return int(x.shape[-2]) if x.ndim >= 2 else 0, 1
+    if x.ndim < 3:
+        raise ValueError(f"b must have shape (H, W, C) or (C, H, W) or a batch of them, got {tuple(x.shape)}")
+    return (int(x.shape[-3]), int(x.shape[-2])) if layout == "hwc" else (int(x.shape[-2]), int(x.shape[-1]))
+
+
+def match(
+    a: Any,
+    b: Any,
+    *,
+    shard: str = "queries",
+    group: Any = None,
+    timeout: float | None = None,
+    stats: dict[str, float] | None = None,
+    metric: str = "cosine",
+    k: int = 1,
+    mutual: bool = False,
+    ratio: float | None = None,
+    layout: str = "hwc",
+    mask_a: Any = None,
+    mask_b: Any = None,
+    memory: int | str | None = None,
+    progress: bool = False,
+    precision: str = "exact",
+) -> _match.Matches:
+    """:func:`densematch.match` sharded over the ranks of a process group: a collective.
+
+    Every rank of ``group`` calls it and every rank returns the full :class:`Matches`, equal to
+    ``densematch.match(a, whole_b, ...)`` in one process: the same index, scores and valid mask,
+    ties to the lowest global index of b, ``mutual`` and ``ratio`` included.
+
+    Parameters
+    ----------
+    a, b : Tensor or ndarray
+        As in :func:`densematch.match`. With ``shard="queries"`` every rank passes the same a
+        and b. With ``shard="references"`` every rank passes the same a and its own band of b:
+        a band of b's rows for layouts "hwc" and "chw" (rank 0 the top band, then in rank order;
+        bands may differ in height, and one may be empty), a slice of rows for "flat".
+    shard : {"queries", "references"}, default="queries"
+        Split a's pixels (each rank searches a contiguous share against all of b), or b's
+        (each rank searches all of a against its band, and the bands' top-k are merged).
+    group : ProcessGroup, optional
+        The ranks taking part; default the default process group.
+    timeout : float, optional
+        Seconds to wait for every rank at each agreement (gloo only: a rank that does not
+        answer is named). Default: the group's own timeout.
+    stats : dict, optional
+        Filled with ``bytes_sent`` (by this rank), ``seconds_communicating`` and ``collectives``.
+    metric, k, mutual, ratio, layout, mask_a, mask_b, memory, progress, precision
+        As in :func:`densematch.match`. ``memory`` is per rank; ``mask_b`` is the rank's own
+        band with ``shard="references"``; ``progress`` shows rank 0's share.
+
+    Returns
+    -------
+    Matches
+        Indices and coords in the whole of b (the bands concatenated in rank order).
+
+    Raises
+    ------
+    ValueError, TypeError
+        Whatever :func:`densematch.match` raises, on every rank, when any rank's input is bad
+        (the message names the rank); a ValueError for bands of unequal width.
+    RuntimeError
+        Without an initialised process group, or when a rank stops answering.
+    """
+    check_choice(shard, "shard", MATCH_SHARDS)
+    check_choice(layout, "layout", LAYOUTS)
+    g = _Group(group, timeout, stats)
+    settings = (metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
+    if shard == "queries":
+        task = g.agree(lambda: _match._task(a, b, *settings))
+        total = task.nbatch * task.na * (2 if task.mutual else 1) // g.size
+        with progress_bar(progress and g.rank == 0, total=total, unit="px", desc="match") as bar:
+            return _match.solve(task, *_by_queries(g, task, bar.update))
+    else:
+        bands = g.objects(g.agree(lambda: _band_rows(b, layout)))
+        widths = {w for rows, w in bands if rows > 0}
+        if len(widths) > 1:
+            raise ValueError(f"b's bands must have one width, got widths {sorted(widths)} by rank")
+        width = widths.pop() if widths else 1
+        offsets = [sum(rows for rows, _ in bands[:r]) * width for r in range(g.size)]
+        height = sum(rows for rows, _ in bands)
+        grid_b = (height * width,) if layout == "flat" else (height, width)
+        total = height * width
+        task = g.agree(lambda: _match._task(a, b, *settings, nb=total, grid_b=grid_b, empty_b=True))
+        forward, backward = _by_references(g, task, offsets, [rows * width for rows, _ in bands])
+    return _match.solve(task, forward, backward)
+
+
+def _by_queries(g: _Group, task: _match.Task, on_tile: Callable[[int], None]) -> tuple[_match.Forward, _match.Backward]:
+    """Each rank searches a contiguous share of the allowed rows of a (and, for mutual, of b)."""
+    search = functools.partial(
+        engine.topk, metric=task.metric, budget=task.budget, precision=task.precision, on_tile=on_tile
+    )
+
+    def forward(i: int, rows_a: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        allowed = torch.arange(task.na, device=task.ra.device) if rows_a is None else rows_a
+        start, stop = g.share(allowed.numel())
+        step = functools.partial(
+            search,
+            task.ra[i],
+            task.rb[i],
+            k=k,
+            rows_a=allowed[start:stop],
+            rows_b=task.rows(1, i),
+            reserved=task.reserved,
+        )
+        v, idx = g.agree(step)
+        sizes = g.share_sizes(allowed.numel())
+        return torch.cat(g.gather(v, sizes)), torch.cat(g.gather(idx, sizes))
+
+    def backward(i: int, rows_a: torch.Tensor | None) -> torch.Tensor:
+        rows_b = task.rows(1, i)
+        allowed = torch.arange(task.nb, device=task.rb.device) if rows_b is None else rows_b
+        start, stop = g.share(allowed.numel())
+        reserved = task.reserved + 8 * task.nb
+        step = functools.partial(
+            search, task.rb[i], task.ra[i], k=1, rows_a=allowed[start:stop], rows_b=rows_a, reserved=reserved
+        )
+        _, back = g.agree(step)
+        back = torch.cat(g.gather(back[:, 0], g.share_sizes(allowed.numel())))
+        return _match.owners(back, rows_b, task.nb)
+
+    return forward, backward
+
+
+def _by_references(
+    g: _Group, task: _match.Task, offsets: list[int], band_sizes: list[int]
+) -> tuple[_match.Forward, _match.Backward]:
+    """Each rank searches all of a against its band of b; the bands' top-k are merged."""
+    search = functools.partial(engine.topk, metric=task.metric, budget=task.budget, precision=task.precision)
+    offset = offsets[g.rank]
+
+    def forward(i: int, rows_a: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        step = functools.partial(
+            search, task.ra[i], task.rb[i], k=k, rows_a=rows_a, rows_b=task.rows(1, i), reserved=task.reserved
+        )
+        v, idx = g.agree(step)
+        idx = torch.where(idx >= 0, idx + offset, -1)
+        sizes = [v.shape[0]] * g.size
+        return _merge(g.gather(v, sizes), g.gather(idx, sizes), k, task.metric.higher_is_better)
+
+    def backward(i: int, rows_a: torch.Tensor | None) -> torch.Tensor:
+        rows_b = task.rows(1, i)
+        reserved = task.reserved + 8 * task.nb
+        step = functools.partial(search, task.rb[i], task.ra[i], k=1, rows_a=rows_b, rows_b=rows_a, reserved=reserved)
+        _, back = g.agree(step)
+        mine = _match.owners(back[:, 0], rows_b, band_sizes[g.rank])
+        return torch.cat(g.gather(mine, band_sizes))
+
+    return forward, backward
+
+
+def nearest_prototype(
+    x: Any,
+    prototypes: Any,
+    metric: str = "l2",
+    *,
+    k: int = 1,
+    shard: str = "prototypes",
+    group: Any = None,
+    timeout: float | None = None,
+    stats: dict[str, float] | None = None,
+    memory: int | str | None = None,
+    check_finite: bool = True,
+    precision: str = "exact",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`densematch.nearest_prototype` sharded over the ranks of a process group: a
+    collective, every rank returning the whole result.
+
+    Parameters
+    ----------
+    x : Tensor or ndarray of shape (N, D, H, W)
+        The same on every rank.
+    prototypes : Tensor or ndarray of shape (F_r, D)
+        ``shard="prototypes"``: this rank's slice of the bank (a memory bank split over GPUs;
+        a slice may be empty), the global index of its first row being the sum of the slices
+        of the ranks before it. ``shard="pixels"``: the whole bank, the same on every rank.
+    shard : {"prototypes", "pixels"}, default="prototypes"
+        Split the bank, or split x's pixels (each rank searches a contiguous share).
+    group, timeout, stats
+        As in :func:`match`.
+    metric, k, memory, check_finite, precision
+        As in :func:`densematch.nearest_prototype`; k counts the whole bank.
+
+    Returns
+    -------
+    distance, index : Tensor of shape (N, H, W), or (N, k, H, W) for k > 1
+        As :func:`densematch.nearest_prototype` returns them, with global prototype indices. The
+        distances carry no autograd graph (the gathered results cannot be differentiated).
+    """
+    check_choice(shard, "shard", NEAREST_SHARDS)
+    g = _Group(group, timeout, stats)
+    if shard == "pixels":
+        x, p, m, prec, k, budget = g.agree(
+            lambda: _distance.nearest_task(x, prototypes, metric, k, memory, check_finite, precision)
+        )
+        n, _d, h, w = x.shape
+        start, stop = g.share(n * h * w)
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def local() -> tuple[torch.Tensor, torch.Tensor]:
+            for item in range(n):  # the share's rows, item by item: views of x, never a copy of it
+                lo, hi = max(start, item * h * w), min(stop, (item + 1) * h * w)
+                if lo < hi:
+                    rows = x[item].detach().flatten(1).T[lo - item * h * w : hi - item * h * w]
+                    parts.append(engine.topk(rows, p.detach(), metric=m, k=k, budget=budget, precision=prec))
+            if not parts:
+                return torch.empty(0, k, dtype=prec.dtype), torch.empty(0, k, dtype=torch.int64)
+            return torch.cat([v for v, _ in parts]), torch.cat([i for _, i in parts])
+
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            v, idx = g.agree(local)
+        sizes = g.share_sizes(n * h * w)
+        value = torch.cat(g.gather(v.to(x.device), sizes)).view(n, h * w, k)
+        index = torch.cat(g.gather(idx.to(x.device), sizes)).view(n, h * w, k)
+        return _distance.nearest_result(m.distance(value), index, x.shape)
+
+    sizes = g.objects(g.agree(lambda: int(as_tensor(prototypes, "prototypes").shape[0])))
+    offset, total = sum(sizes[: g.rank]), sum(sizes)
+    x, p, m, prec, k, budget = g.agree(
+        lambda: _distance.nearest_task(x, prototypes, metric, k, memory, check_finite, precision, bank=total)
+    )
+    n, _d, h, w = x.shape
+
+    def search() -> tuple[torch.Tensor, torch.Tensor]:
+        value = torch.full((n, h * w, k), torch.nan, dtype=prec.dtype, device=x.device)
+        index = torch.full((n, h * w, k), -1, dtype=torch.int64, device=x.device)
+        for i in range(n):
+            rows = x[i].detach().flatten(1).T
+            value[i], index[i] = engine.topk(rows, p.detach(), metric=m, k=k, budget=budget, precision=prec)
+        return value, torch.where(index >= 0, index + offset, -1)
+
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        value, index = g.agree(search)
+    rows = [n * h * w] * g.size
+    flat_v, flat_i = value.view(-1, k), index.view(-1, k)
+    value, index = _merge(g.gather(flat_v, rows), g.gather(flat_i, rows), k, m.higher_is_better)
+    return _distance.nearest_result(m.distance(value).view(n, h * w, k), index.view(n, h * w, k), x.shape)
+
+
+def init_from_env(device: str = "cpu", timeout: float | None = None) -> bool:
+    """Initialise the default process group from torchrun's environment (``WORLD_SIZE`` above
+    1): gloo for ``device="cpu"``, NCCL with one GPU per local rank for ``"cuda"``. Returns
+    whether a group of more than one process is (now) initialised; False when not launched by
+    torchrun or launched with one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if not dist.is_initialized():
+        kw: dict[str, Any] = {}
+        if timeout is not None:
+            kw["timeout"] = datetime.timedelta(seconds=timeout)
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl", **kw)
+        else:
+            dist.init_process_group("gloo", **kw)
+    return dist.get_world_size() > 1
