@@ -18,11 +18,12 @@ result is exchanged: a bad input on one rank raises the same error on every rank
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -79,26 +80,35 @@ class _Group:
             result = step()
         except (ValueError, TypeError, RuntimeError, MemoryError) as err:
             failure = err
-        started = time.perf_counter()
-        if self.gloo and self.timeout is not None:
-            dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
-        reports: list[tuple[str, str] | None] = [None] * self.size
-        mine = None if failure is None else (type(failure).__name__, str(failure))
-        dist.all_gather_object(reports, mine, group=self.group)
-        self._account(started, 0)
+        reports = self.objects(None if failure is None else (type(failure).__name__, str(failure)), barrier=True)
         for rank, report in enumerate(reports):
             if report is not None:
                 kind, message = report
                 raise _ERRORS.get(kind, RuntimeError)(f"{message} (rank {rank} of {self.size})") from failure
         return cast(T, result)
 
-    def objects(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (small Python values), in rank order."""
+    def objects(self, obj: Any, *, barrier: bool = False) -> list[Any]:
+        """Every rank's ``obj`` (small Python values), in rank order; with ``barrier``, after
+        gloo's monitored barrier when a timeout is set."""
         started = time.perf_counter()
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._waiting():
+            if barrier and self.gloo and self.timeout is not None:
+                dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
+            dist.all_gather_object(out, obj, group=self.group)
         self._account(started, 0)
         return out
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Collectives that fail because another rank stopped answering (gloo's monitored
+        barrier names it; a crashed peer is named by its address) say so."""
+        try:
+            yield
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"densematch.distributed: rank {self.rank} of {self.size} lost the other ranks: {err}"
+            ) from err
 
     def gather(self, t: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Every rank's ``t``, of ``sizes[r]`` rows on rank r (known to all), in rank order."""
@@ -108,7 +118,8 @@ class _Group:
         padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=device)
         padded[: t.shape[0]] = t
         out = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(out, padded, group=self.group)
+        with self._waiting():
+            dist.all_gather(out, padded, group=self.group)
         self._account(started, padded.numel() * padded.element_size() * (self.size - 1))
         return [o[:n].to(t.device) for o, n in zip(out, sizes, strict=True)]
 
