@@ -2,6 +2,7 @@
 
 from ._align import Alignment, align, warp
 from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
+from ._knn import KNNIndex, knn
 from ._match import DenseMatcher, Matches, match
 from .budget import parse_memory
 from .config import config_context, get_config
@@ -11,12 +12,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Alignment",
     "DenseMatcher",
+    "KNNIndex",
     "Matches",
     "PrototypeDistance",
     "__version__",
     "align",
     "config_context",
     "get_config",
+    "knn",
     "match",
     "nearest_prototype",
     "pairwise_distance",

@@ -257,6 +257,22 @@ def nearest_prototype(
     (torch.Size([2, 3, 5, 7]), torch.Size([2, 3, 5, 7]))
     """
     x, p, m, prec, k, budget = nearest_task(x, prototypes, metric, k, memory, check_finite, precision)
+    value, index = nearest_search(x, p, m, prec, k, budget)
+    return nearest_result(value, index, x.shape)
+
+
+def nearest_search(
+    x: torch.Tensor,
+    p: torch.Tensor,
+    m: Metric,
+    prec: Precision,
+    k: int,
+    budget: int,
+    prepared: engine.Prepared | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k nearest prototypes of the pixels of x (N, D, H, W): distances and indices of shape
+    (N, HW, k), the distances recomputed with autograd where x or p require it. ``prepared``:
+    the prototypes as :func:`densematch.engine.prepare` made them ready."""
     n, _d, h, w = x.shape
     index = torch.empty((n, h * w, k), dtype=torch.int64, device=x.device)
     value = torch.empty((n, h * w, k), dtype=prec.dtype, device=x.device)
@@ -264,12 +280,12 @@ def nearest_prototype(
     with torch.autocast(device_type=x.device.type, enabled=False):
         for i in range(n):
             rows = x[i].detach().flatten(1).T  # (HW, D), a view
-            value[i], index[i] = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec)
+            value[i], index[i] = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec, prepared=prepared)
         if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad):
             # the chosen pairs again, with autograd: (N, HW, k, D) gathered rows, never (.., F, ..)
             xr = x.flatten(2).transpose(1, 2).to(prec.dtype)[:, :, None, :]
             value = m.pair_value(xr, p.to(prec.dtype)[index])
-    return nearest_result(m.distance(value), index, x.shape)
+    return m.distance(value), index
 
 
 def nearest_task(

@@ -20,7 +20,8 @@ Everything here works on flat (N, C) rows. Layouts, batches, masks and filters l
 - ``products``: IEEE products for the length of a search.
 """
 
-from .driver import plan_tiles, topk
+from .driver import plan_tiles, prepare, topk
 from .plan import TilePlan
+from .strategy import Prepared
 
-__all__ = ["TilePlan", "plan_tiles", "topk"]
+__all__ = ["Prepared", "TilePlan", "plan_tiles", "prepare", "topk"]

@@ -16,9 +16,9 @@ from .half import HalfSearch
 from .plain import PlainSearch
 from .plan import Dims, TilePlan, fit_tiles
 from .products import strict_products
-from .strategy import Inputs, Strategy, rows_of
+from .strategy import Inputs, Prepared, Strategy, rows_of
 
-__all__ = ["choose", "plan_tiles", "topk"]
+__all__ = ["choose", "plan_tiles", "prepare", "topk"]
 
 
 def choose(precision: Precision, metric: Metric, k: int, device: torch.device) -> type[Strategy]:
@@ -115,22 +115,74 @@ def plan_tiles(
     return plan
 
 
-def common_scale(
-    a: torch.Tensor, b: torch.Tensor, rows_a: torch.Tensor | None, rows_b: torch.Tensor | None, step: int
-) -> float:
-    """A power of two that brings the largest magnitude of the rows searched into [1, 2) when it
-    lies outside [2^-32, 2^32], else 1. Rankings do not change under a common positive scale,
-    and without it the l2 expansion's squared norms (and float32 copies of float64 features)
-    overflow from about 1e19 (3.4e38 for float64 inputs) and underflow below about 1e-19."""
-    peak = 0.0
-    for x, rows in ((a, rows_a), (b, rows_b)):
-        n = x.shape[0] if rows is None else rows.numel()
-        for start in range(0, n, max(1, step)):
-            low, high = torch.aminmax(rows_of(x, rows, start, start + step))
-            peak = max(peak, -float(low), float(high))
-    if peak == 0.0 or 2.0**-32 <= peak <= 2.0**32:
+def peak(x: torch.Tensor, rows: torch.Tensor | None, step: int) -> float:
+    """The largest magnitude of the rows searched, read ``step`` rows at a time."""
+    top = 0.0
+    n = x.shape[0] if rows is None else rows.numel()
+    for start in range(0, n, max(1, step)):
+        low, high = torch.aminmax(rows_of(x, rows, start, start + step))
+        top = max(top, -float(low), float(high))
+    return top
+
+
+def common_scale(top: float) -> float:
+    """A power of two that brings ``top``, the largest magnitude of the rows searched, into
+    [1, 2) when it lies outside [2^-32, 2^32], else 1. Rankings do not change under a common
+    positive scale, and without it the l2 expansion's squared norms (and float32 copies of
+    float64 features) overflow from about 1e19 (3.4e38 for float64 inputs) and underflow below
+    about 1e-19."""
+    if top == 0.0 or 2.0**-32 <= top <= 2.0**32:
         return 1.0
-    return 2.0 ** -math.floor(math.log2(peak))
+    return 2.0 ** -math.floor(math.log2(top))
+
+
+def prepare(
+    b: torch.Tensor,
+    *,
+    metric: str | Metric,
+    k: int,
+    budget: int,
+    precision: Precision = FLOAT32,
+    rows_b: torch.Tensor | None = None,
+) -> Prepared:
+    """Prepare the references ``b`` (N, C) once, for :func:`topk` calls with other queries and
+    the same ``metric``, ``k`` and ``precision`` (``topk(..., prepared=...)``): normalised,
+    centred, with their norms, as the chosen strategy needs them. The prepared rows are held
+    outside the budget of later calls.
+
+    Raises
+    ------
+    ValueError
+        When the references cannot be held prepared whole within ``budget``.
+    """
+    metric = get_metric(metric)
+    strategy = choose(precision, metric, k, b.device)
+    nb = b.shape[0] if rows_b is None else rows_b.numel()
+    _, plan = _plan(
+        strategy,
+        1,
+        nb,
+        b.shape[1],
+        k,
+        budget,
+        metric=metric,
+        device=b.device,
+        precision=precision,
+        in_dtype=b.dtype,
+        tiles=None,
+        reserved=0,
+    )
+    if not plan.whole_b:
+        raise ValueError(
+            f"memory={budget} bytes cannot hold the {nb} prepared references of C={b.shape[1]} whole: "
+            "raise memory, or search without preparing them"
+        )
+    with torch.inference_mode():
+        top = peak(b, rows_b, plan.tile_b)
+        inputs = Inputs(
+            b[:0], b, None, rows_b, metric, precision, k, common_scale(top), strategy.cap(precision, metric, k)
+        )
+        return strategy(inputs, plan).prepared(top)
 
 
 def topk(
@@ -147,6 +199,7 @@ def topk(
     on_tile: Callable[[int], None] | None = None,
     reserved: int = 0,
     stats: dict[str, int] | None = None,
+    prepared: Prepared | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of every query row over the reference rows, tiled within ``budget`` bytes.
 
@@ -180,6 +233,9 @@ def topk(
     stats : dict, optional
         Filled with counts of the certified search: ``rows``, ``candidates`` (kept in all),
         ``most`` (the most for one row) and ``fallback`` (rows searched again in float32).
+    prepared : Prepared, optional
+        ``b`` as :func:`prepare` made it ready (same ``b``, ``rows_b``, metric, k and
+        precision): used when this search runs the same strategy at the same scale, else ignored.
 
     Returns
     -------
@@ -215,8 +271,15 @@ def topk(
         reserved=reserved,
     )
     with torch.inference_mode(), strict_products(device):
-        scale = common_scale(a, b, rows_a, rows_b, plan.tile_a)
-        search = strategy(Inputs(a, b, rows_a, rows_b, metric, precision, k, scale, dims.cap, stats), plan)
+        top_a = peak(a, rows_a, plan.tile_a)
+        if prepared is not None:
+            scale = common_scale(max(top_a, prepared.peak))
+            if prepared.strategy is not strategy or scale != prepared.scale:
+                prepared = None
+        if prepared is None:
+            scale = common_scale(max(top_a, peak(b, rows_b, plan.tile_a)))
+        inputs = Inputs(a, b, rows_a, rows_b, metric, precision, k, scale, dims.cap, stats, prepared)
+        search = strategy(inputs, plan)
         ta = plan.tile_a
         buf = None
         start = 0

@@ -12,6 +12,7 @@ scores rank alone.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -53,6 +54,10 @@ class HalfSearch(Strategy):
         super().__init__(inputs, plan)
         self.half = inputs.precision.half or self.dtype
         self.stats = inputs.stats
+        if inputs.prepared is not None:
+            state = inputs.prepared.state
+            self.shift, self.whole_h, self.whole_t = state["shift"], state["whole_h"], state["whole_t"]
+            return
         # cosine and dot: references shifted by their mean change every score of a query row by
         # the same amount, so no ranking; features that all look alike (raw patches: cosines
         # near 0.9999) keep only their differences, which half precision then resolves
@@ -68,6 +73,9 @@ class HalfSearch(Strategy):
         self.whole_t = None
         if self.cap_rows and self.whole is not None and self.whole_h is not None:
             self.whole_t = ref_terms(self.whole, self.whole_h)
+
+    def _state(self) -> dict[str, Any]:
+        return {"shift": self.shift, "whole_h": self.whole_h, "whole_t": self.whole_t}
 
     def _prepare_refs(self, start: int, stop: int) -> torch.Tensor:
         refs = super()._prepare_refs(start, stop)

@@ -8,6 +8,7 @@ re-scored by the metric's direct form (:meth:`PlainSearch.rank`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -46,13 +47,18 @@ class PlainSearch(Strategy):
 
     def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
         super().__init__(inputs, plan)
-        if self.cap_rows:
+        if inputs.prepared is not None:
+            self.ref_norm = float(inputs.prepared.state.get("ref_norm", 0.0))
+        elif self.cap_rows:
             # the largest prepared reference norm: with a query's own norm, it bounds how far
             # the compute dtype's product can be from the exact one for every pair of the row
             self.ref_norm = max(
                 float(torch.linalg.vector_norm(self._prepare_refs(j, j + self.tile_b), dim=1).amax())
                 for j in range(0, self.nb, self.tile_b)
             )
+
+    def _state(self) -> dict[str, Any]:
+        return {"ref_norm": self.ref_norm} if self.cap_rows else {}
 
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         q = self._prepare_queries(start, best_v.shape[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from ..precision import Precision
 from .merge import merge_best, merge_topk, order
 from .plan import Dims, TilePlan, device_caps
 
-__all__ = ["Inputs", "Strategy", "rescore_bytes", "rows_of"]
+__all__ = ["Inputs", "Prepared", "Strategy", "rescore_bytes", "rows_of"]
 
 
 def rows_of(x: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
@@ -33,6 +34,35 @@ def rescore_bytes(c: int) -> int:
     gathered, their copies in the compute dtype, and their difference or unit copies (8-byte
     items at most), and its indices and score."""
     return 6 * 8 * c + 64
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """References prepared once by a strategy (:meth:`Strategy.prepared`), for later searches
+    of the same references with other queries (:class:`densematch.KNNIndex`).
+
+    Attributes
+    ----------
+    strategy : type
+        The strategy that prepared them; only it can use them.
+    peak : float
+        The largest magnitude of the references (for the common scale).
+    scale : float
+        The common scale they were prepared at.
+    centre : Tensor of shape (C,), optional
+        The references' mean, for centred metrics.
+    whole : Tensor of shape (nb, C'), optional
+        Every prepared reference row.
+    state : dict
+        What else the strategy derives from the references alone (norms, half copies).
+    """
+
+    strategy: type[Strategy]
+    peak: float
+    scale: float
+    centre: torch.Tensor | None
+    whole: torch.Tensor | None
+    state: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -54,6 +84,8 @@ class Inputs:
         Candidates kept per row by the strategy (its :meth:`Strategy.cap`).
     stats : dict, optional
         Counts of the certified search, filled by the strategies that certify.
+    prepared : Prepared, optional
+        The references already prepared (by this strategy, at this scale).
     """
 
     a: torch.Tensor
@@ -66,6 +98,7 @@ class Inputs:
     scale: float = 1.0
     cap: int = 0
     stats: dict[str, int] | None = None
+    prepared: Prepared | None = None
 
     @property
     def nb(self) -> int:
@@ -117,11 +150,22 @@ class Strategy:
         self.metric, self.dtype, self.scale = inputs.metric, inputs.precision.dtype, inputs.scale
         self.tile_b, self.nb, self.cap_rows = plan.tile_b, inputs.nb, inputs.cap
         self.merge = merge_best if inputs.k == 1 else merge_topk
+        self.whole: torch.Tensor | None = None
+        if inputs.prepared is not None:
+            self.centre, self.whole = inputs.prepared.centre, inputs.prepared.whole
+            return
         self.centre = self._reference_mean() if self.metric.centred else None
         # references prepared once when the plan allows, else tile by tile
-        self.whole: torch.Tensor | None = None
         if plan.whole_b:
             self.whole = self._prepare_refs(0, self.nb)
+
+    def prepared(self, peak: float) -> Prepared:
+        """The references as this search prepared them (``peak``: their largest magnitude)."""
+        return Prepared(type(self), peak, self.scale, self.centre, self.whole, self._state())
+
+    def _state(self) -> dict[str, Any]:
+        """What a strategy derives from the references alone, besides the prepared rows."""
+        return {}
 
     def block(self, ta: int) -> torch.Tensor:
         """The buffer every score block of query tiles of ``ta`` rows is written into."""

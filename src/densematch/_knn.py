@@ -1,0 +1,133 @@
+"""Exact k nearest neighbours of flat rows in a memory bank: the flat form of nearest_prototype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import engine
+from ._distance import nearest_search, nearest_task
+from .checks import as_tensor, check_finite
+from .config import resolve_memory
+from .metrics import Metric
+from .precision import Precision
+
+__all__ = ["KNNIndex", "knn"]
+
+
+def _rows(x: Any, name: str) -> torch.Tensor:
+    t = as_tensor(x, name)
+    if t.ndim != 2 or t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(f"{name} must have shape (N, D) with N, D >= 1, got {tuple(t.shape)}")
+    return t
+
+
+def _task(
+    queries: Any, bank: Any, metric: str, k: int, memory: int | str | None, finite: bool, precision: str
+) -> tuple[torch.Tensor, torch.Tensor, Metric, Precision, int, int]:
+    """Validated queries (as one N x 1 map, a view), bank, metric, precision, k and budget."""
+    q, b = _rows(queries, "queries"), _rows(bank, "bank")
+    if q.shape[1] != b.shape[1]:
+        raise ValueError(f"queries and bank must have one D, got {q.shape[1]} and {b.shape[1]}")
+    if q.device != b.device:
+        raise ValueError(f"queries and bank must be on one device, got {q.device} and {b.device}")
+    if finite:
+        check_finite(q.detach(), "queries")
+        check_finite(b.detach(), "bank")
+    # the queries as one map of N x 1 pixels: a view, no copy
+    return nearest_task(q.T[None, :, :, None], b, metric, k, memory, False, precision)
+
+
+def knn(
+    queries: Any,
+    bank: Any,
+    k: int = 1,
+    metric: str = "l2",
+    *,
+    memory: int | str | None = None,
+    precision: str = "exact",
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k nearest rows of ``bank`` of every row of ``queries``, exactly, without the N x M
+    distance matrix.
+
+    Parameters
+    ----------
+    queries : Tensor or ndarray of shape (N, D)
+    bank : Tensor or ndarray of shape (M, D)
+    k : int, default=1
+        1 <= k <= M.
+    metric : {"l2", "sqeuclidean", "l1", "linf", "cosine", "dot"}, default="l2"
+        As in :func:`densematch.nearest_prototype` (cosine: the distance 1 - cos; dot: larger
+        is nearer).
+    memory, precision, check_finite
+        As in :func:`densematch.nearest_prototype`.
+
+    Returns
+    -------
+    distances : Tensor of shape (N, k)
+        Recomputed directly from each pair, in float32 (float64 for float64 inputs);
+        differentiable with respect to queries and bank.
+    indices : Tensor of shape (N, k), int64
+        Rows of the bank, nearest first; ties to the lower index.
+
+    Examples
+    --------
+    >>> bank = torch.randn(1000, 16)
+    >>> d, i = knn(bank[:5] + 1e-3, bank, k=2)
+    >>> i[:, 0].tolist()
+    [0, 1, 2, 3, 4]
+    """
+    x, p, m, prec, k, budget = _task(queries, bank, metric, k, memory, check_finite, precision)
+    value, index = nearest_search(x, p, m, prec, k, budget)
+    return value[0], index[0]
+
+
+class KNNIndex:
+    """A memory bank prepared once (normalised, centred, its norms kept, as the metric needs),
+    then searched by :meth:`search` with query sets of any size: :func:`knn` without preparing
+    the bank at every call.
+
+    Parameters
+    ----------
+    bank : Tensor or ndarray of shape (M, D)
+        Kept by reference (not copied); prepared rows are held beside it, outside ``memory``.
+    metric, memory, precision, check_finite
+        As in :func:`knn`.
+
+    Examples
+    --------
+    >>> index = KNNIndex(torch.randn(5000, 32), metric="cosine")
+    >>> d, i = index.search(torch.randn(10, 32), k=3)
+    >>> d.shape, i.shape
+    (torch.Size([10, 3]), torch.Size([10, 3]))
+    """
+
+    def __init__(
+        self,
+        bank: Any,
+        metric: str = "l2",
+        *,
+        memory: int | str | None = None,
+        precision: str = "exact",
+        check_finite: bool = True,
+    ) -> None:
+        b = _rows(bank, "bank")
+        self.memory, self.precision, self.check_finite = memory, precision, check_finite
+        _, self.bank, self.metric, prec, _, budget = _task(b[:1], b, metric, 1, memory, check_finite, precision)
+        self.prepared = engine.prepare(self.bank.detach(), metric=self.metric, k=1, budget=budget, precision=prec)
+
+    def search(self, queries: Any, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k nearest rows of the bank of every row of ``queries`` (N, D): distances and
+        indices of shape (N, k), as :func:`knn` returns them."""
+        x, p, m, prec, k, _ = _task(
+            queries, self.bank, self.metric.name, k, self.memory, self.check_finite, self.precision
+        )
+        budget = resolve_memory(self.memory, x.device)
+        value, index = nearest_search(x, p, m, prec, k, budget, prepared=self.prepared)
+        return value[0], index[0]
+
+    def __repr__(self) -> str:
+        m, d = self.bank.shape
+        return f"KNNIndex(bank of {m} x {d}, metric={self.metric.name!r}, precision={self.precision!r})"
