@@ -33,10 +33,13 @@ def merge_best(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch
 
 def topk_lowest_index(sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise top-k where equal scores go to the lowest column, best first."""
-    v, i = sub.topk(k, dim=1)
-    # topk breaks ties arbitrarily: rows with more candidates >= the k-th value than k have a
-    # tie at the boundary, and only those rows pay for a stable sort (in chunks of one tile).
-    crowded = ((sub >= v[:, -1:]).sum(1) > k).nonzero().squeeze(1)
+    # topk breaks ties arbitrarily. One value more tells where that matters: a row whose k-th and
+    # (k+1)-th values differ has exactly one top-k set (ties inside it are ordered below); a row
+    # where they are equal has a tie at the boundary, and only such rows pay for a stable sort
+    # (in chunks of one tile).
+    v, i = sub.topk(min(k + 1, sub.shape[1]), dim=1)
+    crowded = (v[:, k - 1] == v[:, k]).nonzero().squeeze(1) if v.shape[1] > k else v.new_empty(0, dtype=torch.long)
+    v, i = v[:, :k], i[:, :k]
     item = sub.element_size()
     step = max(1, sub.shape[0] * item // (item + 8))
     for start in range(0, crowded.numel(), step):
