@@ -144,7 +144,7 @@ def match(
     >>> bool((match(f, f).coords[..., 1] == torch.arange(32)).all())
     True
     """
-    task = _task(a, b, metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
+    task = validate(a, b, metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
     passes = 2 if mutual else 1
     with progress_bar(progress, total=passes * task.nbatch * task.na, unit="px", desc="match") as bar:
         # what both passes (a against b, and the mutual check's b against a) search with
@@ -212,7 +212,7 @@ class Task:
         return None if mask is None else mask[i].reshape(-1).nonzero().squeeze(1)
 
 
-def _task(
+def validate(
     a: Any,
     b: Any,
     metric: str,

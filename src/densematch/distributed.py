@@ -219,7 +219,7 @@ def match(
     g = _Group(group, timeout, stats)
     settings = (metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
     if shard == "queries":
-        task = g.agree(lambda: _match._task(a, b, *settings))
+        task = g.agree(lambda: _match.validate(a, b, *settings))
         total = task.nbatch * task.na * (2 if task.mutual else 1) // g.size
         with progress_bar(progress and g.rank == 0, total=total, unit="px", desc="match") as bar:
             return _match.solve(task, *_by_queries(g, task, bar.update))
@@ -233,7 +233,7 @@ def match(
         height = sum(rows for rows, _ in bands)
         grid_b = (height * width,) if layout == "flat" else (height, width)
         total = height * width
-        task = g.agree(lambda: _match._task(a, b, *settings, nb=total, grid_b=grid_b, empty_b=True))
+        task = g.agree(lambda: _match.validate(a, b, *settings, nb=total, grid_b=grid_b, empty_b=True))
         forward, backward = _by_references(g, task, offsets, [rows * width for rows, _ in bands])
     return _match.solve(task, forward, backward)
 
