@@ -92,7 +92,8 @@ class KNNIndex:
     Parameters
     ----------
     bank : Tensor or ndarray of shape (M, D)
-        Kept by reference (not copied); prepared rows are held beside it, outside ``memory``.
+        Kept by reference (not copied). Its prepared rows, about the bank's size in float32, are
+        held beside it: like the bank, outside ``memory``.
     metric, memory, precision, check_finite
         As in :func:`knn`.
 
@@ -115,8 +116,8 @@ class KNNIndex:
     ) -> None:
         b = _rows(bank, "bank")
         self.memory, self.precision, self.check_finite = memory, precision, check_finite
-        _, self.bank, self.metric, prec, _, budget = _task(b[:1], b, metric, 1, memory, check_finite, precision)
-        self.prepared = engine.prepare(self.bank.detach(), metric=self.metric, k=1, budget=budget, precision=prec)
+        _, self.bank, self.metric, prec, _, _ = _task(b[:1], b, metric, 1, memory, check_finite, precision)
+        self.prepared = engine.prepare(self.bank.detach(), metric=self.metric, k=1, precision=prec)
 
     def search(self, queries: Any, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest rows of the bank of every row of ``queries`` (N, D): distances and

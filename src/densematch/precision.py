@@ -139,12 +139,20 @@ def _gamma(c: int, dtype: torch.dtype = torch.float32) -> float:
     return 2.0 * n * u / (1.0 - n * u)
 
 
-def product_slack(q: torch.Tensor, ref_norm: float) -> torch.Tensor:
+def product_slack(q: torch.Tensor, ref_norms: tuple[float, float], extra: int = 0) -> torch.Tensor:
     """(m,) bounds on how far the compute dtype's products of prepared query rows ``q`` (m, C)
-    with any prepared reference row of norm at most ``ref_norm`` lie from the exact products:
-    twice the dot product's rounding bound ``gamma |q| |r|``, the second half for the rows' own
-    preparation (centring, unit scaling, the l2 column), which rounds in the same dtype."""
-    return 2 * _gamma(q.shape[1], q.dtype) * torch.linalg.vector_norm(q, dim=1) * ref_norm + _FLUSH
+    with any prepared reference row lie from the exact products. ``ref_norms``: the largest
+    norm of the references' first ``C - extra`` columns and of their last ``extra`` (the l2
+    column). The rounding of a dot product is at most ``gamma sum |q_i r_i|``, which Cauchy-Schwarz
+    bounds part by part: ``gamma (|q_body| |r_body| + |q_extra| |r_extra|)``, far tighter for
+    l2 than ``gamma |q| |r|``, whose ``1 x ||b||^2 / 2`` would multiply the whole query norm.
+    Doubled: the second half for the rows' own preparation (centring, unit scaling, the l2
+    column), which rounds in the same dtype."""
+    c = q.shape[1] - extra
+    bound = torch.linalg.vector_norm(q[:, :c], dim=1) * ref_norms[0]
+    if extra:
+        bound += torch.linalg.vector_norm(q[:, c:], dim=1) * ref_norms[1]
+    return 2 * _gamma(q.shape[1], q.dtype) * bound + _FLUSH
 
 
 def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:

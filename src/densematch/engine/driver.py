@@ -141,42 +141,19 @@ def prepare(
     *,
     metric: str | Metric,
     k: int,
-    budget: int,
     precision: Precision = FLOAT32,
     rows_b: torch.Tensor | None = None,
 ) -> Prepared:
     """Prepare the references ``b`` (N, C) once, for :func:`topk` calls with other queries and
     the same ``metric``, ``k`` and ``precision`` (``topk(..., prepared=...)``): normalised,
-    centred, with their norms, as the chosen strategy needs them. The prepared rows are held
-    outside the budget of later calls.
-
-    Raises
-    ------
-    ValueError
-        When the references cannot be held prepared whole within ``budget``.
-    """
+    centred, with their norms, as the chosen strategy needs them. The prepared rows, about the
+    size of ``b`` in the compute dtype, belong to the caller, as ``b`` does: outside the budget
+    of every search."""
     metric = get_metric(metric)
     strategy = choose(precision, metric, k, b.device)
     nb = b.shape[0] if rows_b is None else rows_b.numel()
-    _, plan = _plan(
-        strategy,
-        1,
-        nb,
-        b.shape[1],
-        k,
-        budget,
-        metric=metric,
-        device=b.device,
-        precision=precision,
-        in_dtype=b.dtype,
-        tiles=None,
-        reserved=0,
-    )
-    if not plan.whole_b:
-        raise ValueError(
-            f"memory={budget} bytes cannot hold the {nb} prepared references of C={b.shape[1]} whole: "
-            "raise memory, or search without preparing them"
-        )
+    tile_b = min(nb, strategy.tile_caps(b.device, 1, nb)[1])
+    plan = TilePlan(1, max(1, tile_b), True, 0)
     with torch.inference_mode():
         top = peak(b, rows_b, plan.tile_b)
         inputs = Inputs(

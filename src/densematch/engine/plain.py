@@ -47,18 +47,22 @@ class PlainSearch(Strategy):
 
     def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
         super().__init__(inputs, plan)
+        self.ref_norms = (0.0, 0.0)
         if inputs.prepared is not None:
-            self.ref_norm = float(inputs.prepared.state.get("ref_norm", 0.0))
+            self.ref_norms = inputs.prepared.state.get("ref_norms", self.ref_norms)
         elif self.cap_rows:
-            # the largest prepared reference norm: with a query's own norm, it bounds how far
-            # the compute dtype's product can be from the exact one for every pair of the row
-            self.ref_norm = max(
-                float(torch.linalg.vector_norm(self._prepare_refs(j, j + self.tile_b), dim=1).amax())
-                for j in range(0, self.nb, self.tile_b)
-            )
+            # the largest prepared reference norms (of the feature columns, and of the l2
+            # column): with a query's own, they bound how far the compute dtype's product can be
+            # from the exact one for every pair of the row
+            c = self.a.shape[1]
+            for j in range(0, self.nb, self.tile_b):
+                r = self._prepare_refs(j, j + self.tile_b)
+                body = float(torch.linalg.vector_norm(r[:, :c], dim=1).amax())
+                extra = float(torch.linalg.vector_norm(r[:, c:], dim=1).amax()) if r.shape[1] > c else 0.0
+                self.ref_norms = (max(self.ref_norms[0], body), max(self.ref_norms[1], extra))
 
     def _state(self) -> dict[str, Any]:
-        return {"ref_norm": self.ref_norm} if self.cap_rows else {}
+        return {"ref_norms": self.ref_norms} if self.cap_rows else {}
 
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         q = self._prepare_queries(start, best_v.shape[0])
@@ -71,7 +75,7 @@ class PlainSearch(Strategy):
         # its best's own tile) are multiplied again for that row, to list its candidates. Rows
         # with more than k are settled by the direct form (more than the cap: kept as ranked).
         m, k = best_v.shape
-        slack = product_slack(q, self.ref_norm)
+        slack = product_slack(q, self.ref_norms, self.metric.extra_columns)
         maxima = torch.empty(m, -(-self.nb // self.tile_b), dtype=self.dtype, device=q.device)
         self._scan(q, best_v, best_i, buf, maxima=maxima)
         floor = best_v[:, -1] - 2 * slack
