@@ -9,7 +9,6 @@ import torch
 from . import engine
 from ._distance import nearest_search, nearest_task
 from .checks import as_tensor, check_finite
-from .config import resolve_memory
 from .metrics import Metric
 from .precision import Precision
 
@@ -24,9 +23,18 @@ def _rows(x: Any, name: str) -> torch.Tensor:
 
 
 def _task(
-    queries: Any, bank: Any, metric: str, k: int, memory: int | str | None, finite: bool, precision: str
+    queries: Any,
+    bank: Any,
+    metric: str,
+    k: int,
+    memory: int | str | None,
+    finite: bool,
+    precision: str,
+    *,
+    bank_checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Metric, Precision, int, int]:
-    """Validated queries (as one N x 1 map, a view), bank, metric, precision, k and budget."""
+    """Validated queries (as one N x 1 map, a view), bank, metric, precision, k and budget
+    (``bank_checked``: the bank's values were checked already, by the index)."""
     q, b = _rows(queries, "queries"), _rows(bank, "bank")
     if q.shape[1] != b.shape[1]:
         raise ValueError(f"queries and bank must have one D, got {q.shape[1]} and {b.shape[1]}")
@@ -34,7 +42,8 @@ def _task(
         raise ValueError(f"queries and bank must be on one device, got {q.device} and {b.device}")
     if finite:
         check_finite(q.detach(), "queries")
-        check_finite(b.detach(), "bank")
+        if not bank_checked:
+            check_finite(b.detach(), "bank")
     # the queries as one map of N x 1 pixels: a view, no copy
     return nearest_task(q.T[None, :, :, None], b, metric, k, memory, False, precision)
 
@@ -122,10 +131,8 @@ class KNNIndex:
     def search(self, queries: Any, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest rows of the bank of every row of ``queries`` (N, D): distances and
         indices of shape (N, k), as :func:`knn` returns them."""
-        x, p, m, prec, k, _ = _task(
-            queries, self.bank, self.metric.name, k, self.memory, self.check_finite, self.precision
-        )
-        budget = resolve_memory(self.memory, x.device)
+        settings = (self.metric.name, k, self.memory, self.check_finite, self.precision)
+        x, p, m, prec, k, budget = _task(queries, self.bank, *settings, bank_checked=True)
         value, index = nearest_search(x, p, m, prec, k, budget, prepared=self.prepared)
         return value[0], index[0]
 
