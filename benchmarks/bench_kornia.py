@@ -112,13 +112,13 @@ def sift_like(n: int, seed: int):
     return torch.cat(out)
 
 
-def child(path: str, setup: str, repeats: int) -> dict:
+def child(path: str, setup: str, repeats: int, peak: bool = True) -> dict:
     """Time and peak of one method, each from its own process: the peak under a fixed mmap
     threshold (glibc then returns every large freed block at once, so the high-water mark is
     what the call holds), the time without it (with it, every large allocation is a fresh,
     page-faulting mmap, which would charge a tiled method for the measurement)."""
     result: dict = {}
-    for measure_peak in (True, False):
+    for measure_peak in (True, False) if peak else (False,):
         code = CHILD.format(path=path, setup=setup, repeats=repeats, measure_peak=measure_peak)
         env = dict(os.environ)
         if measure_peak:
@@ -130,6 +130,21 @@ def child(path: str, setup: str, repeats: int) -> dict:
     return result
 
 
+def interleaved(job: str, path: str, methods: list[str], rounds: int, repeats: int) -> list[dict]:
+    """Each method's timing process run ``rounds`` times, the methods alternating (A B, then B A),
+    so that drift of a shared machine falls on all; the median over rounds of the medians."""
+    import statistics
+
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for r in range(rounds):
+        for method in methods if r % 2 == 0 else methods[::-1]:
+            times[method].append(child(path, KNN[method], repeats, peak=False)["median_s"])
+    rows = [{"job": job, "method": m, "median_s": statistics.median(t), "rounds": t} for m, t in times.items()]
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     import torch
 
@@ -139,6 +154,9 @@ def main() -> None:
     p.add_argument("--only", choices=("kornia", "knn"), default=None)
     p.add_argument("--kornia-limit", type=float, default=6.0, help="GiB of distance matrix Kornia may build")
     p.add_argument("--sizes", type=int, nargs="+", default=[5000, 20000, 50000], help="descriptor counts")
+    p.add_argument("--banks", type=int, nargs="+", default=None, help="knn: only these bank sizes")
+    p.add_argument("--rounds", type=int, default=1, help="knn: time --methods alternately, this many rounds")
+    p.add_argument("--methods", default="densematch.KNNIndex.search,FAISS IndexFlatL2", help="with --rounds")
     p.add_argument("--name", default="kornia")
     args = p.parse_args()
     repeats = 1 if args.quick else args.repeats
@@ -161,13 +179,17 @@ def main() -> None:
                         print(rows[-1], flush=True)
         if args.only in (None, "knn"):
             cases = [(784, 64, 20_000)] if args.quick else [(784, 1536, 200_000), (784, 64, 1_000_000)]
+            cases = [case for case in cases if args.banks is None or case[2] in args.banks]
             for nq, d, m in cases:
                 g = torch.Generator().manual_seed(0)
                 path = os.path.join(tmp, f"bank{m}.pt")
                 torch.save({"q": torch.randn(nq, d, generator=g), "bank": torch.randn(m, d, generator=g)}, path)
+                job = f"knn {nq} x {d} against {m:,} x {d}, l2, k=1"
+                if args.rounds > 1:
+                    rows += interleaved(job, path, args.methods.split(","), args.rounds, repeats)
+                    continue
                 for method, setup in KNN.items():
-                    label = {"job": f"knn {nq} x {d} against {m:,} x {d}, l2, k=1", "method": method}
-                    rows.append({**label, **child(path, setup, repeats)})
+                    rows.append({"job": job, "method": method, **child(path, setup, repeats)})
                     print(rows[-1], flush=True)
     info = machine()
     saved = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
