@@ -39,7 +39,7 @@ __all__ = ["init_from_env", "match", "nearest_prototype"]
 MATCH_SHARDS = ("queries", "references")
 NEAREST_SHARDS = ("prototypes", "pixels")
 T = TypeVar("T")
-# errors raised again, by type, on every rank; anything else becomes a RuntimeError there
+# errors raised again, by type, on every rank; any other exception becomes a RuntimeError there
 _ERRORS: dict[str, type[Exception]] = {e.__name__: e for e in (ValueError, TypeError, RuntimeError, MemoryError)}
 _ERRORS["OutOfMemoryError"] = MemoryError
 
@@ -78,7 +78,7 @@ class _Group:
         failure: Exception | None = None
         try:
             result = step()
-        except (ValueError, TypeError, RuntimeError, MemoryError) as err:
+        except Exception as err:  # any failure here is agreed on, so no rank waits for another
             failure = err
         reports = self.objects(None if failure is None else (type(failure).__name__, str(failure)), barrier=True)
         for rank, report in enumerate(reports):
