@@ -199,7 +199,8 @@ def match(
         Filled with ``bytes_sent`` (by this rank), ``seconds_communicating`` and ``collectives``.
     metric, k, mutual, ratio, layout, mask_a, mask_b, memory, progress, precision
         As in :func:`densematch.match`. ``memory`` is per rank; ``mask_b`` is the rank's own
-        band with ``shard="references"``; ``progress`` shows rank 0's share.
+        band with ``shard="references"``; ``progress`` shows rank 0's share of the queries
+        (``shard="queries"``; none with ``"references"``).
 
     Returns
     -------
