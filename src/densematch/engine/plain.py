@@ -34,15 +34,9 @@ class PlainSearch(Strategy):
     def own_bytes(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:
         held = super().own_bytes(d, ta, tb, whole_b)
         if d.cap:
-            # the near-tie pool, each tile's row maxima (`maxima`), the gathered query rows and
-            # the pass mask of a recomputed block, and the re-scoring chunk
-            tiles = -(-d.nb // max(tb, 1))
-            held += (
-                Pool.bytes(ta, d.cap)
-                + ta * tiles * (d.item + 1)
-                + ta * (d.cp * d.item + tb + 8)
-                + ta * rescore_bytes(d.c)
-            )
+            # the near-tie pool; a block's hot rows gathered, with their pass mask (`rank`); the
+            # gathered query rows of the rows listed again (`_listed`); the re-scoring chunk
+            held += Pool.bytes(ta, d.cap) + ta * tb * (d.item + 1) + ta * (d.cp * d.item + 8) + ta * rescore_bytes(d.c)
         return held
 
     def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
@@ -61,6 +55,19 @@ class PlainSearch(Strategy):
                 extra = float(torch.linalg.vector_norm(r[:, c:], dim=1).amax()) if r.shape[1] > c else 0.0
                 self.ref_norms = (max(self.ref_norms[0], body), max(self.ref_norms[1], extra))
 
+    def _listed(self, q: torch.Tensor, floor: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates (rows of ``q``, columns) scoring at least ``floor``, one tile at a time
+        (the rows still over the cap are left out: kept as ranked)."""
+        r = q.shape[0]
+        pool = Pool(r, self.cap_rows, q.device, self.dtype, lazy=True)
+        for j in range(0, self.nb, self.tile_b):
+            n = min(self.tile_b, self.nb - j)
+            block = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: r * n].view(r, n))
+            hot = (block.amax(1) >= floor).nonzero().squeeze(1)
+            if hot.numel():
+                pool.add(block if hot.numel() == r else block.index_select(0, hot), j, floor, hot)
+        return pool.finish(floor)
+
     def _state(self) -> dict[str, Any]:
         return {"ref_norms": self.ref_norms} if self.cap_rows else {}
 
@@ -70,26 +77,32 @@ class PlainSearch(Strategy):
             self._scan(q, best_v, best_i, buf)
             return
         # each product is within `slack` of the exact one, so the exact top k all score at
-        # least the k-th best minus twice that: the candidates. The scan keeps each tile's row
-        # maxima; afterwards only the tiles whose maximum reaches a row's floor (for k=1 mostly
-        # its best's own tile) are multiplied again for that row, to list its candidates. Rows
-        # with more than k are settled by the direct form (more than the cap: kept as ranked).
+        # least the k-th best minus twice that: the candidates. They are listed during the scan,
+        # while the block is in cache, against each row's running floor (its running k-th best
+        # minus twice the slack, which only rises), from the rows whose tile maximum reaches it
+        # (after the first tiles, few), and pruned as the floors rise: no tile is multiplied
+        # twice. A row that lists more than the cap in one tile is listed again at the end
+        # against its final floor. Rows with more than k candidates are settled by the direct
+        # form (more than the cap: kept as ranked).
         m, k = best_v.shape
-        slack = product_slack(q, self.ref_norms, self.metric.extra_columns)
-        maxima = torch.empty(m, -(-self.nb // self.tile_b), dtype=self.dtype, device=q.device)
-        self._scan(q, best_v, best_i, buf, maxima=maxima)
-        floor = best_v[:, -1] - 2 * slack
-        near = maxima >= floor[:, None]
+        twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
         pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
-        for t in (near.sum(0) > 0).nonzero().squeeze(1).tolist():
-            j = t * self.tile_b
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
-            rows = near[:, t].nonzero().squeeze(1)
-            block = self.metric.score_tile(
-                q.index_select(0, rows), self._prepare_refs(j, j + n), out=buf[: rows.numel() * n].view(-1, n)
-            )
-            pool.add(block, j, floor, rows)
+            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
+            rowmax = self.merge(s, j, best_v, best_i)
+            floor = best_v[:, -1] - twice
+            hot = (rowmax >= floor).nonzero().squeeze(1)
+            if hot.numel():
+                pool.add(s if hot.numel() == m else s.index_select(0, hot), j, floor, hot)
+        floor = best_v[:, -1] - twice
         rows, cols = pool.finish(floor)
+        redo = pool.over.nonzero().squeeze(1)
+        if redo.numel():
+            more_rows, more_cols = self._listed(q.index_select(0, redo), floor[redo], buf)
+            rows, cols = torch.cat([rows, redo[more_rows]]), torch.cat([cols, more_cols])
         crowded = torch.bincount(rows, minlength=m) > k
         keep = crowded[rows]
         if bool(keep.any()):

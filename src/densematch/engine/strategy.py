@@ -203,11 +203,9 @@ class Strategy:
         best_i: torch.Tensor,
         buf: torch.Tensor,
         refs: Callable[[int, int], torch.Tensor] | None = None,
-        maxima: torch.Tensor | None = None,
     ) -> None:
         """The plain search of prepared query rows ``q`` over every reference tile that
-        ``refs(start, stop)`` gives (default: the prepared references), scores in ``buf``;
-        each tile's row maxima go into column ``start // tile_b`` of ``maxima`` when given."""
+        ``refs(start, stop)`` gives (default: the prepared references), scores in ``buf``."""
         refs = refs or self._prepare_refs
         m = q.shape[0]
         best_v.fill_(-math.inf)
@@ -215,9 +213,7 @@ class Strategy:
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
             s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n))
-            rowmax = self.merge(s, j, best_v, best_i)
-            if maxima is not None:
-                maxima[:, j // self.tile_b] = rowmax
+            self.merge(s, j, best_v, best_i)
 
     def _direct_scores(self, start: int, rows: torch.Tensor, cols: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """The metric's direct scores of candidates (rows of the query tile at ``start``,
