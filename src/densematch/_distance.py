@@ -261,6 +261,29 @@ def nearest_prototype(
     return nearest_result(value, index, x.shape)
 
 
+def nearest_values(
+    x: torch.Tensor,
+    p: torch.Tensor,
+    m: Metric,
+    prec: Precision,
+    k: int,
+    budget: int,
+    prepared: engine.Prepared | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's top-k of the pixels of x (N, D, H, W) over the prototypes: the metric's
+    values (similarities for cosine and dot; NaN in empty slots) and indices (-1 there), both
+    (N, HW, k), without autograd."""
+    n, _d, h, w = x.shape
+    index = torch.empty((n, h * w, k), dtype=torch.int64, device=x.device)
+    value = torch.empty((n, h * w, k), dtype=prec.dtype, device=x.device)
+    pd = p.detach()
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        for i in range(n):
+            rows = x[i].detach().flatten(1).T  # (HW, D), a view
+            value[i], index[i] = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec, prepared=prepared)
+    return value, index
+
+
 def nearest_search(
     x: torch.Tensor,
     p: torch.Tensor,
@@ -273,14 +296,8 @@ def nearest_search(
     """The k nearest prototypes of the pixels of x (N, D, H, W): distances and indices of shape
     (N, HW, k), the distances recomputed with autograd where x or p require it. ``prepared``:
     the prototypes as :func:`densematch.engine.prepare` made them ready."""
-    n, _d, h, w = x.shape
-    index = torch.empty((n, h * w, k), dtype=torch.int64, device=x.device)
-    value = torch.empty((n, h * w, k), dtype=prec.dtype, device=x.device)
-    pd = p.detach()
+    value, index = nearest_values(x, p, m, prec, k, budget, prepared)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        for i in range(n):
-            rows = x[i].detach().flatten(1).T  # (HW, D), a view
-            value[i], index[i] = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec, prepared=prepared)
         if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad):
             # the chosen pairs again, with autograd: (N, HW, k, D) gathered rows, never (.., F, ..)
             xr = x.flatten(2).transpose(1, 2).to(prec.dtype)[:, :, None, :]

@@ -148,9 +148,7 @@ def match(
     passes = 2 if mutual else 1
     with progress_bar(progress, total=passes * task.nbatch * task.na, unit="px", desc="match") as bar:
         # what both passes (a against b, and the mutual check's b against a) search with
-        search = functools.partial(
-            engine.topk, metric=task.metric, budget=task.budget, precision=task.precision, on_tile=bar.update
-        )
+        search = task.search(bar.update)
 
         def forward(i: int, rows_a: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             rows_b = task.rows(1, i)
@@ -205,6 +203,13 @@ class Task:
     def reserved(self) -> int:
         """Bytes of the budget the mask row lists take."""
         return 8 * (self.na + self.nb)
+
+    def search(self, on_tile: Callable[[int], None] | None = None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """:func:`densematch.engine.topk` with this call's metric, budget and precision bound:
+        what both passes search with, in one process or in each shard."""
+        return functools.partial(
+            engine.topk, metric=self.metric, budget=self.budget, precision=self.precision, on_tile=on_tile
+        )
 
     def rows(self, side: int, i: int) -> torch.Tensor | None:
         """The allowed rows of a (``side`` 0) or of the held rows of b (1) in batch item ``i``."""

@@ -241,9 +241,7 @@ def match(
 
 def _by_queries(g: _Group, task: _match.Task, on_tile: Callable[[int], None]) -> tuple[_match.Forward, _match.Backward]:
     """Each rank searches a contiguous share of the allowed rows of a (and, for mutual, of b)."""
-    search = functools.partial(
-        engine.topk, metric=task.metric, budget=task.budget, precision=task.precision, on_tile=on_tile
-    )
+    search = task.search(on_tile)
 
     def forward(i: int, rows_a: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         allowed = torch.arange(task.na, device=task.ra.device) if rows_a is None else rows_a
@@ -280,7 +278,7 @@ def _by_references(
     g: _Group, task: _match.Task, offsets: list[int], band_sizes: list[int]
 ) -> tuple[_match.Forward, _match.Backward]:
     """Each rank searches all of a against its band of b; the bands' top-k are merged."""
-    search = functools.partial(engine.topk, metric=task.metric, budget=task.budget, precision=task.precision)
+    search = task.search()
     offset = offsets[g.rank]
 
     def forward(i: int, rows_a: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,15 +374,10 @@ def nearest_prototype(
     n, _d, h, w = x.shape
 
     def search() -> tuple[torch.Tensor, torch.Tensor]:
-        value = torch.full((n, h * w, k), torch.nan, dtype=prec.dtype, device=x.device)
-        index = torch.full((n, h * w, k), -1, dtype=torch.int64, device=x.device)
-        for i in range(n):
-            rows = x[i].detach().flatten(1).T
-            value[i], index[i] = engine.topk(rows, p.detach(), metric=m, k=k, budget=budget, precision=prec)
+        value, index = _distance.nearest_values(x, p, m, prec, k, budget)
         return value, torch.where(index >= 0, index + offset, -1)
 
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        value, index = g.agree(search)
+    value, index = g.agree(search)
     rows = [n * h * w] * g.size
     flat_v, flat_i = value.view(-1, k), index.view(-1, k)
     value, index = _merge(g.gather(flat_v, rows), g.gather(flat_i, rows), k, m.higher_is_better)
