@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import half_setting, kernel_setting
+from .config import KERNEL_SETTINGS, half_setting, kernel_setting
 from .metrics import Metric, get_metric
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
 RANKINGS = ("exact", "float32", "fast")
 PRECISIONS = (*RANKINGS, "float64")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKENDS = ("auto", "torch", "triton")
 # Candidates kept per row (at least 4 k) by the certified half-precision search and by the
 # float32 search's near-tie settling: enough for the near-ties of real features; a row with more
 # is searched again in float32 (half) or kept as ranked (float32). docs/precision.md.
@@ -110,8 +109,8 @@ class Precision:
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {self.dtype}")
         if self.half is not None and (self.half not in HALF_DTYPES.values() or self.dtype != torch.float32):
             raise ValueError(f"half must be torch.bfloat16 or torch.float16 with dtype float32, got {self.half}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {self.backend!r}")
+        if self.backend not in KERNEL_SETTINGS:
+            raise ValueError(f"backend must be one of {', '.join(map(repr, KERNEL_SETTINGS))}, got {self.backend!r}")
 
     def check(self, metric: Metric) -> None:
         """Raise a ValueError when ``metric`` cannot be searched this way: half-precision
