@@ -16,7 +16,8 @@ warm-up).
   200,000 rows, and 784 queries of D=64 against 1,000,000 rows, l2, k=1: densematch.knn,
   densematch.KNNIndex (bank prepared once, outside the timing), FAISS IndexFlatL2, the chunked
   torch.cdist + topk loop (chunks of 10,000 bank rows, as anomaly-detection code writes it), and
-  torch.cdist whole.
+  torch.cdist whole, and the bare products (torch.mm of the queries with every 512-row block of
+  the bank, nothing else: the floor of any search built on torch's products).
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ KNN = {
         "    return v.min(1)"
     ),
     "torch.cdist whole": "once = lambda: torch.cdist(data['q'], data['bank']).min(1)",
+    # the floor of any search built on torch's products: the same products and nothing else
+    "torch.mm alone (512-row blocks)": (
+        "def once():\n"
+        "    for s in range(0, len(data['bank']), 512):\n"
+        "        torch.mm(data['q'], data['bank'][s : s + 512].T)"
+    ),
 }
 
 

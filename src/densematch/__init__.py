@@ -1,5 +1,8 @@
 """densematch: exact, memory-bounded dense matching, alignment and prototype distances."""
 
+import importlib
+from typing import Any
+
 from ._align import Alignment, align, warp
 from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
 from ._knn import KNNIndex, knn
@@ -26,3 +29,13 @@ __all__ = [
     "parse_memory",
     "warp",
 ]
+
+
+# submodules with optional dependencies or their own start-up, imported when first used
+_LAZY = ("batch", "distributed", "kornia")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'densematch' has no attribute {name!r}")

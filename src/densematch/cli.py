@@ -11,18 +11,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
 from . import __version__
-from ._align import OBJECTIVES, align
-from ._distance import nearest_prototype, pairwise_distance
+from ._align import OBJECTIVES
 from ._match import Matches, match
-from .features import FEATURES, dense_features
-from .io import check_output, is_image, load_any, load_array, load_image, save_npy, save_npz
+from .features import FEATURES
+from .io import check_output, save_npy, save_npz
 from .metrics import METRICS
 from .precision import PRECISIONS, RANKINGS
+from .tasks import PairResult, align_pairs, distance_pair, match_pair
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 _PRECISION_HELP = "exact (default: float32 results, half precision where faster), float32, fast (approximate)"
@@ -42,30 +42,6 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _features(path: str, args: argparse.Namespace, what: str) -> tuple[torch.Tensor, np.ndarray | None]:
-    """(H, W, C) features, and the picture to show (the image, or None for a feature file)."""
-    if is_image(path):
-        if args.features is None:
-            raise CommandError(f"{what} {path!r} is an image: pass --features ({'|'.join(FEATURES)}) to describe it")
-        img = load_image(path, what)
-        return dense_features(img, args.features), img
-    arr = load_array(path, what)
-    if arr.ndim != 3:
-        raise CommandError(f"{what} {path!r} must hold features of shape (H, W, C), got {arr.shape}")
-    return torch.from_numpy(np.ascontiguousarray(arr)), None
-
-
-def _preview(feat: torch.Tensor, img: np.ndarray | None) -> np.ndarray:
-    """What to show for a map: the image itself, its colours, or the feature norm."""
-    if img is not None:
-        return img
-    f = feat.float()
-    if f.shape[-1] in (1, 3):
-        return f.squeeze(-1).numpy().clip(0, 1)
-    norm = f.norm(dim=-1)
-    return (norm / norm.max().clamp_min(1e-12)).numpy()
-
-
 def _sharded(args: argparse.Namespace) -> bool:
     """Whether torchrun launched this command with more than one process: the process group is
     then initialised (gloo on CPUs, NCCL on GPUs) and the search sharded over it."""
@@ -78,50 +54,68 @@ def _is_first_rank() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The keywords of :mod:`densematch.tasks`' function for ``task`` that the command's
+    options set (shared by the single-pair commands and ``batch``)."""
+    if task == "align":
+        return {
+            "scale_h": tuple(args.scale_h),
+            "scale_w": tuple(args.scale_w),
+            "objective": args.objective,
+            "mask": args.mask,
+            "memory": args.memory,
+        }
+    if task == "match":
+        return {
+            "features": args.features,
+            "device": args.device,
+            "metric": args.metric,
+            "k": args.k,
+            "mutual": args.mutual,
+            "ratio": args.ratio,
+            "memory": args.memory,
+            "precision": args.precision,
+        }
+    return {
+        "metric": args.metric,
+        "nearest": args.nearest,
+        "k": args.k,
+        "precision": args.precision,
+        "memory": args.memory,
+    }
+
+
+def _write_picture(result: PairResult, path: str) -> None:
+    from .viz import save_figure
+
+    save_figure(result.figure, path)
+
+
 def cmd_match(args: argparse.Namespace) -> int:
     sharded = _sharded(args)
-    dev = _device(args.device)
-    fa, ia = _features(args.a, args, "A")
-    fb, ib = _features(args.b, args, "B")
-    if fa.shape[-1] != fb.shape[-1]:
-        raise CommandError(f"A and B must have the same number of channels, got {fa.shape[-1]} and {fb.shape[-1]}")
-    t0 = time.perf_counter()
+    _device(args.device)
     search: Callable[..., Matches] = match
     if sharded:
         from . import distributed
 
         search = functools.partial(distributed.match, shard="queries")
-    r = search(
-        fa.to(dev),
-        fb.to(dev),
-        metric=args.metric,
-        k=args.k,
-        mutual=args.mutual,
-        ratio=args.ratio,
-        memory=args.memory,
-        precision=args.precision,
-        progress=_progress(args),
+    t0 = time.perf_counter()
+    r = match_pair(
+        args.a, args.b, viz=bool(args.viz), search=search, progress=_progress(args), **task_options("match", args)
     )
-    if not _is_first_rank():  # sharded: rank 0 alone writes and reports
+    if r is None or not _is_first_rank():  # sharded: rank 0 alone writes and reports
         return 0
     seconds = time.perf_counter() - t0
-    out = r.numpy()
     if args.output:
-        save_npz(args.output, **out)
+        save_npz(args.output, **r.arrays)
     if args.viz:
-        from .viz import match_figure, save_figure
-
-        coords, score, valid = out["coords"], out["score"], out["valid"]
-        if args.k > 1:  # the picture shows each pixel's best match
-            coords, score, valid = coords[..., 0, :], score[..., 0], valid[..., 0]
-        figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, valid, args.metric)
-        save_figure(figure, args.viz)
+        _write_picture(r, args.viz)
     if not args.quiet:
-        v = out["valid"]
+        (h, w, c), (hb, wb, _) = r.result["shape_a"], r.result["shape_b"]
+        mean = r.result["mean_score"]
         print(
-            f"matched {fa.shape[0]}x{fa.shape[1]} against {fb.shape[0]}x{fb.shape[1]} (C={fa.shape[-1]}, "
-            f"{args.metric}, k={args.k}) in {seconds:.2f} s; valid {v.mean():.1%}; "
-            f"mean score {np.nanmean(out['score'][v]) if v.any() else float('nan'):.4f}"
+            f"matched {h}x{w} against {hb}x{wb} (C={c}, {args.metric}, k={args.k}) in {seconds:.2f} s; "
+            f"valid {r.result['valid']:.1%}; mean score {float('nan') if mean is None else mean:.4f}"
         )
         for path in (args.output, args.viz):
             if path:
@@ -129,82 +123,49 @@ def cmd_match(args: argparse.Namespace) -> int:
     return 0
 
 
-def _grey_input(path: str, what: str) -> np.ndarray:
-    arr = load_any(path, what, grey=True)
-    if arr.ndim != 2:
-        raise CommandError(f"{what} {path!r} must be a grey image or a 2-D array, got shape {arr.shape}")
-    return arr
-
-
 def cmd_align(args: argparse.Namespace) -> int:
-    tpl = _grey_input(args.template, "TEMPLATE")
-    img = _grey_input(args.image, "IMAGE")
-    mask = _grey_input(args.mask, "--mask") if args.mask else None
     t0 = time.perf_counter()
-    a = align(
-        tpl,
-        img,
-        scale_h=tuple(args.scale_h),
-        scale_w=tuple(args.scale_w),
-        objective=args.objective,
-        template_mask=mask,
-        memory=args.memory,
-    )
+    (r,) = align_pairs([(args.template, args.image)], viz=bool(args.viz), **task_options("align", args))
+    if isinstance(r, Exception):
+        raise r
     seconds = time.perf_counter() - t0
-    answer = a.as_dict()
     if args.viz:
-        from .viz import align_figure, save_figure
-
-        save_figure(
-            align_figure(
-                np.asarray(tpl, dtype=np.float32),
-                a.warped.numpy(),
-                a.landscape[0].numpy(),
-                a.scales_h.numpy(),
-                a.scales_w.numpy(),
-                answer,
-            ),
-            args.viz,
-        )
+        _write_picture(r, args.viz)
+    a = r.result
     if args.json:
-        print(json.dumps(answer))
+        print(json.dumps(a))
     elif not args.quiet:
-        print(f"scale_h {a.scale_h:.5f}  scale_w {a.scale_w:.5f}  shift_y {a.shift_y:.3f}  shift_x {a.shift_x:.3f}")
-        print(f"error ({args.objective}) {a.error:.6f} per pixel; found in {seconds * 1e3:.0f} ms")
+        print(
+            f"scale_h {a['scale_h']:.5f}  scale_w {a['scale_w']:.5f}  "
+            f"shift_y {a['shift_y']:.3f}  shift_x {a['shift_x']:.3f}"
+        )
+        print(f"error ({args.objective}) {a['error']:.6f} per pixel; found in {seconds * 1e3:.0f} ms")
         if args.viz:
             print(f"wrote {args.viz}")
     return 0
 
 
 def cmd_distance(args: argparse.Namespace) -> int:
-    x = load_array(args.features, "FEATURES")
-    p = load_array(args.prototypes, "PROTOTYPES")
-    if x.ndim == 3:
-        x = x[None]
-    if x.ndim != 4:
-        raise CommandError(f"FEATURES must have shape (N, D, H, W) or (D, H, W), got {x.shape}")
-    xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
+    options = task_options("distance", args)
     if args.nearest:
-        nearest: Callable[..., tuple[torch.Tensor, torch.Tensor]] = nearest_prototype
         if _sharded(args):
             from . import distributed
 
-            nearest = functools.partial(distributed.nearest_prototype, shard="pixels")
-        d, i = nearest(xt, pt, args.metric, k=args.k, memory=args.memory, precision=args.precision)
-        if not _is_first_rank():
-            return 0
-        if args.output:
-            save_npz(args.output, distance=d.numpy(), index=i.numpy())
-        summary = f"nearest prototypes {tuple(i.shape)}; mean distance {d.float().mean():.4f}"
-    else:
-        if _sharded(args) and not _is_first_rank():  # the full tensor is not sharded: rank 0 writes it
-            return 0
-        d = pairwise_distance(xt, pt, args.metric, memory=args.memory)
-        if args.output:
-            save_npy(args.output, d.numpy())
-        summary = f"distances {tuple(d.shape)}; mean {d.float().mean():.4f}"
+            options["search"] = functools.partial(distributed.nearest_prototype, shard="pixels")
+    elif _sharded(args) and not _is_first_rank():  # the full tensor is not sharded: rank 0 writes it
+        return 0
+    r = distance_pair(args.features, args.prototypes, **options)
+    if not _is_first_rank():
+        return 0
+    if args.output:
+        if args.nearest:
+            save_npz(args.output, **r.arrays)
+        else:
+            save_npy(args.output, r.arrays["distance"])
     if not args.quiet:
-        print(f"{summary} ({args.metric})")
+        shape = tuple(r.result["shape"])
+        what = f"nearest prototypes {shape}; mean distance" if args.nearest else f"distances {shape}; mean"
+        print(f"{what} {r.result['mean_distance']:.4f} ({args.metric})")
         if args.output:
             print(f"wrote {args.output}")
     return 0
@@ -229,6 +190,103 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _match_options(m: argparse.ArgumentParser) -> None:
+    m.add_argument("--metric", default="cosine", choices=tuple(METRICS), help="similarity or distance (default cosine)")
+    m.add_argument("--k", type=int, default=1, help="matches per pixel, best first (default 1)")
+    m.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours valid")
+    m.add_argument("--ratio", type=float, help="Lowe's ratio test threshold in (0, 1]")
+    m.add_argument("--memory", default=None, help="working-memory cap, e.g. 1GiB (default: from free memory)")
+    m.add_argument("--precision", default="exact", choices=PRECISIONS, help=_PRECISION_HELP)
+    m.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    m.add_argument("--features", choices=FEATURES, help="describe image inputs: patch (7x7 patches), color, dsift")
+
+
+def _align_options(a: argparse.ArgumentParser) -> None:
+    a.add_argument("--objective", default="l1", choices=OBJECTIVES)
+    a.add_argument("--scale-h", nargs=2, type=float, default=(0.8, 1.2), metavar=("LOW", "HIGH"))
+    a.add_argument("--scale-w", nargs=2, type=float, default=(0.8, 1.2), metavar=("LOW", "HIGH"))
+    a.add_argument("--mask", metavar="MASK", help="template weights (image or array); 0 ignores a pixel")
+    a.add_argument("--memory", default=None, help="working-memory cap of the search")
+
+
+def _distance_options(d: argparse.ArgumentParser) -> None:
+    d.add_argument("--metric", default="l2", choices=tuple(METRICS))
+    d.add_argument("--nearest", action="store_true", help="only the nearest prototype(s), never the full tensor")
+    d.add_argument("--k", type=int, default=1, help="with --nearest: how many")
+    d.add_argument("--precision", default="exact", choices=RANKINGS, help="with --nearest: " + _PRECISION_HELP)
+    d.add_argument("--memory", default=None, help="working-memory cap")
+
+
+def _common(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--quiet", action="store_true", help="print nothing but errors and no progress bar")
+    sp.add_argument("--debug", action="store_true", help="show a traceback on errors")
+
+
+def _batch_parser(sub: Any) -> None:
+    from .batch import COLUMNS, ENGINES
+
+    b = sub.add_parser(
+        "batch",
+        help="align, match or distance over a manifest of pairs; resumable, local or on Ray",
+        description="Run align, match or distance on every pair of a CSV manifest, writing OUTDIR/results.jsonl "
+        "(one JSON line per pair) and each pair's outputs. Running it again skips the pairs already done.",
+    )
+    tasks = b.add_subparsers(dest="task", metavar="TASK", required=True)
+    options = {"align": _align_options, "match": _match_options, "distance": _distance_options}
+    for task, columns in COLUMNS.items():
+        t = tasks.add_parser(task, help=f"{task} every pair (manifest columns: {', '.join(columns)}, optional id)")
+        t.add_argument("manifest", metavar="MANIFEST", help=f"CSV with header {','.join(columns)}[,id]")
+        t.add_argument("-o", "--output", metavar="OUTDIR", required=True, help="results.jsonl and outputs go here")
+        t.add_argument("--engine", default="local", choices=ENGINES, help="local processes (default) or Ray")
+        t.add_argument("--workers", type=int, default=1, help="worker processes (default 1: this one)")
+        t.add_argument("--ray-address", metavar="ADDR", help="Ray cluster (default RAY_ADDRESS, else a local one)")
+        if task != "distance":
+            t.add_argument("--viz", action="store_true", help="write each pair's picture as OUTDIR/ID.png")
+        options[task](t)
+        _common(t)
+        t.set_defaults(run=cmd_batch)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from .batch import RESULTS, read_manifest, run
+
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"-o {args.output!r} is a file; give a folder for results.jsonl and the outputs")
+    pairs = read_manifest(args.manifest, args.task)
+    counts = {"ok": 0, "error": 0, "skipped": 0}
+
+    def skip(pair: object) -> None:
+        counts["skipped"] += 1
+
+    t0 = time.perf_counter()
+    records = run(
+        args.task,
+        pairs,
+        engine=args.engine,
+        workers=args.workers,
+        out_dir=out,
+        ray_address=args.ray_address,
+        viz=getattr(args, "viz", False),
+        progress=_progress(args),
+        on_skip=skip,
+        **task_options(args.task, args),
+    )
+    for record in records:
+        counts[record["status"]] += 1
+        if record["status"] == "error" and not args.quiet:
+            print(f"densematch batch: {record['id']}: {record['error']}", file=sys.stderr)
+    seconds = time.perf_counter() - t0
+    if not args.quiet:
+        done = counts["ok"] + counts["error"]
+        rate = f" ({done / seconds:.1f} pairs/s)" if done and seconds > 0 else ""
+        print(
+            f"batch {args.task}: {counts['ok']} ok, {counts['error']} error, {counts['skipped']} skipped "
+            f"in {seconds:.1f} s{rate}; results in {out / RESULTS}"
+        )
+    return 1 if counts["error"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="densematch",
@@ -236,10 +294,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"densematch {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--quiet", action="store_true", help="print nothing but errors and no progress bar")
-        sp.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
     m = sub.add_parser(
         "match",
@@ -249,16 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("a", metavar="A", help="features (.npy/.pt, shape (H, W, C)) or an image (needs --features)")
     m.add_argument("b", metavar="B", help="the same for the second map")
     m.add_argument("-o", "--output", metavar="OUT.npz", help="write coords, score, valid and index here")
-    m.add_argument("--metric", default="cosine", choices=tuple(METRICS), help="similarity or distance (default cosine)")
-    m.add_argument("--k", type=int, default=1, help="matches per pixel, best first (default 1)")
-    m.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours valid")
-    m.add_argument("--ratio", type=float, help="Lowe's ratio test threshold in (0, 1]")
-    m.add_argument("--memory", default=None, help="working-memory cap, e.g. 1GiB (default: from free memory)")
-    m.add_argument("--precision", default="exact", choices=PRECISIONS, help=_PRECISION_HELP)
-    m.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    m.add_argument("--features", choices=FEATURES, help="describe image inputs: patch (7x7 patches), color, dsift")
+    _match_options(m)
     m.add_argument("--viz", metavar="OUT.png", help="write a picture of the matches")
-    common(m)
+    _common(m)
     m.set_defaults(run=cmd_match)
 
     a = sub.add_parser(
@@ -269,13 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("template", metavar="TEMPLATE", help="a grey image or a 2-D .npy/.pt array")
     a.add_argument("image", metavar="IMAGE", help="the larger image")
     a.add_argument("--json", action="store_true", help="print one JSON object")
-    a.add_argument("--objective", default="l1", choices=OBJECTIVES)
-    a.add_argument("--scale-h", nargs=2, type=float, default=(0.8, 1.2), metavar=("LOW", "HIGH"))
-    a.add_argument("--scale-w", nargs=2, type=float, default=(0.8, 1.2), metavar=("LOW", "HIGH"))
-    a.add_argument("--mask", metavar="MASK", help="template weights (image or array); 0 ignores a pixel")
-    a.add_argument("--memory", default=None, help="working-memory cap of the search")
+    _align_options(a)
     a.add_argument("--viz", metavar="OUT.png", help="write template, warped image, difference and landscape")
-    common(a)
+    _common(a)
     a.set_defaults(run=cmd_align)
 
     d = sub.add_parser("distance", help="distances from every pixel to a bank of prototypes")
@@ -287,22 +330,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT.npy",
         help="write (N, F, H, W) distances; with --nearest, an .npz of distance and index",
     )
-    d.add_argument("--metric", default="l2", choices=tuple(METRICS))
-    d.add_argument("--nearest", action="store_true", help="only the nearest prototype(s), never the full tensor")
-    d.add_argument("--k", type=int, default=1, help="with --nearest: how many")
-    d.add_argument("--precision", default="exact", choices=RANKINGS, help="with --nearest: " + _PRECISION_HELP)
-    d.add_argument("--memory", default=None, help="working-memory cap")
-    common(d)
+    _distance_options(d)
+    _common(d)
     d.set_defaults(run=cmd_distance)
+
+    _batch_parser(sub)
 
     e = sub.add_parser("demo", help="match, align and distance on bundled sample images, with pictures")
     e.add_argument("--out", default="demo-out", metavar="DIR", help="where to write the pictures (default demo-out)")
-    common(e)
+    _common(e)
     e.set_defaults(run=cmd_demo)
 
     b = sub.add_parser("bench", help="a short benchmark of this machine")
     b.add_argument("--quick", action="store_true", help="smaller sizes")
-    common(b)
+    _common(b)
     b.set_defaults(run=cmd_bench)
     return p
 
@@ -323,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # outputs are checked before the work, not after it
         for flag, name in (("-o", "output"), ("--viz", "viz")):
-            if getattr(args, name, None):
+            if isinstance(getattr(args, name, None), str) and args.command != "batch":
                 check_output(getattr(args, name), flag)
         return args.run(args)
     except (CommandError, *EXPECTED) as err:

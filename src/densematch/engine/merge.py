@@ -11,24 +11,42 @@ import torch
 __all__ = ["best_of_candidates", "merge_best", "merge_topk", "order"]
 
 
-def merge_best(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> torch.Tensor:
-    """k = 1: keep each row's maximum; an equal score from a later tile never wins. Returns the
-    block's row maxima. (Row maxima, then the argmax of the rows that improve, ran faster here
-    than one ``max`` with indices, which also finds the column of rows that do not improve.)"""
+def _reaching(
+    s: torch.Tensor, kth: torch.Tensor, margin: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's row maxima, and the rows that can improve (maximum above the k-th best) or,
+    given a ``margin``, whose maximum reaches the k-th best minus it."""
     rowmax = s.amax(1)
-    need = rowmax > best_v[:, 0]
-    rows = need.nonzero().squeeze(1)
+    reach = rowmax > kth if margin is None else rowmax >= kth - margin
+    return rowmax, reach, reach.nonzero().squeeze(1)
+
+
+def merge_best(
+    s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor, margin: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k = 1: keep each row's maximum; an equal score from a later tile never wins.
+
+    Returns the rows that can improve, or with a ``margin`` (per row) those whose block maximum
+    reaches their previous best minus it, and those rows of the block: every row with a score
+    within ``margin`` of its new best is among them, for the caller's candidates, at no second
+    pass. (Row maxima, then the argmax of these rows only, ran faster here than one ``max``
+    with indices, which also finds the column of rows that do not improve.)"""
+    old = best_v[:, 0]
+    rowmax, reach, rows = _reaching(s, old, margin)
     n = rows.numel()
     if n == 0:
-        return rowmax
+        return rows, s[:0]
     if 4 * n >= s.shape[0]:
-        arg = s.argmax(1)
-        best_v[:, 0] = torch.where(need, rowmax, best_v[:, 0])
-        best_i[:, 0] = torch.where(need, arg + offset, best_i[:, 0])
-    else:
-        best_v[rows, 0] = rowmax[rows].to(best_v.dtype)
-        best_i[rows, 0] = s.index_select(0, rows).argmax(1) + offset
-    return rowmax
+        win = rowmax > old if margin is not None else reach
+        best_i[:, 0] = torch.where(win, s.argmax(1) + offset, best_i[:, 0])
+        best_v[:, 0] = torch.where(win, rowmax.to(best_v.dtype), old)
+        return rows, s if n == s.shape[0] else s.index_select(0, rows)
+    sub = s.index_select(0, rows)
+    top, was = rowmax[rows].to(best_v.dtype), old[rows]
+    win = top > was
+    best_i[rows, 0] = torch.where(win, sub.argmax(1) + offset, best_i[rows, 0])
+    best_v[rows, 0] = torch.where(win, top, was)
+    return rows, sub
 
 
 def topk_lowest_index(sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,21 +76,23 @@ def order(v: torch.Tensor, i: torch.Tensor, descending: bool = True) -> tuple[to
     return v.gather(1, by_value), i.gather(1, by_value)
 
 
-def merge_topk(s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor) -> torch.Tensor:
+def merge_topk(
+    s: torch.Tensor, offset: int, best_v: torch.Tensor, best_i: torch.Tensor, margin: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """k > 1: merge a block's top-k into the running top-k of the rows that can improve.
-    Returns the block's row maxima."""
+    Returns those rows and their rows of the block, as :func:`merge_best` does (with a
+    ``margin``, the rows whose maximum reaches the previous k-th best minus it)."""
     k = best_v.shape[1]
-    rowmax = s.amax(1)
-    rows = (rowmax > best_v[:, -1]).nonzero().squeeze(1)
+    _, _, rows = _reaching(s, best_v[:, -1], margin)
     if rows.numel() == 0:
-        return rowmax
+        return rows, s[:0]
     sub = s if rows.numel() == s.shape[0] else s.index_select(0, rows)
     v, i = topk_lowest_index(sub, min(k, s.shape[1]))
     cand_v = torch.cat([best_v[rows], v.to(best_v.dtype)], dim=1)
     cand_i = torch.cat([best_i[rows], i + offset], dim=1)
     cand_v, cand_i = order(cand_v, cand_i)
     best_v[rows], best_i[rows] = cand_v[:, :k], cand_i[:, :k]
-    return rowmax
+    return rows, sub
 
 
 def best_of_candidates(

@@ -79,11 +79,11 @@ class PlainSearch(Strategy):
         # each product is within `slack` of the exact one, so the exact top k all score at
         # least the k-th best minus twice that: the candidates. They are listed during the scan,
         # while the block is in cache, against each row's running floor (its running k-th best
-        # minus twice the slack, which only rises), from the rows whose tile maximum reaches it
-        # (after the first tiles, few), and pruned as the floors rise: no tile is multiplied
-        # twice. A row that lists more than the cap in one tile is listed again at the end
-        # against its final floor. Rows with more than k candidates are settled by the direct
-        # form (more than the cap: kept as ranked).
+        # minus twice the slack, which only rises), from the rows whose tile maximum reaches
+        # their floor before the tile (after the first tiles, few; the merge finds them), and
+        # pruned as the floors rise: no tile is multiplied twice. A row that lists more than the
+        # cap in one tile is listed again at the end against its final floor. Rows with more
+        # than k candidates are settled by the direct form (more than the cap: kept as ranked).
         m, k = best_v.shape
         twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
         pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
@@ -92,11 +92,9 @@ class PlainSearch(Strategy):
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
             s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
-            rowmax = self.merge(s, j, best_v, best_i)
-            floor = best_v[:, -1] - twice
-            hot = (rowmax >= floor).nonzero().squeeze(1)
+            hot, sub = self.merge(s, j, best_v, best_i, twice)
             if hot.numel():
-                pool.add(s if hot.numel() == m else s.index_select(0, hot), j, floor, hot)
+                pool.add(sub, j, best_v[:, -1] - twice, hot)
         floor = best_v[:, -1] - twice
         rows, cols = pool.finish(floor)
         redo = pool.over.nonzero().squeeze(1)

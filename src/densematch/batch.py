@@ -1,0 +1,402 @@
+"""Thousands of pairs: a resumable batch runner, in one process, a pool of processes, or on a Ray
+cluster.
+
+:func:`run` yields one record per pair; given ``out_dir`` it also keeps ``results.jsonl`` there
+(one JSON line per pair, appended as each finishes) and writes each pair's arrays and picture
+beside it, every file atomically. A second run with the same ``out_dir`` skips the pairs already
+"ok" and retries the errors. Workers compute; the driver alone writes, so a cluster's workers
+need to read the inputs, never to share the output folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .io import atomic_write, save_npy, save_npz, save_with
+from .progress import progress_bar
+from .tasks import PairResult, align_pairs, distance_pair, match_pair, picture_bytes
+
+__all__ = ["COLUMNS", "ENGINES", "RESULTS", "Pair", "read_manifest", "run"]
+
+COLUMNS = {"align": ("template", "image"), "match": ("a", "b"), "distance": ("features", "prototypes")}
+ENGINES = ("local", "ray")
+RESULTS = "results.jsonl"
+# pairs per unit of work: align batches pairs of one shape within a chunk; the others gain nothing
+CHUNK = {"align": 16, "match": 1, "distance": 1}
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_FAILURES = (ValueError, TypeError, OSError, ImportError, RuntimeError, MemoryError)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One row of a manifest: its ``id`` and its input paths by column name."""
+
+    id: str
+    inputs: dict[str, str]
+
+
+def _check_task(task: str) -> tuple[str, str]:
+    if task not in COLUMNS:
+        raise ValueError(f"task must be one of {', '.join(COLUMNS)}, got {task!r}")
+    return COLUMNS[task]
+
+
+def _check_id(value: str, where: str) -> str:
+    if not _ID.match(value):
+        raise ValueError(
+            f"{where}: id {value!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or "
+            "digit (it names the pair's output files)"
+        )
+    return value
+
+
+def read_manifest(path: str | os.PathLike[str], task: str) -> list[Pair]:
+    """The pairs of a CSV manifest with a header: ``template,image`` (align), ``a,b`` (match) or
+    ``features,prototypes`` (distance), and optionally ``id`` (default: the row number, from 1).
+    Relative paths are taken relative to the manifest's folder.
+
+    Raises
+    ------
+    ValueError
+        A missing column, an empty cell, an id that cannot name a file, or an id given twice.
+    """
+    columns = _check_task(task)
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"MANIFEST {str(p)!r} does not exist or is not a file")
+    with open(p, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        header = [name.strip() for name in reader.fieldnames or []]
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise ValueError(
+                f"MANIFEST {str(p)!r} must have a header with columns {', '.join(columns)} (and optionally id) "
+                f"for {task}; missing {', '.join(missing)}, found {', '.join(header) or 'no header'}"
+            )
+        pairs, seen = [], set()
+        for number, row in enumerate(reader, start=1):
+            row = {(k or "").strip(): (v or "").strip() for k, v in row.items()}
+            where = f"MANIFEST {str(p)!r} row {number}"
+            pair_id = _check_id(row.get("id") or str(number), where)
+            if pair_id in seen:
+                raise ValueError(f"{where}: id {pair_id!r} appears twice; ids must be unique")
+            seen.add(pair_id)
+            empty = [c for c in columns if not row[c]]
+            if empty:
+                raise ValueError(f"{where}: empty {', '.join(empty)}")
+            pairs.append(Pair(pair_id, {c: str(p.parent / row[c]) for c in columns}))
+    return pairs
+
+
+def _solve(task: str, pairs: Sequence[Pair], options: dict[str, Any], pictures: bool) -> list[dict[str, Any]]:
+    """Worker side: one chunk of pairs, each to a record with its arrays and picture attached
+    (``_arrays``, ``_picture``: taken off by the driver). Never raises for a bad pair."""
+    started = time.perf_counter()
+    first, second = COLUMNS[task]
+    outcomes: list[PairResult | Exception]
+    if task == "align":
+        try:
+            outcomes = align_pairs([(p.inputs[first], p.inputs[second]) for p in pairs], viz=pictures, **options)
+        except Exception as err:  # an option that fails every pair (a bad --mask)
+            outcomes = [err] * len(pairs)
+    else:
+        outcomes = []
+        for p in pairs:
+            try:
+                if task == "match":
+                    r = match_pair(p.inputs[first], p.inputs[second], viz=pictures, **options)
+                else:
+                    r = distance_pair(p.inputs[first], p.inputs[second], **options)
+                outcomes.append(r if r is not None else RuntimeError("no result"))
+            except Exception as err:
+                outcomes.append(err)
+    seconds = (time.perf_counter() - started) / max(1, len(pairs))
+    records = []
+    for p, outcome in zip(pairs, outcomes, strict=True):
+        record: dict[str, Any] = {"id": p.id, "inputs": p.inputs, "seconds": round(seconds, 4)}
+        if isinstance(outcome, Exception):
+            message = str(outcome).splitlines()[0] if str(outcome) else type(outcome).__name__
+            if not isinstance(outcome, _FAILURES):
+                message = f"{type(outcome).__name__}: {message}"
+            record.update(status="error", error=message, result=None)
+        else:
+            record.update(status="ok", error=None, result=outcome.result)
+            record["_arrays"] = outcome.arrays
+            record["_picture"] = picture_bytes(outcome.figure) if outcome.figure is not None else None
+        records.append(record)
+    return records
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _local(
+    task: str, chunks: list[list[Pair]], options: dict[str, Any], pictures: bool, workers: int
+) -> Generator[list[dict[str, Any]], None, None]:
+    if workers <= 1:
+        for chunk in chunks:
+            yield _solve(task, chunk, options, pictures)
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    # spawn: a forked child would inherit torch's OpenMP pool in an undefined state
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(threads,))
+    try:
+        pending: dict[Future[list[dict[str, Any]]], list[Pair]] = {
+            pool.submit(_solve, task, chunk, options, pictures): chunk for chunk in chunks
+        }
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                chunk = pending.pop(future)
+                try:
+                    yield future.result()
+                except Exception as err:  # the worker died (killed, out of memory): its pairs failed
+                    yield [_lost(p, err) for p in chunk]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lost(pair: Pair, err: BaseException) -> dict[str, Any]:
+    message = str(err).splitlines()[0] if str(err) else ""
+    return {
+        "id": pair.id,
+        "inputs": pair.inputs,
+        "seconds": None,
+        "status": "error",
+        "error": f"worker failed ({type(err).__name__}{': ' + message if message else ''})",
+        "result": None,
+    }
+
+
+def _ray(
+    task: str, chunks: list[list[Pair]], options: dict[str, Any], pictures: bool, workers: int, address: str | None
+) -> Generator[list[dict[str, Any]], None, None]:
+    try:
+        import ray
+    except ImportError as err:
+        raise ImportError("engine='ray' needs Ray: pip install 'densematch[ray]'") from err
+    started = False
+    if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        local = {} if address else {"num_cpus": workers if workers > 1 else None}
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, **local)
+        started = True
+    try:
+        gpus = 1 if options.get("device") == "cuda" and ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        threads = 1 if workers <= 1 else max(1, int(ray.cluster_resources().get("CPU", 1)) // workers)
+        remote = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0)(_ray_solve)
+        pending = {remote.remote(task, chunk, options, pictures, threads): chunk for chunk in chunks}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                chunk = pending.pop(ref)
+                try:
+                    yield ray.get(ref)
+                except Exception as err:  # a worker that died or could not be scheduled
+                    yield [_lost(p, err) for p in chunk]
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _ray_solve(
+    task: str, pairs: Sequence[Pair], options: dict[str, Any], pictures: bool, threads: int
+) -> list[dict[str, Any]]:
+    _init_worker(threads)
+    return _solve(task, pairs, options, pictures)
+
+
+class _Results:
+    """``results.jsonl``: the last record of each id, one line per record, appended; a line
+    left half-written by an interrupted run is cut off before the next is appended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: dict[str, dict[str, Any]] = {}
+        if path.exists():
+            data = path.read_bytes()
+            whole = data[: data.rfind(b"\n") + 1]
+            for line in whole.splitlines():
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and "id" in record:
+                        self.records[str(record["id"])] = record
+            if len(whole) != len(data):
+                with open(path, "r+b") as fh:
+                    fh.truncate(len(whole))
+        self.fh = open(path, "ab")
+
+    def done(self, pair_id: str) -> bool:
+        return self.records.get(pair_id, {}).get("status") == "ok"
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records[record["id"]] = record
+        self.fh.write((json.dumps(record, allow_nan=False, default=_plain) + "\n").encode())
+        self.fh.flush()
+
+    def close(self, order: Sequence[str] | None = None) -> None:
+        """Close; given the manifest's ids, rewrite the file as the last record of each, in
+        that order (then any other ids it holds), atomically: a run resumed after an
+        interruption ends with the same file as one that never stopped."""
+        self.fh.close()
+        if order is not None:
+            ids = [i for i in order if i in self.records]
+            known = set(ids)
+            ids += [i for i in self.records if i not in known]
+            lines = [json.dumps(self.records[i], allow_nan=False, default=_plain) + "\n" for i in ids]
+            with atomic_write(self.path) as fh:
+                fh.write("".join(lines).encode())
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _write_outputs(record: dict[str, Any], out_dir: Path) -> None:
+    """The pair's arrays (``<id>.npz``, or ``<id>.npy`` for a lone distance array) and picture
+    (``<id>.png``), atomically; their names go into the record's result."""
+    arrays, picture = record.pop("_arrays", None), record.pop("_picture", None)
+    if arrays:
+        if list(arrays) == ["distance"]:
+            name = f"{record['id']}.npy"
+            save_npy(out_dir / name, arrays["distance"])
+        else:
+            name = f"{record['id']}.npz"
+            save_npz(out_dir / name, **arrays)
+        record["result"]["output"] = name
+    if picture is not None:
+        name = f"{record['id']}.png"
+        save_with(out_dir / name, lambda fh: fh.write(picture))
+        record["result"]["picture"] = name
+
+
+def run(
+    task: str,
+    pairs: Iterable[Pair | tuple[str, str]],
+    *,
+    engine: str = "local",
+    workers: int = 1,
+    out_dir: str | os.PathLike[str] | None = None,
+    ray_address: str | None = None,
+    viz: bool = False,
+    progress: bool = False,
+    on_skip: Callable[[Pair], None] | None = None,
+    **options: Any,
+) -> Iterator[dict[str, Any]]:
+    """Run ``task`` on every pair, yielding one record per pair as it finishes.
+
+    Parameters
+    ----------
+    task : {"align", "match", "distance"}
+    pairs : iterable of Pair, or of (path, path) tuples (ids: their positions, from 1)
+        As :func:`read_manifest` gives them.
+    engine : {"local", "ray"}, default="local"
+        "local": this process, or ``workers`` processes. "ray": tasks on a Ray cluster at
+        ``ray_address`` (else ``RAY_ADDRESS``, else a local one started here and stopped at the
+        end; an initialised Ray is used as it is), one GPU each where ``device="cuda"`` and the
+        cluster has GPUs.
+    workers : int, default=1
+        Processes (local), or CPUs of the local Ray cluster started here; threads per worker
+        are the cores divided among them.
+    out_dir : path, optional
+        Keep ``results.jsonl`` and each pair's outputs here (the folder is created), and skip
+        the pairs already "ok" there. Without it, an "ok" record of match or distance carries
+        its arrays under "arrays", and nothing is written.
+    viz : bool, default=False
+        With ``out_dir``: write each pair's picture as ``<id>.png``.
+    progress : bool, default=False
+        A tqdm bar over the pairs, with their rate.
+    on_skip : callable, optional
+        Called with each pair skipped as already done.
+    **options
+        The task's options, applied to every pair: :func:`densematch.align`'s keywords and
+        ``mask`` (a path); :func:`densematch.match`'s and ``features``, ``device``;
+        ``metric``, ``nearest``, ``k``, ``precision``, ``memory`` for distance.
+
+    Yields
+    ------
+    dict
+        ``id``, ``inputs``, ``status`` ("ok" or "error"), ``error`` (one line, or None),
+        ``result`` (align: scale_h, scale_w, shift_y, shift_x, error; match: valid fraction,
+        mean score, shapes and the output's name; distance: shape, mean and output's name) and
+        ``seconds`` (the pair's share of its chunk's time).
+
+    Examples
+    --------
+    >>> import tempfile, numpy as np, densematch
+    >>> folder = tempfile.mkdtemp()
+    >>> image = np.random.default_rng(0).random((40, 40))
+    >>> np.save(f"{folder}/image.npy", image)
+    >>> np.save(f"{folder}/template.npy", densematch.warp(image, 1.0, 1.0, 3.0, 2.0, (30, 30)).numpy())
+    >>> [r] = densematch.batch.run("align", [(f"{folder}/template.npy", f"{folder}/image.npy")])
+    >>> r["status"], round(r["result"]["shift_y"], 2), round(r["result"]["shift_x"], 2)
+    ('ok', 3.0, 2.0)
+    """
+    columns = _check_task(task)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    if viz and out_dir is None:
+        raise ValueError("viz=True needs out_dir: the pictures are written there")
+    todo = [
+        p if isinstance(p, Pair) else Pair(str(n), dict(zip(columns, map(str, p), strict=True)))
+        for n, p in enumerate(pairs, start=1)
+    ]
+    if len({p.id for p in todo}) != len(todo):
+        raise ValueError("pairs must have unique ids")
+    order = [p.id for p in todo]
+    results = None
+    folder = Path(out_dir) if out_dir is not None else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        results = _Results(folder / RESULTS)
+        for p in todo:
+            if on_skip is not None and results.done(p.id):
+                on_skip(p)
+        todo = [p for p in todo if not results.done(p.id)]
+    size = CHUNK[task]
+    chunks = [todo[s : s + size] for s in range(0, len(todo), size)]
+    if engine == "local":
+        stream = _local(task, chunks, options, viz, workers)
+    else:
+        stream = _ray(task, chunks, options, viz, workers, ray_address)
+    finished = False
+    try:
+        with progress_bar(progress, total=len(todo), unit="pair", desc=f"batch {task}") as bar:
+            for records in stream:
+                for record in records:
+                    if folder is not None and results is not None:
+                        if record["status"] == "ok":
+                            _write_outputs(record, folder)
+                        results.add(record)
+                    else:
+                        arrays = record.pop("_arrays", None)
+                        record.pop("_picture", None)
+                        if arrays:
+                            record["arrays"] = arrays
+                    bar.update(1)
+                    yield record
+        finished = True
+    finally:
+        stream.close()  # stops the workers of an interrupted run
+        if results is not None:
+            results.close(order if finished else None)

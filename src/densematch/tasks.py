@@ -1,0 +1,228 @@
+"""One pair of files in, one result out: the work of ``densematch align|match|distance``, shared
+by the single-pair commands and the batch runner (:mod:`densematch.batch`), so that both give the
+same answers.
+
+Each function reads its inputs from paths, runs the public API and returns a :class:`PairResult`:
+a JSON-able summary, the arrays the command writes, and a picture when asked for. Nothing here
+writes a file.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._align import align
+from ._distance import nearest_prototype, pairwise_distance
+from ._match import Matches, match
+from .features import FEATURES, dense_features
+from .io import is_image, load_any, load_array, load_image
+
+__all__ = ["PairResult", "align_pairs", "distance_pair", "match_pair", "picture_bytes"]
+
+
+@dataclass
+class PairResult:
+    """What one pair gave.
+
+    Attributes
+    ----------
+    result : dict
+        Plain numbers (and lists of them): what ``results.jsonl`` and ``--json`` report.
+    arrays : dict of str to ndarray
+        What ``-o`` writes (an .npz of these; a lone "distance" array as .npy).
+    figure : matplotlib Figure, optional
+        The picture, when one was asked for.
+    """
+
+    result: dict[str, Any]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    figure: Any = None
+
+
+def picture_bytes(figure: Any) -> bytes:
+    """A figure as PNG bytes (figures do not travel between processes; bytes do), closed."""
+    from .viz import _plt
+
+    buffer = io.BytesIO()
+    try:
+        figure.savefig(buffer, format="png", dpi=110)
+    finally:
+        _plt().close(figure)
+    return buffer.getvalue()
+
+
+def grey_input(path: str, what: str) -> np.ndarray:
+    """A grey image or a 2-D array."""
+    arr = load_any(path, what, grey=True)
+    if arr.ndim != 2:
+        raise ValueError(f"{what} {path!r} must be a grey image or a 2-D array, got shape {arr.shape}")
+    return arr
+
+
+def align_pairs(
+    pairs: Sequence[tuple[str, str]],
+    *,
+    mask: str | None = None,
+    viz: bool = False,
+    **options: Any,
+) -> list[PairResult | Exception]:
+    """Align each (template, image) pair of paths; pairs of one shape are aligned as one batch
+    (:func:`densematch.align` gives each item of a batch what it gives the item alone).
+
+    Returns, per pair in order, its :class:`PairResult` or the exception it raised (a bad pair
+    never stops the others). ``options`` are :func:`densematch.align`'s keywords.
+    """
+    out: list[PairResult | Exception | None] = [None] * len(pairs)
+    loaded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    weights = grey_input(mask, "--mask") if mask else None
+    for i, (template, image) in enumerate(pairs):
+        try:
+            loaded[i] = (grey_input(template, "TEMPLATE"), grey_input(image, "IMAGE"))
+        except (ValueError, TypeError, OSError, ImportError) as err:
+            out[i] = err
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for i, (t, x) in loaded.items():
+        groups.setdefault((t.shape, x.shape), []).append(i)
+    for members in groups.values():
+        if len(members) > 1:
+            tpl = np.stack([loaded[i][0] for i in members])
+            try:
+                batch = align(tpl, np.stack([loaded[i][1] for i in members]), template_mask=weights, **options)
+                for n, i in enumerate(members):
+                    out[i] = _align_result(batch, n, tpl[n], viz)
+                continue
+            except Exception:  # one bad pair fails its batch: each pair again alone, for its own answer
+                pass
+        for i in members:
+            t, x = loaded[i]
+            try:
+                out[i] = _align_result(align(t, x, template_mask=weights, **options), None, t, viz)
+            except Exception as err:
+                out[i] = err
+    return [r if r is not None else RuntimeError("not aligned") for r in out]
+
+
+def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool) -> PairResult:
+    """Item ``n`` of a batched alignment (None: an unbatched one) as a PairResult."""
+    answer = a.as_dict()
+    if n is not None:
+        answer = {key: value[n] for key, value in answer.items()}
+    figure = None
+    if viz:
+        from .viz import align_figure
+
+        warped, landscape = (a.warped, a.landscape[0]) if n is None else (a.warped[n], a.landscape[n])
+        figure = align_figure(
+            np.asarray(template, dtype=np.float32),
+            warped.numpy(),
+            landscape.numpy(),
+            a.scales_h.numpy(),
+            a.scales_w.numpy(),
+            answer,
+        )
+    return PairResult(answer, figure=figure)
+
+
+def _features(path: str, features: str | None, what: str) -> tuple[torch.Tensor, np.ndarray | None]:
+    """(H, W, C) features, and the picture to show (the image, or None for a feature file)."""
+    if is_image(path):
+        if features is None:
+            raise ValueError(f"{what} {path!r} is an image: pass --features ({'|'.join(FEATURES)}) to describe it")
+        img = load_image(path, what)
+        return dense_features(img, features), img
+    arr = load_array(path, what)
+    if arr.ndim != 3:
+        raise ValueError(f"{what} {path!r} must hold features of shape (H, W, C), got {arr.shape}")
+    return torch.from_numpy(np.ascontiguousarray(arr)), None
+
+
+def _preview(feat: torch.Tensor, img: np.ndarray | None) -> np.ndarray:
+    """What to show for a map: the image itself, its colours, or the feature norm."""
+    if img is not None:
+        return img
+    f = feat.float()
+    if f.shape[-1] in (1, 3):
+        return f.squeeze(-1).numpy().clip(0, 1)
+    norm = f.norm(dim=-1)
+    return (norm / norm.max().clamp_min(1e-12)).numpy()
+
+
+def match_pair(
+    a: str,
+    b: str,
+    *,
+    features: str | None = None,
+    device: str = "cpu",
+    viz: bool = False,
+    search: Callable[..., Matches] = match,
+    **options: Any,
+) -> PairResult | None:
+    """Match the features (or images, described by ``features``) at paths ``a`` and ``b``.
+
+    ``options`` are :func:`densematch.match`'s keywords; ``search`` replaces it (the sharded
+    search under torchrun, which returns None on every rank but the first: so does this).
+    """
+    fa, ia = _features(a, features, "A")
+    fb, ib = _features(b, features, "B")
+    if fa.shape[-1] != fb.shape[-1]:
+        raise ValueError(f"A and B must have the same number of channels, got {fa.shape[-1]} and {fb.shape[-1]}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+    r = search(fa.to(dev), fb.to(dev), **options)
+    if r is None:
+        return None
+    out = r.numpy()
+    valid = out["valid"]
+    result = {
+        "shape_a": list(fa.shape),
+        "shape_b": list(fb.shape),
+        "valid": float(valid.mean()),
+        "mean_score": float(np.nanmean(out["score"][valid])) if valid.any() else None,
+    }
+    figure = None
+    if viz:
+        from .viz import match_figure
+
+        coords, score, shown = out["coords"], out["score"], valid
+        if coords.ndim == 4:  # k > 1: the picture shows each pixel's best match
+            coords, score, shown = coords[..., 0, :], score[..., 0], shown[..., 0]
+        metric = options.get("metric", "cosine")
+        figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, shown, metric)
+    return PairResult(result, out, figure)
+
+
+def distance_pair(
+    features: str,
+    prototypes: str,
+    *,
+    metric: str = "l2",
+    nearest: bool = False,
+    k: int = 1,
+    precision: str = "exact",
+    memory: int | str | None = None,
+    search: Callable[..., tuple[torch.Tensor, torch.Tensor]] = nearest_prototype,
+) -> PairResult:
+    """Distances from every pixel of the (N, D, H, W) or (D, H, W) array at ``features`` to the
+    (F, D) prototypes at ``prototypes``: all of them (array "distance", (N, F, H, W)), or with
+    ``nearest`` the k nearest (arrays "distance" and "index", (N, k, H, W))."""
+    x = load_array(features, "FEATURES")
+    p = load_array(prototypes, "PROTOTYPES")
+    if x.ndim == 3:
+        x = x[None]
+    if x.ndim != 4:
+        raise ValueError(f"FEATURES must have shape (N, D, H, W) or (D, H, W), got {x.shape}")
+    xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
+    if nearest:
+        d, i = search(xt, pt, metric, k=k, memory=memory, precision=precision)
+        arrays = {"distance": d.numpy(), "index": i.numpy()}
+    else:
+        d = pairwise_distance(xt, pt, metric, memory=memory)
+        arrays = {"distance": d.numpy()}
+    return PairResult({"shape": list(d.shape), "mean_distance": float(d.float().mean())}, arrays)
