@@ -19,10 +19,27 @@ def test_patch_descriptor_is_zero_mean_unit_norm(camera_small):
     torch.testing.assert_close(f.norm(dim=-1)[textured], torch.ones(int(textured.sum())), atol=1e-4, rtol=0)
 
 
-def test_color_keeps_the_channels():
-    rgb = np.random.default_rng(0).random((5, 6, 3)).astype(np.float32)
-    assert torch.equal(dense_features(rgb, "color"), torch.from_numpy(rgb))
-    assert dense_features(rgb[..., 0], "color").shape == (5, 6, 1)
+def test_color_patches_are_local_and_keep_colour():
+    from skimage import data
+
+    rgb = data.astronaut()[100:140, 150:200].astype(np.float32) / 255
+    f = dense_features(rgb, "color")
+    assert f.shape == (40, 50, 75)
+    textured = f.norm(dim=-1) > 0.5
+    torch.testing.assert_close(f.mean(-1)[textured], torch.zeros(int(textured.sum())), atol=1e-5, rtol=0)
+    # a patch and the same patch with its red and blue swapped differ: colour is described
+    swapped = dense_features(rgb[..., ::-1].copy(), "color")
+    cos = (f * swapped).sum(-1)[textured]
+    assert cos.median() < 0.99
+    # never a constant field: neighbouring pixels of a photo differ
+    assert (f[1:] - f[:-1]).norm(dim=-1).median() > 0.05
+
+
+def test_color_on_a_grey_image_warns_and_gives_grey_patches(camera_small):
+    grey = camera_small.astype(np.float32) / 255
+    with pytest.warns(UserWarning, match="grey image"):
+        f = dense_features(grey, "color")
+    assert f.shape == (64, 64, 25)
 
 
 @pytest.mark.parametrize(("name", "tolerance"), [("patch", 0), ("dsift", 2)])
@@ -33,6 +50,27 @@ def test_features_find_a_known_shift(camera_small, name, tolerance):
     err = np.hypot(rows - (np.arange(52)[:, None] + 6), cols - (np.arange(52) + 8))
     valid = m.valid.numpy()
     assert valid.mean() > 0.3 and (err[valid] <= tolerance).mean() > 0.9
+
+
+def pck(coords: np.ndarray, truth: np.ndarray, keep: np.ndarray, pixels: float) -> float:
+    return float((np.linalg.norm(coords - truth, axis=-1)[keep] <= pixels).mean())
+
+
+def test_dsift_lands_on_an_integer_shift_as_well_as_patches():
+    from skimage import data
+
+    img = data.chelsea().astype(np.float32) / 255
+    a, b = img[40:120, 60:160], img[52:132, 51:151]  # a's (r, c) is b's (r - 12, c + 9)
+    rows, cols = np.meshgrid(np.arange(80), np.arange(100), indexing="ij")
+    truth = np.stack([rows - 12, cols + 9], -1)
+    # pixels whose descriptor windows lie inside both crops (the borders see reflected content)
+    keep = (rows >= 20) & (rows < 72) & (cols >= 8) & (cols < 83)
+    got = {}
+    for name in ("patch", "dsift", "color"):
+        m = densematch.match(dense_features(a, name), dense_features(b, name))
+        got[name] = pck(m.coords.numpy(), truth, keep, 1)
+    assert got["dsift"] >= got["patch"] - 1e-9 and got["dsift"] > 0.99
+    assert got["color"] > 0.99
 
 
 def test_bad_feature_name():
