@@ -43,7 +43,7 @@ class TestAlign:
         again = warp(c.image, a.scale_h, a.scale_w, a.shift_y, a.shift_x, tuple(c.template.shape))
         torch.testing.assert_close(a.warped, again)
         assert a.landscape.shape == (1, a.scales_h.numel(), a.scales_w.numel())
-        assert set(a.as_dict()) == {"scale_h", "scale_w", "shift_y", "shift_x", "error"}
+        assert set(a.as_dict()) == {"scale_h", "scale_w", "shift_y", "shift_x", "error", "at_bound"}
 
     @pytest.mark.parametrize("objective", ["l2", "ncc"])
     def test_other_objectives(self, objective):
@@ -99,8 +99,20 @@ class TestAlign:
 
     def test_scale_ranges_are_respected(self):
         c = next(alignment_cases(1, seed=12, kinds=("photo",)))
-        a = align(c.template, c.image, scale_h=(c.scale_h, c.scale_h), scale_w=(0.9, 0.95))
+        with pytest.warns(UserWarning, match=r"scale_w lies at an end of the range searched \(scale_w=\(0.9, 0.95\)\)"):
+            a = align(c.template, c.image, scale_h=(c.scale_h, c.scale_h), scale_w=(0.9, 0.95))
         assert a.scale_h == pytest.approx(c.scale_h, abs=1e-6) and 0.9 - 1e-6 <= a.scale_w <= 0.95 + 1e-6
+        # a range of one value is fixed, not a bound the truth may lie beyond
+        assert a.at_bound == ("scale_w",)
+
+    def test_at_bound_per_item_of_a_batch(self):
+        img = torch.rand(2, 90, 90)
+        t = torch.stack([warp(img[0], 1.0, 1.0, 3.0, 2.0, (64, 64)), warp(img[1], 1.25, 1.0, 3.0, 2.0, (64, 64))])
+        with pytest.warns(UserWarning, match="widen scale_h="):
+            a = align(t, img, scale_h=(0.9, 1.1), scale_w=(0.9, 1.1))
+        assert a.at_bound == [(), ("scale_h",)]
+        assert a.as_dict()["at_bound"] == [[], ["scale_h"]]
+        assert a.scale_h[1] == pytest.approx(1.1, abs=1e-4)
 
 
 class TestBadInput:

@@ -1,5 +1,6 @@
 """The real command, in a subprocess: help, each command on small real images, and each error."""
 
+import argparse
 import json
 import signal
 import subprocess
@@ -124,7 +125,8 @@ def test_align_json_and_picture(images, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     ans = json.loads(out.stdout)
-    assert set(ans) == {"scale_h", "scale_w", "shift_y", "shift_x", "error"}
+    assert set(ans) == {"scale_h", "scale_w", "shift_y", "shift_x", "error", "at_bound"}
+    assert ans["at_bound"] == []
     assert abs(ans["scale_h"] - 1.06) < 1e-3 and abs(ans["shift_x"] - 3.25) < 0.05
     assert (tmp_path / "a.png").exists()
     text = run("align", str(images / "template.npy"), str(images / "image.npy"), "--objective", "ncc")
@@ -286,3 +288,127 @@ def test_output_keeps_the_umask_without_setting_it(images, tmp_path):
 def test_debug_shows_the_traceback(images):
     out = run("match", "missing.npy", str(images / "fb.npy"), "--debug")
     assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+class Opaque:
+    """Something torch.load(weights_only=True) refuses to unpickle."""
+
+
+def test_every_option_has_help_and_its_default():
+    from densematch.cli import _Help, build_parser
+
+    def parsers(p):
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    for parser in parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction) or action.dest in ("help", "version"):
+                continue
+            assert action.help, f"{parser.prog} {action.option_strings or action.dest} has no help"
+            if action.option_strings and action.default not in (None, False):
+                text = _Help(parser.prog)._get_help_string(action)
+                assert "default" in text, f"{parser.prog} {action.option_strings} shows no default"
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (("match", "{d}/fa.npy", "{d}/fb.npy", "-o", "{t}/m.txt"), "-o '{t}/m.txt': the extension chooses the format"),
+        (("match", "{d}/fa.npy", "{d}/fb.npy", "--viz", "{t}/m.gif"), "use one of .png, .jpg, .jpeg, .pdf, .svg"),
+        (("distance", "{d}/x.npy", "{d}/p.npy", "--k", "3"), "--k and --precision apply only with --nearest"),
+        (("match", "{d}/pickled.pt", "{d}/fb.npy"), "holds pickled Python objects, not one tensor"),
+        (("match", "{d}/two.npz", "{d}/fb.npy"), "holds 2 arrays (features, other): name one"),
+        (("match", "{d}/two.npz:nope", "{d}/fb.npy"), "has no array 'nope'; it holds features, other"),
+        (("align", "{d}/image.npy", "{d}/template.npy"), "lower the smallest scales"),
+    ],
+)
+def test_outputs_and_inputs_obey_their_names(images, tmp_path, args, pattern):
+    import pickle
+
+    with open(images / "pickled.pt", "wb") as fh:
+        pickle.dump({"weights": Opaque()}, fh, protocol=4)
+    np.savez(images / "two.npz", features=np.zeros((3, 3, 8), np.float32), other=np.zeros(2))
+    code, _, err = in_process(*(a.format(d=images, t=tmp_path) for a in args))
+    assert code == 1 and pattern.format(t=tmp_path) in err, err
+    assert len(err.strip().splitlines()) == 1 and "\x1b" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_formats_follow_the_extension(images, tmp_path):
+    code, _, _ = in_process("match", str(images / "fa.npy"), str(images / "fb.npy"), "-o", str(tmp_path / "c.npy"))
+    assert code == 0 and np.load(tmp_path / "c.npy").shape == (12, 14, 2)
+    np.savez(tmp_path / "in.npz", features=np.load(images / "fa.npy"), other=np.zeros(2))
+    code, _, _ = in_process(
+        "match", f"{tmp_path}/in.npz:features", str(images / "fb.npy"), "-o", str(tmp_path / "all.npz"), "--quiet"
+    )
+    assert code == 0 and np.array_equal(np.load(tmp_path / "all.npz")["coords"], np.load(tmp_path / "c.npy"))
+    for suffix, magic in ((".jpg", b"\xff\xd8\xff"), (".pdf", b"%PDF"), (".svg", b"<?xml"), (".png", b"\x89PNG")):
+        path = tmp_path / f"m{suffix}"
+        code, _, err = in_process("match", str(images / "fa.npy"), str(images / "fb.npy"), "--viz", str(path))
+        assert code == 0, err
+        assert path.read_bytes().startswith(magic), suffix
+    code, _, _ = in_process(
+        "distance", str(images / "x.npy"), str(images / "p.npy"), "--nearest", "--k", "2", "-o", str(tmp_path / "i.npy")
+    )
+    assert code == 0 and np.load(tmp_path / "i.npy").shape == (2, 2, 6, 7)
+
+
+def test_options_that_change_nothing_say_so(images):
+    code, _, err = in_process("match", str(images / "fa.npy"), str(images / "fb.npy"), "--features", "patch")
+    assert code == 0 and err.strip() == (
+        "densematch match: warning: --features is ignored: A and B are feature files, not images"
+    )
+
+
+def test_align_at_the_edge_of_its_range_warns(images, tmp_path):
+    img = torch.from_numpy(np.load(images / "image.npy"))
+    np.save(tmp_path / "t.npy", warp(img, 1.3, 1.0, 20.0, 4.0, (80, 80)).numpy())
+    code, out, err = in_process("align", str(tmp_path / "t.npy"), str(images / "image.npy"), "--json")
+    assert code == 0 and json.loads(out)["at_bound"] == ["scale_h"]
+    assert err.count("\n") == 1 and "warning: the best scale_h lies at an end of the range" in err
+    assert "--scale-h" in err
+    code, out, err = in_process(
+        "align", str(tmp_path / "t.npy"), str(images / "image.npy"), "--json", "--scale-h", "1.1", "1.5"
+    )
+    assert code == 0 and json.loads(out)["at_bound"] == [] and err == ""
+    assert json.loads(out)["scale_h"] == pytest.approx(1.3, abs=0.01)
+
+
+def test_full_distances_stream_within_the_budget(images, tmp_path):
+    # 2 x 90 x 150 x 160 float32 distances (17 MiB) written in slices under a 4 MiB budget
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", rng.normal(size=(2, 8, 150, 160)).astype(np.float32))
+    np.save(tmp_path / "p.npy", rng.normal(size=(90, 8)).astype(np.float32))
+    from densematch import tasks
+
+    calls = []
+    real = tasks.pairwise_distance
+    tasks.pairwise_distance = lambda x, p, *a, **k: calls.append(p.shape[0]) or real(x, p, *a, **k)
+    try:
+        code, _, err = in_process(
+            "distance",
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "p.npy"),
+            "-o",
+            str(tmp_path / "d.npy"),
+            "--memory",
+            "4MiB",
+        )
+    finally:
+        tasks.pairwise_distance = real
+    assert code == 0, err
+    assert max(calls) * 150 * 160 * 4 <= 2 * 2**20 and sum(calls) == 2 * 90
+    want = densematch_distance(tmp_path / "x.npy", tmp_path / "p.npy")
+    np.testing.assert_allclose(np.load(tmp_path / "d.npy"), want, rtol=1e-5, atol=1e-5)
+
+
+def densematch_distance(x, p):
+    import densematch
+
+    return densematch.pairwise_distance(
+        torch.from_numpy(np.load(x)).double(), torch.from_numpy(np.load(p)).double()
+    ).numpy()

@@ -19,6 +19,7 @@ Because that warp is separable, a warped image is two small matrix products,
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,9 @@ class Alignment:
         or 1 - NCC), at the search resolution: the error landscape, for pictures.
     scales_h, scales_w : Tensor of shape (n_h,) and (n_w,)
         The grid's scales.
+    at_bound : tuple of str, or list of them for batches
+        The scales found at an end of their range ("scale_h", "scale_w"): the truth may lie
+        beyond it (:func:`align` warns, naming the range to widen).
     """
 
     scale_h: float | torch.Tensor
@@ -69,10 +73,11 @@ class Alignment:
     landscape: torch.Tensor
     scales_h: torch.Tensor
     scales_w: torch.Tensor
+    at_bound: tuple[str, ...] | list[tuple[str, ...]] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """The warp and error as plain Python numbers (lists for batches)."""
-        return {
+        """The warp and error as plain Python numbers (lists for batches), and ``at_bound``."""
+        out: dict[str, Any] = {
             k: (v.tolist() if isinstance(v, torch.Tensor) else v)
             for k, v in (
                 ("scale_h", self.scale_h),
@@ -82,6 +87,9 @@ class Alignment:
                 ("error", self.error),
             )
         }
+        bound = self.at_bound
+        out["at_bound"] = [list(b) for b in bound] if isinstance(bound, list) else list(bound)
+        return out
 
 
 def _sampling_matrix(
@@ -292,7 +300,8 @@ def align(
     if h > hh * lo_h or w > ww * lo_w:
         raise ValueError(
             f"template of {h}x{w} does not fit in the image of {hh}x{ww} stretched by the smallest "
-            f"scales ({lo_h}, {lo_w}); it needs h <= H * scale_h[0] and w <= W * scale_w[0]"
+            f"scales ({lo_h}, {lo_w}); it needs h <= H * scale_h[0] and w <= W * scale_w[0]: lower the "
+            "smallest scales (scale_h=, scale_w=; on the command line --scale-h, --scale-w)"
         )
     dtype = torch.float64 if torch.float64 in (t.dtype, x.dtype) else torch.float32
     t4 = t.to(dtype).reshape(-1, *t.shape[-3:]) if t.ndim == 4 else t.to(dtype).reshape(-1, 1, h, w)
@@ -312,9 +321,39 @@ def align(
     err = {"l1": err / unit, "l2": err / unit**2, "ncc": err}[objective]
     if objective != "ncc":  # the grid search's squared error
         landscape = landscape / unit**2
+    bounds = _at_bound(sh, sw, (lo_h, hi_h), (lo_w, hi_w))
     if t.ndim == 2:
-        return Alignment(sh.item(), sw.item(), sy.item(), sx.item(), err.item(), warped, landscape, grid_h, grid_w)
-    return Alignment(sh, sw, sy, sx, err, warped, landscape, grid_h, grid_w)
+        return Alignment(
+            sh.item(), sw.item(), sy.item(), sx.item(), err.item(), warped, landscape, grid_h, grid_w, bounds[0]
+        )
+    return Alignment(sh, sw, sy, sx, err, warped, landscape, grid_h, grid_w, bounds)
+
+
+def _at_bound(
+    sh: torch.Tensor, sw: torch.Tensor, range_h: tuple[float, float], range_w: tuple[float, float]
+) -> list[tuple[str, ...]]:
+    """Per item, the scales found at an end of their range (within 1e-4 of it: the refinement
+    stops on the boundary), with one warning for the call naming the ranges to widen."""
+    found = []
+    for h, w in zip(sh.tolist(), sw.tolist(), strict=True):
+        found.append(
+            tuple(
+                name
+                for name, value, (lo, hi) in (("scale_h", h, range_h), ("scale_w", w, range_w))
+                if lo < hi and min(value - lo, hi - value) <= 1e-4 * hi
+            )
+        )
+    hit = sorted({name for names in found for name in names})
+    if hit:
+        ranges = ", ".join(f"{n}={range_h if n == 'scale_h' else range_w}" for n in hit)
+        verb = "lies" if len(hit) == 1 else "lie"
+        warnings.warn(
+            f"the best {' and '.join(hit)} {verb} at an end of the range searched ({ranges}): the truth may lie "
+            f"beyond it; widen {', '.join(n + '=' for n in hit)} (on the command line "
+            f"{', '.join('--' + n.replace('_', '-') for n in hit)})",
+            stacklevel=3,
+        )
+    return found
 
 
 def _unit_scale(t: torch.Tensor, x: torch.Tensor) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib
 import json
 import os
 import re
@@ -188,7 +189,7 @@ def _ray(
     task: str, chunks: list[list[Pair]], options: dict[str, Any], pictures: bool, workers: int, address: str | None
 ) -> Generator[list[dict[str, Any]], None, None]:
     try:
-        import ray
+        ray: Any = importlib.import_module("ray")  # untyped: used as Any
     except ImportError as err:
         raise ImportError("engine='ray' needs Ray: pip install 'densematch[ray]'") from err
     started = False

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,14 @@ from . import __version__
 from ._align import OBJECTIVES
 from ._match import Matches, match
 from .features import FEATURES
-from .io import check_output, save_npy, save_npz
+from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, check_output, is_image, save_arrays
 from .metrics import METRICS
 from .precision import PRECISIONS, RANKINGS
 from .tasks import PairResult, align_pairs, distance_pair, match_pair
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
-_PRECISION_HELP = "exact (default: float32 results, half precision where faster), float32, fast (approximate)"
+_PRECISION_HELP = "exact (float32 results, half precision where faster), float32, fast (approximate)"
+_MEMORY_HELP = "working-memory cap, e.g. 256MiB or 1GiB (default: half the free memory, at most 512MiB on a CPU)"
 
 
 class CommandError(Exception):
@@ -76,11 +78,15 @@ def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
             "memory": args.memory,
             "precision": args.precision,
         }
+    if not args.nearest and (args.k is not None or args.precision is not None):
+        raise CommandError(
+            "--k and --precision apply only with --nearest: without it, every prototype's distance is written"
+        )
     return {
         "metric": args.metric,
         "nearest": args.nearest,
-        "k": args.k,
-        "precision": args.precision,
+        "k": 1 if args.k is None else args.k,
+        "precision": args.precision or "exact",
         "memory": args.memory,
     }
 
@@ -92,6 +98,8 @@ def _write_picture(result: PairResult, path: str) -> None:
 
 
 def cmd_match(args: argparse.Namespace) -> int:
+    if args.features and not (is_image(args.a) or is_image(args.b)):
+        warnings.warn("--features is ignored: A and B are feature files, not images", stacklevel=1)
     sharded = _sharded(args)
     _device(args.device)
     search: Callable[..., Matches] = match
@@ -107,7 +115,7 @@ def cmd_match(args: argparse.Namespace) -> int:
         return 0
     seconds = time.perf_counter() - t0
     if args.output:
-        save_npz(args.output, **r.arrays)
+        save_arrays(args.output, r.arrays, single="coords")
     if args.viz:
         _write_picture(r, args.viz)
     if not args.quiet:
@@ -154,14 +162,16 @@ def cmd_distance(args: argparse.Namespace) -> int:
             options["search"] = functools.partial(distributed.nearest_prototype, shard="pixels")
     elif _sharded(args) and not _is_first_rank():  # the full tensor is not sharded: rank 0 writes it
         return 0
-    r = distance_pair(args.features, args.prototypes, **options)
+    # the full tensor goes to an .npy (or only into the summary) in slices within --memory; an
+    # .npz archive is written from the whole tensor
+    streamed = not args.nearest and (args.output is None or args.output.lower().endswith(".npy"))
+    r = distance_pair(
+        args.features, args.prototypes, to=args.output if streamed else None, keep=not streamed, **options
+    )
     if not _is_first_rank():
         return 0
-    if args.output:
-        if args.nearest:
-            save_npz(args.output, **r.arrays)
-        else:
-            save_npy(args.output, r.arrays["distance"])
+    if args.output and not streamed:
+        save_arrays(args.output, r.arrays, single="index" if args.nearest else "distance")
     if not args.quiet:
         shape = tuple(r.result["shape"])
         what = f"nearest prototypes {shape}; mean distance" if args.nearest else f"distances {shape}; mean"
@@ -183,38 +193,72 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(quick=args.quick)
 
 
+class _Help(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one and the help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line, pointing at --help, rather than the whole usage."""
+    """Usage errors in one line, pointing at --help, rather than the whole usage; every option's
+    default shown in --help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _match_options(m: argparse.ArgumentParser) -> None:
-    m.add_argument("--metric", default="cosine", choices=tuple(METRICS), help="similarity or distance (default cosine)")
-    m.add_argument("--k", type=int, default=1, help="matches per pixel, best first (default 1)")
+    m.add_argument("--metric", default="cosine", choices=tuple(METRICS), help="similarity or distance")
+    m.add_argument("--k", type=int, default=1, help="matches per pixel, best first")
     m.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours valid")
     m.add_argument("--ratio", type=float, help="Lowe's ratio test threshold in (0, 1]")
-    m.add_argument("--memory", default=None, help="working-memory cap, e.g. 1GiB (default: from free memory)")
+    m.add_argument("--memory", default=None, help=_MEMORY_HELP)
     m.add_argument("--precision", default="exact", choices=PRECISIONS, help=_PRECISION_HELP)
-    m.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    m.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the search runs")
     m.add_argument("--features", choices=FEATURES, help="describe image inputs: patch (7x7 patches), color, dsift")
 
 
 def _align_options(a: argparse.ArgumentParser) -> None:
-    a.add_argument("--objective", default="l1", choices=OBJECTIVES)
-    a.add_argument("--scale-h", nargs=2, type=float, default=(0.8, 1.2), metavar=("LOW", "HIGH"))
-    a.add_argument("--scale-w", nargs=2, type=float, default=(0.8, 1.2), metavar=("LOW", "HIGH"))
+    a.add_argument(
+        "--objective",
+        default="l1",
+        choices=OBJECTIVES,
+        help="mean absolute or squared difference, or 1 - NCC (robust to brightness and contrast)",
+    )
+    a.add_argument(
+        "--scale-h",
+        nargs=2,
+        type=float,
+        default=(0.8, 1.2),
+        metavar=("LOW", "HIGH"),
+        help="vertical stretches searched",
+    )
+    a.add_argument(
+        "--scale-w",
+        nargs=2,
+        type=float,
+        default=(0.8, 1.2),
+        metavar=("LOW", "HIGH"),
+        help="horizontal stretches searched",
+    )
     a.add_argument("--mask", metavar="MASK", help="template weights (image or array); 0 ignores a pixel")
-    a.add_argument("--memory", default=None, help="working-memory cap of the search")
+    a.add_argument("--memory", default=None, help=_MEMORY_HELP)
 
 
 def _distance_options(d: argparse.ArgumentParser) -> None:
-    d.add_argument("--metric", default="l2", choices=tuple(METRICS))
+    d.add_argument("--metric", default="l2", choices=tuple(METRICS), help="the distance")
     d.add_argument("--nearest", action="store_true", help="only the nearest prototype(s), never the full tensor")
-    d.add_argument("--k", type=int, default=1, help="with --nearest: how many")
-    d.add_argument("--precision", default="exact", choices=RANKINGS, help="with --nearest: " + _PRECISION_HELP)
-    d.add_argument("--memory", default=None, help="working-memory cap")
+    d.add_argument("--k", type=int, default=None, help="with --nearest: how many (default: 1)")
+    d.add_argument("--precision", default=None, choices=RANKINGS, help="with --nearest: " + _PRECISION_HELP)
+    d.add_argument("--memory", default=None, help=_MEMORY_HELP)
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
@@ -237,8 +281,8 @@ def _batch_parser(sub: Any) -> None:
         t = tasks.add_parser(task, help=f"{task} every pair (manifest columns: {', '.join(columns)}, optional id)")
         t.add_argument("manifest", metavar="MANIFEST", help=f"CSV with header {','.join(columns)}[,id]")
         t.add_argument("-o", "--output", metavar="OUTDIR", required=True, help="results.jsonl and outputs go here")
-        t.add_argument("--engine", default="local", choices=ENGINES, help="local processes (default) or Ray")
-        t.add_argument("--workers", type=int, default=1, help="worker processes (default 1: this one)")
+        t.add_argument("--engine", default="local", choices=ENGINES, help="local processes or Ray")
+        t.add_argument("--workers", type=int, default=1, help="worker processes (1: this one)")
         t.add_argument("--ray-address", metavar="ADDR", help="Ray cluster (default RAY_ADDRESS, else a local one)")
         if task != "distance":
             t.add_argument("--viz", action="store_true", help="write each pair's picture as OUTDIR/ID.png")
@@ -337,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     _batch_parser(sub)
 
     e = sub.add_parser("demo", help="match, align and distance on bundled sample images, with pictures")
-    e.add_argument("--out", default="demo-out", metavar="DIR", help="where to write the pictures (default demo-out)")
+    e.add_argument("--out", default="demo-out", metavar="DIR", help="where to write the pictures")
     _common(e)
     e.set_defaults(run=cmd_demo)
 
@@ -346,6 +390,19 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.set_defaults(run=cmd_bench)
     return p
+
+
+def _report(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> None:
+    """The run's warnings (the user's concern: a result at the edge of its range, an option
+    that changes nothing), each once, one line each."""
+    if args.quiet:
+        return
+    seen = set()
+    for w in caught:
+        message = str(w.message).splitlines()[0] if str(w.message) else ""
+        if issubclass(w.category, UserWarning) and message and message not in seen:
+            seen.add(message)
+            print(f"densematch {args.command}: warning: {message}", file=sys.stderr)
 
 
 class Terminated(BaseException):
@@ -363,10 +420,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         # outputs are checked before the work, not after it
-        for flag, name in (("-o", "output"), ("--viz", "viz")):
-            if isinstance(getattr(args, name, None), str) and args.command != "batch":
-                check_output(getattr(args, name), flag)
-        return args.run(args)
+        if args.command != "batch":
+            for flag, name, suffixes in (("-o", "output", ARRAY_OUTPUTS), ("--viz", "viz", FIGURE_OUTPUTS)):
+                if getattr(args, name, None):
+                    check_output(getattr(args, name), flag, suffixes)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            try:
+                return int(args.run(args))
+            finally:
+                _report(args, caught)
     except (CommandError, *EXPECTED) as err:
         if args.debug:
             raise

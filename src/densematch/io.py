@@ -6,20 +6,36 @@ import contextlib
 import math
 import os
 import secrets
-from collections.abc import Callable, Iterator
+import warnings
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["IMAGE_SUFFIXES", "atomic_write", "is_image", "load_array", "load_image", "save_npy", "save_npz"]
+__all__ = [
+    "ARRAY_OUTPUTS",
+    "FIGURE_OUTPUTS",
+    "IMAGE_SUFFIXES",
+    "atomic_write",
+    "is_image",
+    "load_array",
+    "load_image",
+    "save_arrays",
+    "save_npy",
+    "save_npz",
+]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp")
 ARRAY_SUFFIXES = (".npy", ".pt", ".pth")
+# what an output's extension may be: arrays (an .npz of all, or one array as .npy), pictures
+ARRAY_OUTPUTS = (".npz", ".npy")
+FIGURE_OUTPUTS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")
 
 
 def is_image(path: str | os.PathLike[str]) -> bool:
-    return Path(path).suffix.lower() in IMAGE_SUFFIXES
+    return Path(_archive_member(path)[0]).suffix.lower() in IMAGE_SUFFIXES
 
 
 def _existing(path: str | os.PathLike[str], what: str) -> Path:
@@ -31,25 +47,67 @@ def _existing(path: str | os.PathLike[str], what: str) -> Path:
     return p
 
 
+def _archive_member(path: str | os.PathLike[str]) -> tuple[str, str | None]:
+    """``file.npz:name`` split into the archive and the array's name (None: not given)."""
+    text = os.fspath(path)
+    head, sep, name = text.rpartition(":")
+    if sep and head.lower().endswith(".npz") and name and "/" not in name:
+        return head, name
+    return text, None
+
+
 def load_array(path: str | os.PathLike[str], what: str = "input") -> np.ndarray:
-    """An array from .npy or .pt (a tensor saved with torch.save)."""
-    p = _existing(path, what)
+    """An array from .npy, .npz (``file.npz:name``, or the archive's only array) or .pt (one
+    tensor saved with torch.save; nothing else is unpickled)."""
+    source, member = _archive_member(path)
+    p = _existing(source, what)
     suffix = p.suffix.lower()
     try:
         if suffix == ".npy":
             return _load_npy(p, what)
+        if suffix == ".npz":
+            return _load_npz(p, member, what)
         if suffix in (".pt", ".pth"):
-            import torch
-
-            obj = torch.load(p, map_location="cpu", weights_only=True)
-            if not isinstance(obj, torch.Tensor):
-                raise ValueError(f"{what} {str(p)!r} must hold one tensor, got {type(obj).__name__}")
-            return obj.detach().float().numpy() if obj.dtype == torch.bfloat16 else obj.detach().numpy()
-    except (OSError, EOFError, RuntimeError, ValueError, __import__("pickle").UnpicklingError) as err:
+            return _load_pt(p, what)
+    except (OSError, EOFError, RuntimeError, ValueError, zipfile.BadZipFile) as err:
         if isinstance(err, ValueError) and str(err).startswith(what):
             raise
         raise ValueError(f"{what} {str(p)!r} could not be read as an array: {err}") from None
-    raise ValueError(f"{what} {str(p)!r} must be a .npy or .pt array, or an image ({', '.join(IMAGE_SUFFIXES)})")
+    raise ValueError(f"{what} {str(p)!r} must be a .npy, .npz or .pt array, or an image ({', '.join(IMAGE_SUFFIXES)})")
+
+
+def _load_pt(p: Path, what: str) -> np.ndarray:
+    import pickle
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol before refusing
+            warnings.simplefilter("ignore", UserWarning)
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(
+            f"{what} {str(p)!r} holds pickled Python objects, not one tensor; densematch reads only a tensor "
+            "saved with torch.save(tensor, path) and never unpickles other objects"
+        ) from None
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(f"{what} {str(p)!r} must hold one tensor, got {type(obj).__name__}")
+    return obj.detach().float().numpy() if obj.dtype == torch.bfloat16 else obj.detach().numpy()
+
+
+def _load_npz(p: Path, member: str | None, what: str) -> np.ndarray:
+    with np.load(p, allow_pickle=False) as archive:
+        names = list(archive.files)
+        if member is None:
+            if len(names) != 1:
+                raise ValueError(
+                    f"{what} {str(p)!r} holds {len(names)} arrays ({', '.join(names) or 'none'}): name one, "
+                    f"as '{p}:{names[0] if names else 'NAME'}'"
+                )
+            member = names[0]
+        if member not in names:
+            raise ValueError(f"{what} {str(p)!r} has no array {member!r}; it holds {', '.join(names) or 'none'}")
+        return archive[member]
 
 
 def _load_npy(p: Path, what: str) -> np.ndarray:
@@ -99,16 +157,27 @@ def load_any(path: str | os.PathLike[str], what: str, grey: bool = False) -> np.
     return load_image(path, what, grey) if is_image(path) else load_array(path, what)
 
 
-def check_output(path: str | os.PathLike[str], what: str = "output") -> Path:
-    """Check, before any work, that ``path`` can be written: its folder exists and it is not a
-    folder itself."""
+def check_output(path: str | os.PathLike[str], what: str = "output", suffixes: Sequence[str] = ()) -> Path:
+    """Check, before any work, that ``path`` can be written: its folder exists, it is not a
+    folder itself, and (given ``suffixes``) its extension names a format written here."""
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
     if not directory.is_dir():
         raise FileNotFoundError(f"{what} {str(target)!r}: the folder {str(directory)!r} does not exist")
     if target.is_dir():
         raise ValueError(f"{what} {str(target)!r} is a folder; give a file name")
+    if suffixes and target.suffix.lower() not in suffixes:
+        raise ValueError(f"{what} {str(target)!r}: the extension chooses the format; use one of {', '.join(suffixes)}")
     return target
+
+
+def save_arrays(path: str | os.PathLike[str], arrays: dict[str, np.ndarray], single: str) -> None:
+    """Write by the extension: .npz, every array; .npy, the array named ``single`` alone."""
+    suffix = check_output(path, suffixes=ARRAY_OUTPUTS).suffix.lower()
+    if suffix == ".npy":
+        save_npy(path, arrays[single])
+    else:
+        save_npz(path, **arrays)
 
 
 @contextlib.contextmanager

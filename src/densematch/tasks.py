@@ -4,7 +4,7 @@ same answers.
 
 Each function reads its inputs from paths, runs the public API and returns a :class:`PairResult`:
 a JSON-able summary, the arrays the command writes, and a picture when asked for. Nothing here
-writes a file.
+writes a file, except the full distance tensor, streamed to its file in slices within the budget.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -20,8 +20,10 @@ import torch
 from ._align import align
 from ._distance import nearest_prototype, pairwise_distance
 from ._match import Matches, match
+from .budget import chunk_rows
+from .config import resolve_memory
 from .features import FEATURES, dense_features
-from .io import is_image, load_any, load_array, load_image
+from .io import atomic_write, is_image, load_any, load_array, load_image
 
 __all__ = ["PairResult", "align_pairs", "distance_pair", "match_pair", "picture_bytes"]
 
@@ -208,10 +210,16 @@ def distance_pair(
     precision: str = "exact",
     memory: int | str | None = None,
     search: Callable[..., tuple[torch.Tensor, torch.Tensor]] = nearest_prototype,
+    to: str | None = None,
+    keep: bool = True,
 ) -> PairResult:
     """Distances from every pixel of the (N, D, H, W) or (D, H, W) array at ``features`` to the
     (F, D) prototypes at ``prototypes``: all of them (array "distance", (N, F, H, W)), or with
-    ``nearest`` the k nearest (arrays "distance" and "index", (N, k, H, W))."""
+    ``nearest`` the k nearest (arrays "distance" and "index", (N, k, H, W)).
+
+    Without ``nearest``, given ``to`` (an .npy path), or with ``keep=False`` (the summary alone),
+    the distances are computed in slices that fit ``memory``, written there or only summed,
+    never held whole: no arrays come back."""
     x = load_array(features, "FEATURES")
     p = load_array(prototypes, "PROTOTYPES")
     if x.ndim == 3:
@@ -222,7 +230,38 @@ def distance_pair(
     if nearest:
         d, i = search(xt, pt, metric, k=k, memory=memory, precision=precision)
         arrays = {"distance": d.numpy(), "index": i.numpy()}
+    elif to is not None:
+        with atomic_write(to) as fh:
+            shape, mean = _distance_slices(xt, pt, metric, memory, fh)
+        return PairResult({"shape": list(shape), "mean_distance": mean, "output": str(to)})
+    elif not keep:
+        shape, mean = _distance_slices(xt, pt, metric, memory, None)
+        return PairResult({"shape": list(shape), "mean_distance": mean})
     else:
         d = pairwise_distance(xt, pt, metric, memory=memory)
         arrays = {"distance": d.numpy()}
     return PairResult({"shape": list(d.shape), "mean_distance": float(d.float().mean())}, arrays)
+
+
+def _distance_slices(
+    x: torch.Tensor, p: torch.Tensor, metric: str, memory: int | str | None, out: IO[bytes] | None
+) -> tuple[tuple[int, ...], float]:
+    """Every distance of ``x`` (N, D, H, W) to ``p``, one item and a band of prototypes at a
+    time: half the budget for the band's output, half for its search. Written to ``out`` as one
+    .npy (header, then the bands in C order) when given. Returns the shape and the mean."""
+    n, _, h, w = x.shape
+    f = p.shape[0]
+    budget = resolve_memory(memory, x.device)
+    band = chunk_rows(budget // 2, 8 * h * w, "one prototype's distances")
+    total, count = 0.0, 0
+    for item in range(n):
+        for start in range(0, f, band):
+            d = pairwise_distance(x[item : item + 1], p[start : start + band], metric, memory=budget // 2)
+            if out is not None:
+                if item == 0 and start == 0:
+                    header = {"descr": np.lib.format.dtype_to_descr(d.numpy().dtype), "fortran_order": False}
+                    np.lib.format.write_array_header_1_0(out, {**header, "shape": (n, f, h, w)})
+                out.write(d.numpy().tobytes())
+            total += float(d.double().sum())
+            count += d.numel()
+    return (n, f, h, w), total / max(1, count)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .io import save_with
+from .io import FIGURE_OUTPUTS, check_output, save_with
 
 __all__ = ["align_figure", "distance_figure", "flow_colors", "match_figure", "save_figure"]
 
@@ -121,9 +121,11 @@ def distance_figure(image: np.ndarray, index: np.ndarray, distance: np.ndarray, 
 
 
 def save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
-    """Write a figure as PNG atomically, then close it."""
+    """Write a figure atomically in the format its extension names (PNG, JPEG, PDF or SVG), then
+    close it."""
     plt = _plt()
+    kind = check_output(path, "--viz", FIGURE_OUTPUTS).suffix.lower()[1:]
     try:
-        save_with(path, lambda f: fig.savefig(f, format="png", dpi=110))
+        save_with(path, lambda f: fig.savefig(f, format=kind, dpi=110))
     finally:
         plt.close(fig)
