@@ -76,3 +76,22 @@ def test_dsift_lands_on_an_integer_shift_as_well_as_patches():
 def test_bad_feature_name():
     with pytest.raises(ValueError, match="features must be one of 'patch', 'color', 'dsift'"):
         dense_features(np.zeros((4, 4)), "sift")
+
+
+def test_match_pairs_truth_and_pck():
+    from densematch.synthetic import match_pairs, pck
+
+    pairs = {p.name: p for p in match_pairs(48)}
+    assert list(pairs) == ["shift", "affine", "homography"]
+    for p in pairs.values():
+        # b sampled at the true positions reproduces a (up to b's own bilinear resampling)
+        grid = torch.from_numpy(p.truth[..., ::-1].copy()).float()
+        grid = (grid + 0.5) / p.b.shape[0] * 2 - 1
+        b = torch.from_numpy(p.b).permute(2, 0, 1)[None]
+        seen = torch.nn.functional.grid_sample(b, grid[None], align_corners=False)[0].permute(1, 2, 0).numpy()
+        assert np.abs(seen - p.a)[p.inside].mean() < 0.03, p.name
+        assert p.inside.mean() > 0.5
+    shift = pairs["shift"]
+    rows, cols = np.meshgrid(np.arange(48), np.arange(48), indexing="ij")
+    np.testing.assert_allclose(shift.truth, np.stack([rows - 12, cols + 9], -1), atol=1e-9)
+    assert pck(shift.truth + np.array([0.0, 2.0]), shift.truth, shift.inside) == [0.0, 1.0, 1.0]

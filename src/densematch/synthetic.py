@@ -7,14 +7,16 @@ samples (no network), so this module needs scikit-image for kind="photo".
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AlignmentCase", "alignment_cases", "reference_warp"]
+__all__ = ["AlignmentCase", "MatchPair", "alignment_cases", "match_pairs", "pck", "reference_warp"]
 
 PHOTOS = (
     "camera",
@@ -123,3 +125,75 @@ def alignment_cases(
         if sigma:
             tpl = tpl + sigma * torch.from_numpy(rng.standard_normal((h, w))).float()
         yield AlignmentCase(tpl, img, float(sh), float(sw), float(sy), float(sx), name, sigma)
+
+
+@dataclass
+class MatchPair:
+    """Two views of one photograph with the true position in ``b`` of every pixel of ``a``.
+
+    Attributes
+    ----------
+    name : str
+        The warp: "shift", "affine" or "homography".
+    a, b : ndarray of shape (h, w, 3) and (H, W, 3)
+        Colour images in [0, 1].
+    truth : ndarray of shape (h, w, 2)
+        Where each pixel of ``a`` lies in ``b`` (row, col), float.
+    inside : ndarray of shape (h, w), bool
+        The pixels of ``a`` whose true position lies inside ``b``.
+    """
+
+    name: str
+    a: np.ndarray
+    b: np.ndarray
+    truth: np.ndarray
+    inside: np.ndarray
+
+
+def match_pairs(size: int = 96) -> list[MatchPair]:
+    """Three pairs with known warps, for judging features by PCK: a pure integer shift
+    (chelsea), an affine warp (rotation 8 degrees, scales 1.1 and 0.95, astronaut) and a
+    homography (coffee). ``a`` is a size x size crop of the photograph (halved), ``b`` the
+    photograph resampled (bilinear) through the warp, of size + 16 pixels a side. Needs
+    scikit-image.
+    """
+    from skimage import data
+
+    transform: Any = importlib.import_module("skimage.transform")  # partly annotated: used as Any
+    out = []
+    height = size + 16
+    for name, photo in (("shift", "chelsea"), ("affine", "astronaut"), ("homography", "coffee")):
+        s = getattr(data, photo)()[::2, ::2].astype(np.float64) / 255
+        y0, x0 = (s.shape[0] - size) // 2, (s.shape[1] - size) // 2
+        # t maps b's (x, y) to the photograph's (x, y)
+        centre = np.array([x0 + size / 2, y0 + size / 2])
+        to_b_centre = transform.AffineTransform(translation=-np.array([height / 2, height / 2]))
+        if name == "shift":
+            t = transform.AffineTransform(translation=(x0 - 9, y0 + 12))
+        elif name == "affine":
+            local = transform.AffineTransform(scale=(1.1, 0.95), rotation=np.deg2rad(8), shear=np.deg2rad(3))
+            t = transform.AffineTransform(
+                matrix=transform.AffineTransform(translation=centre).params @ local.params @ to_b_centre.params
+            )
+        else:
+            h = np.array([[1.05, 0.08, 0.0], [-0.05, 0.98, 0.0], [4e-4, -3e-4, 1.0]])
+            t = transform.ProjectiveTransform(
+                matrix=transform.AffineTransform(translation=centre).params @ h @ to_b_centre.params
+            )
+        b = transform.warp(s, t, output_shape=(height, height), order=1, mode="reflect")
+        a = s[y0 : y0 + size, x0 : x0 + size]
+        rows, cols = np.meshgrid(np.arange(size), np.arange(size), indexing="ij")
+        xy = t.inverse(np.stack([cols.ravel() + x0, rows.ravel() + y0], 1))
+        truth = np.stack([xy[:, 1], xy[:, 0]], 1).reshape(size, size, 2)
+        inside = (truth >= 0).all(-1) & (truth[..., 0] <= height - 1) & (truth[..., 1] <= height - 1)
+        out.append(MatchPair(name, a.astype(np.float32), b.astype(np.float32), truth, inside))
+    return out
+
+
+def pck(
+    coords: np.ndarray, truth: np.ndarray, keep: np.ndarray, thresholds: tuple[float, ...] = (1, 3, 5)
+) -> list[float]:
+    """Percentage of correct keypoints: the fraction of the ``keep`` pixels whose match
+    ``coords`` (h, w, 2) lies within each threshold (pixels, Euclidean) of ``truth``."""
+    err = np.linalg.norm(np.asarray(coords, dtype=np.float64) - truth, axis=-1)[keep]
+    return [float((err <= t).mean()) if err.size else float("nan") for t in thresholds]

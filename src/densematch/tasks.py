@@ -83,6 +83,7 @@ def align_pairs(
     out: list[PairResult | Exception | None] = [None] * len(pairs)
     loaded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     weights = grey_input(mask, "--mask") if mask else None
+    objective = options.get("objective", "l1")
     for i, (template, image) in enumerate(pairs):
         try:
             loaded[i] = (grey_input(template, "TEMPLATE"), grey_input(image, "IMAGE"))
@@ -97,20 +98,20 @@ def align_pairs(
             try:
                 batch = align(tpl, np.stack([loaded[i][1] for i in members]), template_mask=weights, **options)
                 for n, i in enumerate(members):
-                    out[i] = _align_result(batch, n, tpl[n], viz)
+                    out[i] = _align_result(batch, n, tpl[n], viz, objective)
                 continue
             except Exception:  # one bad pair fails its batch: each pair again alone, for its own answer
                 pass
         for i in members:
             t, x = loaded[i]
             try:
-                out[i] = _align_result(align(t, x, template_mask=weights, **options), None, t, viz)
+                out[i] = _align_result(align(t, x, template_mask=weights, **options), None, t, viz, objective)
             except Exception as err:
                 out[i] = err
     return [r if r is not None else RuntimeError("not aligned") for r in out]
 
 
-def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool) -> PairResult:
+def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, objective: str) -> PairResult:
     """Item ``n`` of a batched alignment (None: an unbatched one) as a PairResult."""
     answer = a.as_dict()
     if n is not None:
@@ -127,6 +128,7 @@ def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool) -> Pai
             a.scales_h.numpy(),
             a.scales_w.numpy(),
             answer,
+            objective,
         )
     return PairResult(answer, figure=figure)
 
@@ -190,13 +192,14 @@ def match_pair(
     }
     figure = None
     if viz:
-        from .viz import match_figure
+        from .viz import invalid_note, match_figure
 
         coords, score, shown = out["coords"], out["score"], valid
         if coords.ndim == 4:  # k > 1: the picture shows each pixel's best match
             coords, score, shown = coords[..., 0, :], score[..., 0], shown[..., 0]
         metric = options.get("metric", "cosine")
-        figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, shown, metric)
+        note = invalid_note(float(valid.mean()), options.get("ratio"), bool(options.get("mutual")))
+        figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, shown, metric, note)
     return PairResult(result, out, figure)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from .io import FIGURE_OUTPUTS, check_output, save_with
 
-__all__ = ["align_figure", "distance_figure", "flow_colors", "match_figure", "save_figure"]
+__all__ = ["align_figure", "distance_figure", "flow_colors", "invalid_note", "match_figure", "save_figure"]
 
 
 def _plt() -> Any:
@@ -45,10 +45,41 @@ def _show(ax: Any, image: np.ndarray, title: str, **kw: Any) -> None:
     ax.axis("off")
 
 
+def _invalid_key(ax: Any) -> None:
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="black", label="invalid")], loc="lower right", fontsize=7, framealpha=0.8)
+
+
+def invalid_note(valid: float, ratio: float | None, mutual: bool) -> str | None:
+    """Why a match picture shows many invalid pixels, for the filters that were on."""
+    if valid >= 0.9 or (ratio is None and not mutual):
+        return None
+    why = []
+    if ratio is not None:
+        why.append(
+            f"the ratio test (ratio {ratio}) fails where a pixel's runner-up, usually the neighbour of its best "
+            "match, scores almost as well (d1/d2 near 1): smooth or regular texture"
+        )
+    if mutual:
+        why.append(
+            "the mutual check fails where the two directions round differently: when one map is a zoom of "
+            "the other, along regular lines"
+        )
+    return f"{1 - valid:.0%} invalid (black): " + "; ".join(why) + "."
+
+
 def match_figure(
-    a: np.ndarray, b: np.ndarray, coords: np.ndarray, score: np.ndarray, valid: np.ndarray, metric: str
+    a: np.ndarray,
+    b: np.ndarray,
+    coords: np.ndarray,
+    score: np.ndarray,
+    valid: np.ndarray,
+    metric: str,
+    note: str | None = None,
 ) -> Any:
-    """A, B with its colour key, the match field, B pulled back onto A's grid, and the score."""
+    """A, B with its colour key, the match field, B pulled back onto A's grid, and the score;
+    invalid pixels black (with a key), and ``note`` under the panels."""
     plt = _plt()
     hb, wb = b.shape[:2]
     fig, axes = plt.subplots(2, 3, figsize=(11, 7.5))
@@ -60,12 +91,21 @@ def match_figure(
     pulled = b[coords[..., 0].clip(0), coords[..., 1].clip(0)]
     pulled[~valid] = 0
     _show(axes[1, 1], pulled, "B pulled back onto A's grid")
+    for ax in (axes[1, 0], axes[1, 1]):
+        _invalid_key(ax)
     im = axes[1, 2].imshow(np.where(valid, score, np.nan), cmap="viridis")
-    axes[1, 2].set_title(f"score ({metric})", fontsize=9)
+    axes[1, 2].set_title(f"score ({metric}; invalid blank)", fontsize=9)
     axes[1, 2].axis("off")
     fig.colorbar(im, ax=axes[1, 2], fraction=0.046)
     fig.tight_layout()
+    if note:
+        fig.subplots_adjust(bottom=0.09)
+        fig.text(0.5, 0.015, note, ha="center", fontsize=8.5, wrap=True)
     return fig
+
+
+def _standardised(v: np.ndarray) -> np.ndarray:
+    return (v - v.mean()) / max(float(v.std()), 1e-12)
 
 
 def align_figure(
@@ -74,46 +114,63 @@ def align_figure(
     landscape: np.ndarray,
     scales_h: np.ndarray,
     scales_w: np.ndarray,
-    answer: dict[str, float],
+    answer: dict[str, Any],
+    objective: str = "l1",
 ) -> Any:
-    """Template, warped image, their difference, and the error landscape over the scales."""
+    """Template, warped image, their difference under ``objective`` (for "ncc", of the two
+    standardised, gain and bias removed) with its colour bar, and the search's error landscape
+    over the scales with the answer marked."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.9))
     _show(axes[0], template, "template")
     _show(axes[1], warped, "image, stretched and cropped")
-    diff = np.abs(warped - template)
-    # a fixed scale, so that a perfect fit looks black rather than amplified rounding noise
-    _show(
-        axes[2],
-        diff if diff.ndim == 2 else diff.mean(-1),
-        f"|difference| (mean {diff.mean():.4f})",
-        cmap="magma",
-        vmin=0.0,
-        vmax=max(0.1, float(diff.max())),
-    )
-    extent = (scales_w[0], scales_w[-1], scales_h[-1], scales_h[0])
+    if objective == "ncc":
+        diff, what = np.abs(_standardised(warped) - _standardised(template)), "|difference| after gain and bias (ncc)"
+    else:
+        diff, what = np.abs(warped - template), f"|difference| ({objective})"
+    diff = diff if diff.ndim == 2 else diff.mean(-1)
+    # a fixed floor for the scale, so that a perfect fit looks black rather than amplified noise
+    im = axes[2].imshow(diff, cmap="magma", vmin=0.0, vmax=max(0.1, float(np.percentile(diff, 99.5))))
+    axes[2].set_title(f"{what}, mean {diff.mean():.4f}", fontsize=9)
+    axes[2].axis("off")
+    fig.colorbar(im, ax=axes[2], fraction=0.046)
+    # pixel edges half a step beyond the first and last scales: the answer's marker stays inside
+    step_w = (scales_w[-1] - scales_w[0]) / max(len(scales_w) - 1, 1) / 2
+    step_h = (scales_h[-1] - scales_h[0]) / max(len(scales_h) - 1, 1) / 2
+    extent = (scales_w[0] - step_w, scales_w[-1] + step_w, scales_h[-1] + step_h, scales_h[0] - step_h)
     im = axes[3].imshow(landscape, extent=extent, aspect="auto", cmap="viridis")
-    axes[3].plot(answer["scale_w"], answer["scale_h"], "r+", ms=12, mew=2)
+    axes[3].plot(answer["scale_w"], answer["scale_h"], "r+", ms=12, mew=2, clip_on=False, label="answer")
+    axes[3].legend(loc="upper right", fontsize=7, framealpha=0.8)
     axes[3].set_xlabel("scale_w")
     axes[3].set_ylabel("scale_h")
-    axes[3].set_title("search error over the scales", fontsize=9)
-    fig.colorbar(im, ax=axes[3], fraction=0.046)
-    fig.suptitle(
-        "scale_h={scale_h:.4f}  scale_w={scale_w:.4f}  shift_y={shift_y:.2f}  shift_x={shift_x:.2f}".format(**answer),
-        fontsize=10,
+    axes[3].set_title("grid search's best error per (scale_h, scale_w)", fontsize=9)
+    bar = fig.colorbar(im, ax=axes[3], fraction=0.046)
+    bar.set_label("1 - NCC" if objective == "ncc" else "mean squared error", fontsize=8)
+    title = "scale_h={scale_h:.4f}  scale_w={scale_w:.4f}  shift_y={shift_y:.2f}  shift_x={shift_x:.2f}".format(
+        **answer
     )
+    if answer.get("at_bound"):
+        title += f"   (at the end of the range: {', '.join(answer['at_bound'])})"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
 
 def distance_figure(image: np.ndarray, index: np.ndarray, distance: np.ndarray, metric: str) -> Any:
-    """An image, the nearest prototype of each pixel, and its distance."""
+    """An image, the nearest prototype of each pixel (a key per prototype), and its distance."""
+    from matplotlib.patches import Patch
+
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.9))
     _show(axes[0], image, "image")
-    _show(axes[1], index, "nearest prototype", cmap="tab20", interpolation="nearest")
+    count = int(index.max()) + 1 if index.size else 1
+    cmap = plt.get_cmap("tab20", max(count, 2))
+    _show(axes[1], index, "nearest prototype", cmap=cmap, vmin=-0.5, vmax=max(count, 2) - 0.5, interpolation="nearest")
+    if count <= 20:
+        handles = [Patch(color=cmap(i), label=f"prototype {i}") for i in range(count)]
+        axes[1].legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
     im = axes[2].imshow(distance, cmap="viridis")
-    axes[2].set_title(f"distance ({metric})", fontsize=9)
+    axes[2].set_title(f"distance ({metric}) to it", fontsize=9)
     axes[2].axis("off")
     fig.colorbar(im, ax=axes[2], fraction=0.046)
     fig.tight_layout()
