@@ -174,9 +174,20 @@ def test_killed_match_run_resumes(pairs, tmp_path):
     assert 1 <= written < 6, f"the run was not stopped midway ({written} of 6 lines)"
     done = subprocess.run([*command], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert f"{6 - written} ok, 0 error, {written} skipped" in done.stdout
     got = records(out)
     assert list(got) == ["1", "2", "3", "4", "5", "6"] and all(r["status"] == "ok" for r in got.values())
     assert len((out / RESULTS).read_text().splitlines()) == 6
+    # the same file as a run that never stopped (its figures up to float32 rounding)
+    whole = tmp_path / "whole"
+    assert in_process("batch", "match", str(pairs / "match.csv"), "-o", str(whole), "--quiet")[0] == 0
+    for mine, theirs in zip(without_seconds(out), without_seconds(whole), strict=True):
+        assert {k: v for k, v in mine.items() if k != "result"} == {k: v for k, v in theirs.items() if k != "result"}
+        assert mine["result"].keys() == theirs["result"].keys()
+        for key, value in mine["result"].items():
+            assert value == (
+                pytest.approx(theirs["result"][key], rel=1e-5) if isinstance(value, float) else theirs["result"][key]
+            )
     # each output is the single command's answer (indices up to near-ties)
     for n, r in got.items():
         a, b = (np.load(pairs / f"f{s}{int(n) - 1}.npy") for s in "ab")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from . import engine
+from ._refine import REFINES, refine_positions
 from .budget import parse_memory
 from .checks import LAYOUTS, check_choice, check_features, check_finite, check_int, check_mask, check_real
 from .config import resolve_memory
@@ -68,6 +70,9 @@ def match(
     memory: int | str | None = None,
     progress: bool = False,
     precision: str = "exact",
+    refine: str | None = None,
+    stride: float | tuple[float, float] | None = None,
+    offset: float | tuple[float, float] | None = None,
 ) -> Matches:
     """Find, for every pixel of `a`, its `k` best pixels in `b`, exactly, within a memory budget.
 
@@ -112,13 +117,24 @@ def match(
         (benchmarks/bench_match.py): 1.9-2.1% of pixels get another match than "float32" on
         noise and 5.3-9.2% on photo patch features in bfloat16; 0.3-1.0% in float16 (see
         docs/precision.md). Scores are always recomputed in float32 (float64).
+    refine : {"parabola", "soft", "features"}, optional
+        Sub-pixel positions of the matches in b's grid, each refined around its integer position
+        with a few feature reads (never another search): "parabola", per axis the vertex of the
+        parabola through the best score and its neighbours'; "soft", the soft-argmax of the
+        3x3 window; "features", Gauss-Newton in feature space (the offset whose bilinearly
+        interpolated feature of b best fits a's; unit features for cosine), the most precise
+        (docs/match.md). ``coords`` become float. Grid layouts with 2-D grids only.
+    stride, offset : float or (float, float), optional
+        Map b's grid positions to image pixels: ``coords * stride + offset`` per (row, col),
+        e.g. stride=14, offset=6.5 for a ViT with 14-pixel patches. ``coords`` become float.
 
     Returns
     -------
     Matches
         `index` (int64), `score` (float32; float64 for precision="float64") and `valid` (bool)
         of shape (*batch, *grid_a), plus a trailing k axis when k > 1; `coords` (int64) with a
-        further trailing axis of 2.
+        further trailing axis of 2 (float32, NaN where there is no match, with `refine`,
+        `stride` or `offset`; float64 for float64 inputs).
 
     Raises
     ------
@@ -145,6 +161,7 @@ def match(
     True
     """
     task = validate(a, b, metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
+    placing = _check_placing(task, refine, stride, offset)
     passes = 2 if mutual else 1
     with progress_bar(progress, total=passes * task.nbatch * task.na, unit="px", desc="match") as bar:
         # what both passes (a against b, and the mutual check's b against a) search with
@@ -160,7 +177,69 @@ def match(
             _, back = search(task.rb[i], task.ra[i], k=1, rows_a=rows_b, rows_b=rows_a, reserved=reserved)
             return owners(back[:, 0], rows_b, task.nb)
 
-        return solve(task, forward, backward)
+        found = solve(task, forward, backward)
+    return found if placing is None else _placed(task, found, *placing)
+
+
+def _pair(value: Any, name: str, positive: bool) -> tuple[float, float]:
+    values = value if isinstance(value, (tuple, list)) else (value, value)
+    if len(values) != 2:
+        raise ValueError(f"{name} must be a number or a (row, col) pair, got {value!r}")
+    out = tuple(check_real(v, name, -math.inf, math.inf) for v in values)
+    if positive and min(out) <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return out[0], out[1]
+
+
+def _check_placing(
+    task: Task, refine: str | None, stride: Any, offset: Any
+) -> tuple[str | None, tuple[float, float], tuple[float, float]] | None:
+    """The validated refine mode, stride and offset, or None when coords stay integers."""
+    if refine is None and stride is None and offset is None:
+        return None
+    if refine is not None:
+        refine = check_choice(refine, "refine", REFINES)
+    if task.layout == "flat" or len(task.grid_b) != 2:
+        raise ValueError(
+            f"refine, stride and offset need 2-D grids (layout 'hwc' or 'chw'), got layout {task.layout!r} "
+            f"with b's grid {task.grid_b}"
+        )
+    s = (1.0, 1.0) if stride is None else _pair(stride, "stride", True)
+    o = (0.0, 0.0) if offset is None else _pair(offset, "offset", False)
+    return refine, s, o
+
+
+def _placed(
+    task: Task, found: Matches, refine: str | None, stride: tuple[float, float], offset: tuple[float, float]
+) -> Matches:
+    """``found`` with float coords: refined, then mapped by stride and offset."""
+    assert found.coords is not None  # grid layouts have coords
+    dtype = torch.float64 if task.precision.dtype == torch.float64 or task.ra.dtype == torch.float64 else torch.float32
+    k = task.k
+    index = found.index.reshape(task.nbatch, task.na, k)
+    if refine is None:
+        coords = found.coords.to(dtype).reshape(task.nbatch, task.na, k, 2)
+        coords = torch.where(index[..., None] >= 0, coords, float("nan"))
+    else:
+        with torch.inference_mode():
+            coords = torch.stack(
+                [
+                    refine_positions(
+                        task.ra[i],
+                        task.rb[i],
+                        (task.grid_b[0], task.grid_b[1]),
+                        index[i],
+                        task.metric,
+                        refine,
+                        task.budget,
+                    ).to(dtype)
+                    for i in range(task.nbatch)
+                ]
+            )
+    scale = torch.tensor(stride, dtype=dtype, device=coords.device)
+    shift = torch.tensor(offset, dtype=dtype, device=coords.device)
+    coords = (coords * scale + shift).reshape(found.coords.shape)
+    return Matches(index=found.index, coords=coords, score=found.score, valid=found.valid)
 
 
 @dataclass
@@ -359,7 +438,7 @@ class DenseMatcher(nn.Module):
 
     Parameters
     ----------
-    metric, k, mutual, ratio, layout, memory, progress, precision
+    metric, k, mutual, ratio, layout, memory, progress, precision, refine, stride, offset
         As in :func:`match`, checked here (``k`` against b's pixels at each call).
 
     Examples
@@ -382,6 +461,9 @@ class DenseMatcher(nn.Module):
         memory: int | str | None = None,
         progress: bool = False,
         precision: str = "exact",
+        refine: str | None = None,
+        stride: float | tuple[float, float] | None = None,
+        offset: float | tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         m = get_metric(metric)
@@ -394,6 +476,9 @@ class DenseMatcher(nn.Module):
             parse_memory(memory)
         self.memory = memory
         self.precision = check_choice(precision, "precision", PRECISIONS)
+        self.refine = None if refine is None else check_choice(refine, "refine", REFINES)
+        self.stride = None if stride is None else _pair(stride, "stride", True)
+        self.offset = None if offset is None else _pair(offset, "offset", False)
 
     def forward(self, a: Any, b: Any, *, mask_a: Any = None, mask_b: Any = None) -> Matches:
         return match(
@@ -409,6 +494,9 @@ class DenseMatcher(nn.Module):
             memory=self.memory,
             progress=self.progress,
             precision=self.precision,
+            refine=self.refine,
+            stride=self.stride,
+            offset=self.offset,
         )
 
     def extra_repr(self) -> str:
@@ -417,4 +505,6 @@ class DenseMatcher(nn.Module):
         shown += [f"ratio={self.ratio}"] if self.ratio is not None else []
         shown += [f"layout={self.layout!r}"]
         shown += [f"memory={self.memory!r}"] if self.memory is not None else []
-        return ", ".join([*shown, f"precision={self.precision!r}"])
+        shown += [f"precision={self.precision!r}"]
+        shown += [f"{n}={getattr(self, n)!r}" for n in ("refine", "stride", "offset") if getattr(self, n) is not None]
+        return ", ".join(shown)

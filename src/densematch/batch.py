@@ -124,21 +124,34 @@ def _solve(task: str, pairs: Sequence[Pair], options: dict[str, Any], pictures: 
                 outcomes.append(r if r is not None else RuntimeError("no result"))
             except Exception as err:
                 outcomes.append(err)
-    seconds = (time.perf_counter() - started) / max(1, len(pairs))
+    seconds = round((time.perf_counter() - started) / max(1, len(pairs)), 4)
     records = []
     for p, outcome in zip(pairs, outcomes, strict=True):
-        record: dict[str, Any] = {"id": p.id, "inputs": p.inputs, "seconds": round(seconds, 4)}
         if isinstance(outcome, Exception):
             message = str(outcome).splitlines()[0] if str(outcome) else type(outcome).__name__
             if not isinstance(outcome, _FAILURES):
                 message = f"{type(outcome).__name__}: {message}"
-            record.update(status="error", error=message, result=None)
+            records.append(_record(p, seconds, error=message))
         else:
-            record.update(status="ok", error=None, result=outcome.result)
-            record["_arrays"] = outcome.arrays
-            record["_picture"] = picture_bytes(outcome.figure) if outcome.figure is not None else None
-        records.append(record)
+            picture = picture_bytes(outcome.figure) if outcome.figure is not None else None
+            records.append(_record(p, seconds, result=outcome.result, _arrays=outcome.arrays, _picture=picture))
     return records
+
+
+def _record(
+    pair: Pair, seconds: float | None, *, error: str | None = None, result: Any = None, **extra: Any
+) -> dict[str, Any]:
+    """One line of results.jsonl: an error, or an ok result (with what the driver writes)."""
+    status = "error" if error is not None else "ok"
+    return {
+        "id": pair.id,
+        "inputs": pair.inputs,
+        "status": status,
+        "error": error,
+        "result": result,
+        "seconds": seconds,
+        **extra,
+    }
 
 
 def _init_worker(threads: int) -> None:
@@ -175,14 +188,7 @@ def _local(
 
 def _lost(pair: Pair, err: BaseException) -> dict[str, Any]:
     message = str(err).splitlines()[0] if str(err) else ""
-    return {
-        "id": pair.id,
-        "inputs": pair.inputs,
-        "seconds": None,
-        "status": "error",
-        "error": f"worker failed ({type(err).__name__}{': ' + message if message else ''})",
-        "result": None,
-    }
+    return _record(pair, None, error=f"worker failed ({type(err).__name__}{': ' + message if message else ''})")
 
 
 def _ray(

@@ -19,6 +19,7 @@ import torch
 from . import __version__
 from ._align import OBJECTIVES
 from ._match import Matches, match
+from ._refine import REFINES
 from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, check_output, is_image, save_arrays
 from .metrics import METRICS
@@ -77,6 +78,9 @@ def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
             "ratio": args.ratio,
             "memory": args.memory,
             "precision": args.precision,
+            "refine": args.refine,
+            "stride": _one_or_two(args.stride, "--stride"),
+            "offset": _one_or_two(args.offset, "--offset"),
         }
     if not args.nearest and (args.k is not None or args.precision is not None):
         raise CommandError(
@@ -89,6 +93,14 @@ def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision or "exact",
         "memory": args.memory,
     }
+
+
+def _one_or_two(values: list[float] | None, flag: str) -> float | tuple[float, float] | None:
+    if values is None:
+        return None
+    if len(values) > 2:
+        raise CommandError(f"{flag} takes one value or two (row, col), got {len(values)}")
+    return values[0] if len(values) == 1 else (values[0], values[1])
 
 
 def _write_picture(result: PairResult, path: str) -> None:
@@ -224,6 +236,13 @@ def _match_options(m: argparse.ArgumentParser) -> None:
     m.add_argument("--precision", default="exact", choices=PRECISIONS, help=_PRECISION_HELP)
     m.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the search runs")
     m.add_argument("--features", choices=FEATURES, help="describe image inputs: patch (7x7 patches), color, dsift")
+    m.add_argument("--refine", choices=REFINES, help="sub-pixel positions: parabola, soft, features (the most precise)")
+    m.add_argument(
+        "--stride", type=float, nargs="+", metavar="S", help="grid step in image pixels: one, or row and col"
+    )
+    m.add_argument(
+        "--offset", type=float, nargs="+", metavar="O", help="image position of grid (0, 0): one, or row and col"
+    )
 
 
 def _align_options(a: argparse.ArgumentParser) -> None:

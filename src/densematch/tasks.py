@@ -194,9 +194,11 @@ def match_pair(
     if viz:
         from .viz import invalid_note, match_figure
 
-        coords, score, shown = out["coords"], out["score"], valid
-        if coords.ndim == 4:  # k > 1: the picture shows each pixel's best match
-            coords, score, shown = coords[..., 0, :], score[..., 0], shown[..., 0]
+        index, score, shown = out["index"], out["score"], valid
+        if index.ndim == 3:  # k > 1: the picture shows each pixel's best match
+            index, score, shown = index[..., 0], score[..., 0], shown[..., 0]
+        # b's grid positions (coords may be refined or in image pixels)
+        coords = np.stack((index // fb.shape[1], index % fb.shape[1]), -1)
         metric = options.get("metric", "cosine")
         note = invalid_note(float(valid.mean()), options.get("ratio"), bool(options.get("mutual")))
         figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, shown, metric, note)

@@ -1,0 +1,118 @@
+"""Sub-pixel and strided coordinates on match: refine, stride and offset."""
+
+import numpy as np
+import pytest
+import torch
+
+from densematch import match
+from densematch.features import dense_features
+
+SHIFT = (0.3, -0.4)
+
+
+@pytest.fixture(scope="module")
+def shifted():
+    """Patch features of a blurred photograph and of its copy shifted by SHIFT (cubic spline
+    resampling, another library's), and where each pixel of the first lies in the second."""
+    from scipy.ndimage import gaussian_filter
+    from scipy.ndimage import shift as spline_shift
+    from skimage import data
+
+    img = gaussian_filter(data.camera().astype(np.float64) / 255, 1.5)[150:230, 150:230]
+    moved = spline_shift(img, SHIFT, order=3, mode="reflect")  # moved[y] = img[y - SHIFT]
+    rows, cols = np.meshgrid(np.arange(80), np.arange(80), indexing="ij")
+    truth = np.stack([rows + SHIFT[0], cols + SHIFT[1]], -1)
+    keep = np.zeros((80, 80), bool)
+    keep[8:-8, 8:-8] = True
+    fa = dense_features(img.astype(np.float32), "patch")
+    fb = dense_features(moved.astype(np.float32), "patch")
+    return fa, fb, truth, keep
+
+
+def median_error(coords: torch.Tensor, truth: np.ndarray, keep: np.ndarray) -> float:
+    return float(np.median(np.linalg.norm(coords.double().numpy() - truth, axis=-1)[keep]))
+
+
+def test_feature_refinement_recovers_a_fractional_shift(shifted):
+    fa, fb, truth, keep = shifted
+    whole = match(fa, fb)
+    errors = {None: median_error(whole.coords, truth, keep)}
+    for mode in ("parabola", "soft", "features"):
+        m = match(fa, fb, refine=mode)
+        assert m.coords.dtype == torch.float32 and torch.equal(m.index, whole.index)
+        # never more than one pixel from the integer match
+        assert (m.coords - whole.coords).abs().max() <= 1.0 + 1e-6
+        errors[mode] = median_error(m.coords, truth, keep)
+    assert errors[None] > 0.45  # the integer grid is half a pixel off at this shift
+    assert errors["features"] <= 0.15, errors
+    assert errors["parabola"] < errors[None] and errors["soft"] < errors[None], errors
+
+
+def test_stride_and_offset_map_the_grid_to_pixels(shifted):
+    fa, fb, *_ = shifted
+    plain = match(fa[:20, :20], fb[:24, :24], k=2)
+    vit = match(fa[:20, :20], fb[:24, :24], k=2, stride=14, offset=6.5)
+    torch.testing.assert_close(vit.coords, plain.coords.float() * 14 + 6.5)
+    per_axis = match(fa[:20, :20], fb[:24, :24], stride=(2, 4), offset=(0.5, -1))
+    torch.testing.assert_close(
+        per_axis.coords, plain.coords[..., 0, :].float() * torch.tensor([2.0, 4.0]) + torch.tensor([0.5, -1.0])
+    )
+    refined = match(fa[:20, :20], fb[:24, :24], refine="features", stride=14, offset=6.5)
+    alone = match(fa[:20, :20], fb[:24, :24], refine="features")
+    torch.testing.assert_close(refined.coords, alone.coords * 14 + 6.5)
+
+
+def test_unmatched_pixels_are_nan_and_batches_and_float64_work(shifted):
+    fa, fb, *_ = shifted
+    mask = torch.ones(20, 20, dtype=torch.bool)
+    mask[:3] = False
+    a = torch.stack([fa[:20, :20], fa[5:25, 5:25]]).double()
+    b = torch.stack([fb[:24, :24], fb[:24, :24]]).double()
+    m = match(a, b, mask_a=mask, refine="soft", k=3)
+    assert m.coords.shape == (2, 20, 20, 3, 2) and m.coords.dtype == torch.float64
+    assert torch.isnan(m.coords[:, :3]).all() and not torch.isnan(m.coords[:, 3:]).any()
+    plain = match(a, b, mask_a=mask, k=3)
+    assert ((m.coords[:, 3:] - plain.coords[:, 3:]).abs() <= 1.0 + 1e-9).all()
+    # each batch item refined against its own b
+    one = match(a[1], b[1], mask_a=mask, refine="soft", k=3)
+    torch.testing.assert_close(m.coords[1], one.coords, equal_nan=True)
+
+
+def test_every_metric_refines_near_its_integer_match(shifted):
+    fa, fb, *_ = shifted
+    for metric in ("l2", "sqeuclidean", "l1", "linf", "dot", "cosine"):
+        plain = match(fa[:16, :16], fb[:20, :20], metric=metric)
+        for mode in ("parabola", "soft", "features"):
+            got = match(fa[:16, :16], fb[:20, :20], metric=metric, refine=mode).coords
+            assert torch.isfinite(got).all() and ((got - plain.coords).abs() <= 1.0 + 1e-6).all(), (metric, mode)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"refine": "cubic"}, ValueError, "refine must be one of"),
+        ({"stride": 0}, ValueError, "stride must be positive"),
+        ({"stride": (1, 2, 3)}, ValueError, r"stride must be a number or a \(row, col\) pair"),
+        ({"offset": "1"}, TypeError, "offset must be a real number"),
+        ({"refine": "soft", "layout": "flat"}, ValueError, "need 2-D grids"),
+    ],
+)
+def test_bad_placing(kwargs, error, pattern):
+    x = torch.randn(6, 7, 4)
+    if kwargs.get("layout") == "flat":
+        x = x.reshape(-1, 4)
+    with pytest.raises(error, match=pattern):
+        match(x, x, **kwargs)
+
+
+def test_the_module_twin_carries_the_placing(shifted):
+    from densematch import DenseMatcher
+
+    fa, fb, *_ = shifted
+    m = DenseMatcher(refine="features", stride=14, offset=6.5)
+    assert "refine='features', stride=(14.0, 14.0), offset=(6.5, 6.5)" in repr(m)
+    torch.testing.assert_close(
+        m(fa[:12, :12], fb[:12, :12]).coords, match(fa[:12, :12], fb[:12, :12], refine="features").coords * 14 + 6.5
+    )
+    with pytest.raises(ValueError, match="refine must be one of"):
+        DenseMatcher(refine="quadratic")
