@@ -115,14 +115,16 @@ def cmd_match(args: argparse.Namespace) -> int:
     sharded = _sharded(args)
     _device(args.device)
     search: Callable[..., Matches] = match
+    options = task_options("match", args)
     if sharded:
         from . import distributed
 
+        placing = [options.pop(name) for name in ("refine", "stride", "offset")]
+        if any(value is not None for value in placing):
+            raise CommandError("--refine, --stride and --offset are not available under torchrun yet")
         search = functools.partial(distributed.match, shard="queries")
     t0 = time.perf_counter()
-    r = match_pair(
-        args.a, args.b, viz=bool(args.viz), search=search, progress=_progress(args), **task_options("match", args)
-    )
+    r = match_pair(args.a, args.b, viz=bool(args.viz), search=search, progress=_progress(args), **options)
     if r is None or not _is_first_rank():  # sharded: rank 0 alone writes and reports
         return 0
     seconds = time.perf_counter() - t0
