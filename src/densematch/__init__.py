@@ -7,6 +7,7 @@ from ._align import Alignment, align, warp
 from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
 from ._knn import KNNIndex, knn
 from ._match import DenseMatcher, Matches, match
+from ._soft import SoftMatches, soft_match
 from .budget import parse_memory
 from .config import config_context, get_config
 
@@ -18,6 +19,7 @@ __all__ = [
     "KNNIndex",
     "Matches",
     "PrototypeDistance",
+    "SoftMatches",
     "__version__",
     "align",
     "config_context",
@@ -27,6 +29,7 @@ __all__ = [
     "nearest_prototype",
     "pairwise_distance",
     "parse_memory",
+    "soft_match",
     "warp",
 ]
 

@@ -1,0 +1,286 @@
+"""Soft matching: for every pixel of a, softmax weights over b's pixels and the expected
+position under them, differentiable, without the Na x Nb weight matrix.
+
+The forward keeps per row a running maximum, a running sum and running weighted moments of the
+position (online softmax, one tile of logits at a time); the backward recomputes the tiles from
+the saved log-sum-exp. Memory: O((Na + Nb) x C) plus one tile, never Na x Nb.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .budget import chunk_rows
+from .checks import check_choice, check_features, check_finite, check_mask, check_real
+from .config import resolve_memory
+
+__all__ = ["SOFT_MODES", "SoftMatches", "soft_match"]
+
+SOFT_MODES = ("softmax", "dual_softmax")
+_TILE_B = 4096
+# the plain softmax through torch's fused attention where a fused kernel takes the inputs
+_SDPA = True
+
+
+@dataclass
+class SoftMatches:
+    """The result of :func:`soft_match`.
+
+    Attributes
+    ----------
+    coords : Tensor of float32 (float64 for float64 inputs), shape (*batch, H_a, W_a, 2)
+        The expected (row, col) in b's grid under each pixel's weights; differentiable.
+    spread : Tensor of coords' dtype, shape (*batch, H_a, W_a)
+        The standard deviation of that position (the root of the summed variances of row and
+        col): a confidence, small where the weight sits on one place; differentiable.
+    max_weight : Tensor of coords' dtype, shape (*batch, H_a, W_a)
+        The largest weight of the pixel (not differentiable).
+    """
+
+    coords: torch.Tensor
+    spread: torch.Tensor
+    max_weight: torch.Tensor
+
+
+def soft_match(
+    a: Any,
+    b: Any,
+    *,
+    temperature: float = 0.1,
+    mode: str = "softmax",
+    layout: str = "hwc",
+    mask_b: Any = None,
+    memory: int | str | None = None,
+) -> SoftMatches:
+    """Soft matches: for every pixel i of ``a``, weights p_ij over the pixels j of ``b`` from
+    their cosine similarities s_ij, and the expected position sum_j p_ij (row_j, col_j).
+
+    Parameters
+    ----------
+    a, b : Tensor or ndarray
+        Features of shape (H, W, C) or (B, H, W, C) for layout="hwc", (C, H, W) or
+        (B, C, H, W) for "chw"; any float dtype (computed in float32, or float64 for float64
+        inputs). Grids may differ.
+    temperature : float, default=0.1
+        p_ij = softmax_j(s_ij / temperature).
+    mode : {"softmax", "dual_softmax"}, default="softmax"
+        "dual_softmax": p_ij = softmax_j(s_ij / t) * softmax_i(s_ij / t), LoFTR's coarse
+        matching, whose weights per pixel of a sum to at most 1 (``coords`` are then the
+        weighted mean of the positions, the weights renormalised).
+    mask_b : bool Tensor or ndarray of shape (*batch, H_b, W_b) or (H_b, W_b), optional
+        Pixels of b that may take weight.
+    memory : int or str, optional
+        Cap on the working memory, as in :func:`densematch.match`.
+
+    Returns
+    -------
+    SoftMatches
+        ``coords``, ``spread`` (differentiable with respect to ``a`` and ``b``) and
+        ``max_weight``.
+
+    Examples
+    --------
+    >>> f = torch.randn(12, 14, 32)
+    >>> s = soft_match(f, f, temperature=0.01)       # each pixel's weight sits on itself
+    >>> grid = torch.stack(torch.meshgrid(torch.arange(12.0), torch.arange(14.0), indexing="ij"), -1)
+    >>> bool((s.coords - grid).abs().max() < 1e-3), bool(s.max_weight.min() > 0.99)
+    (True, True)
+    """
+    mode = check_choice(mode, "mode", SOFT_MODES)
+    t = check_real(temperature, "temperature", 0.0, math.inf, low_open=True)
+    if layout not in ("hwc", "chw"):
+        raise ValueError(f"layout must be 'hwc' or 'chw' (positions need a 2-D grid), got {layout!r}")
+    ra, grid_a, batched = check_features(a, "a", layout)
+    rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
+    if batched != batched_b or ra.shape[0] != rb.shape[0]:
+        raise ValueError(f"a and b must have the same batch size, got {tuple(ra.shape)} and {tuple(rb.shape)}")
+    if ra.shape[2] != rb.shape[2]:
+        raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
+    if ra.device != rb.device:
+        raise ValueError(f"a and b must be on one device, got {ra.device} and {rb.device}")
+    masks = None
+    if mask_b is not None:
+        m = check_mask(mask_b, "mask_b", (*((ra.shape[0],) if batched else ()), *grid_b), ra.device)
+        masks = m.reshape(ra.shape[0], -1) if m.ndim == 3 or not batched else m.reshape(-1, rb.shape[1])
+        masks = masks.expand(ra.shape[0], -1)
+    budget = resolve_memory(memory, ra.device)
+    dtype = torch.float64 if torch.float64 in (ra.dtype, rb.dtype) else torch.float32
+    hb, wb = grid_b
+    rows = torch.arange(hb, device=ra.device, dtype=torch.float64).repeat_interleave(wb)
+    cols = torch.arange(wb, device=ra.device, dtype=torch.float64).repeat(hb)
+    # moments about b's centre: small numbers, so that the variance keeps its digits
+    centre = ((hb - 1) / 2, (wb - 1) / 2)
+    values = torch.stack((rows - centre[0], cols - centre[1], (rows - centre[0]) ** 2 + (cols - centre[1]) ** 2), 1)
+    outs, tops = [], []
+    for i in range(ra.shape[0]):
+        allowed = None if masks is None else masks[i].nonzero().squeeze(1)
+        kb = rb[i] if allowed is None else rb[i].index_select(0, allowed)
+        v = values if allowed is None else values.index_select(0, allowed)
+        if kb.shape[0] == 0:
+            raise ValueError("mask_b must leave at least one pixel of b")
+        check_finite(kb.detach(), "b")
+        q = F.normalize(ra[i].to(dtype), dim=1)
+        k = F.normalize(kb.to(dtype), dim=1)
+        fused = _fused(q, k, v, 1.0 / t, budget) if mode == "softmax" and _SDPA else None
+        if fused is None:
+            out, top = _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
+        else:
+            out, top = fused
+        outs.append(out)
+        tops.append(top)
+    out, top = torch.stack(outs), torch.stack(tops)
+    coords = out[..., :2] + torch.tensor(centre, dtype=out.dtype, device=out.device)
+    variance = (out[..., 2] - out[..., :2].square().sum(-1)).clamp_min(1e-12)
+    shape = (*((ra.shape[0],) if batched else ()), *grid_a)
+    return SoftMatches(
+        coords.to(dtype).reshape(*shape, 2), variance.sqrt().to(dtype).reshape(shape), top.to(dtype).reshape(shape)
+    )
+
+
+# bytes per pair of one tile at the backward's peak: logits and weights in float32, the weights,
+# the gradient terms and their products in float64 (the dual softmax's column weights too)
+_PAIR_BYTES = 80
+
+
+def _fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The softmax moments through torch's fused attention (flash or memory-efficient kernels
+    only: never the math kernel, which builds the Na x Nb weights), with the values padded to
+    the features' width (the CPU flash kernel needs one width), or None where no fused kernel
+    takes these inputs. The largest weight, exp(max logit - log-sum-exp), takes one more tiled
+    pass (the fused kernel keeps its log-sum-exp to itself)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    c = max(q.shape[1], v.shape[1])
+    qp, kp = (F.pad(x, (0, c - x.shape[1])) for x in (q, k))  # zero columns change no product
+    vp = F.pad(v.to(q.dtype), (0, c - v.shape[1]))
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch explains each kernel it cannot use
+            out = F.scaled_dot_product_attention(qp[None, None], kp[None, None], vp[None, None], scale=scale)
+    except RuntimeError:
+        return None
+    with torch.no_grad():
+        lse, best = _row_stats(q.detach(), k.detach(), scale, *_tiles(q.shape[0], k.shape[0], q.shape[1], budget))
+    return out[0, 0, :, : v.shape[1]].double(), torch.exp(best - lse)
+
+
+def _tiles(na: int, nb: int, c: int, budget: int) -> tuple[int, int]:
+    """Row and column tiles whose temporaries (:data:`_PAIR_BYTES` per pair) fit the budget."""
+    tb = min(nb, _TILE_B)
+    ta = chunk_rows(budget, tb * _PAIR_BYTES + 16 * c, "one row of soft weights")
+    return max(1, min(ta, na)), tb
+
+
+class _SoftAttention(torch.autograd.Function):
+    """out_i = sum_j p_ij v_j with p the (dual) softmax of scale * q k^T, by tiles; returns the
+    (na, 3) moments in float64 and each row's largest weight."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        na, nb = q.shape[0], k.shape[0]
+        ta, tb = _tiles(na, nb, q.shape[1], budget)
+        row_lse = _row_lse(q, k, scale, ta, tb)
+        col_lse = _col_lse(q, k, scale, ta, tb) if dual else None
+        out = torch.zeros(na, 3, dtype=torch.float64, device=q.device)
+        mass = torch.zeros(na, dtype=torch.float64, device=q.device)
+        top = torch.zeros(na, dtype=q.dtype, device=q.device)
+        for i in range(0, na, ta):
+            qi = q[i : i + ta]
+            for j in range(0, nb, tb):
+                p = _weights(qi, k[j : j + tb], scale, row_lse[i : i + ta], col_lse, j)
+                out[i : i + ta] += p.double() @ v[j : j + tb]
+                mass[i : i + ta] += p.double().sum(1)
+                top[i : i + ta] = torch.maximum(top[i : i + ta], p.amax(1))
+        # dual weights of a row sum to at most 1: the moments of the renormalised weights (for
+        # the plain softmax the sum is 1 up to rounding, and dividing by it removes that too)
+        out = out / mass[:, None].clamp_min(1e-300)
+        ctx.save_for_backward(q, k, v, row_lse, out, mass, *(() if col_lse is None else (col_lse,)))
+        ctx.scale, ctx.dual, ctx.tiles = scale, dual, (ta, tb)
+        ctx.mark_non_differentiable(top)
+        return out, top
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_top: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, row_lse, out, mass, *dual_saved = ctx.saved_tensors
+        scale, (ta, tb) = ctx.scale, ctx.tiles
+        na, nb = q.shape[0], k.shape[0]
+        col_lse = dual_saved[0] if ctx.dual else None
+        # out = m / mass with m = sum_j P_ij v_j and mass = sum_j P_ij: the gradient reaches P_ij
+        # as g_ij = (grad_out_i . v_j - grad_out_i . out_i) / mass_i
+        g_v = grad_out.double() / mass[:, None]
+        d_row = (g_v * out).sum(1)
+
+        def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+            p = _weights(q[i : i + ta], k[j : j + tb], scale, row_lse[i : i + ta], col_lse, j).double()
+            return p, g_v[i : i + ta] @ v[j : j + tb].T - d_row[i : i + ta, None]
+
+        col_sum = torch.zeros(nb, dtype=torch.float64, device=q.device)
+        if ctx.dual:  # C_j = sum_i P_ij g_ij: the column softmax's share of the gradient
+            for i in range(0, na, ta):
+                for j in range(0, nb, tb):
+                    p, g = tile(i, j)
+                    col_sum[j : j + tb] += (p * g).sum(0)
+        dq = torch.zeros_like(q, dtype=torch.float64)
+        dk = torch.zeros_like(k, dtype=torch.float64)
+        for i in range(0, na, ta):
+            qi = q[i : i + ta]
+            for j in range(0, nb, tb):
+                kj = k[j : j + tb]
+                p, g = tile(i, j)
+                if col_lse is not None:
+                    # P = A * B (row and column softmax of s): ds = A (g B - R) + B (g A - C),
+                    # where R_i = sum_k P_ik g_ik = 0 (out is the renormalised mean)
+                    col = torch.exp(scale * (qi @ kj.T) - col_lse[None, j : j + tb]).double()
+                    ds = 2 * p * g - col * col_sum[None, j : j + tb]
+                else:
+                    ds = p * g
+                dq[i : i + ta] += scale * (ds @ kj.double())
+                dk[j : j + tb] += scale * (ds.T @ qi.double())
+        return dq.to(q.dtype), dk.to(k.dtype), None, None, None, None
+
+
+def _weights(
+    qi: torch.Tensor, kj: torch.Tensor, scale: float, row_lse: torch.Tensor, col_lse: torch.Tensor | None, j: int
+) -> torch.Tensor:
+    """One tile of weights: the row softmax, times the column softmax in dual mode."""
+    s = scale * (qi @ kj.T)
+    if col_lse is None:
+        return torch.exp(s - row_lse[:, None])
+    return torch.exp(2 * s - row_lse[:, None] - col_lse[None, j : j + kj.shape[0]])
+
+
+def _row_lse(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -> torch.Tensor:
+    """log sum_j exp(scale q_i . k_j) of every row, online over column tiles."""
+    return _row_stats(q, k, scale, ta, tb)[0]
+
+
+def _row_stats(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-sum-exp and the largest logit of every row, online over column tiles."""
+    lse = torch.empty(q.shape[0], dtype=q.dtype, device=q.device)
+    best = torch.empty_like(lse)
+    for i in range(0, q.shape[0], ta):
+        qi = q[i : i + ta]
+        top = torch.full((qi.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
+        total = torch.zeros_like(top)
+        for j in range(0, k.shape[0], tb):
+            s = scale * (qi @ k[j : j + tb].T)
+            new = torch.maximum(top, s.amax(1))
+            total = total * torch.exp(top - new) + torch.exp(s - new[:, None]).sum(1)
+            top = new
+        lse[i : i + ta], best[i : i + ta] = top + total.log(), top
+    return lse, best
+
+
+def _col_lse(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -> torch.Tensor:
+    """log sum_i exp(scale q_i . k_j) of every column (the dual softmax's other normaliser)."""
+    return _row_lse(k, q, scale, tb, ta)

@@ -1,0 +1,141 @@
+"""soft_match: against a float64 dense reference, gradients, masks, batches, the memory cap."""
+
+import numpy as np
+import pytest
+import torch
+
+from densematch import _soft, soft_match
+
+from .conftest import patch_features
+from .test_memory import peak_extra
+
+
+def dense(a, b, temperature, mode, mask_b=None):
+    """The float64 reference, through the full Na x Nb weights."""
+    a, b = a.double(), b.double()
+    q = torch.nn.functional.normalize(a.reshape(-1, a.shape[-1]), dim=1)
+    k = torch.nn.functional.normalize(b.reshape(-1, b.shape[-1]), dim=1)
+    s = q @ k.T / temperature
+    if mask_b is not None:
+        s[:, ~torch.as_tensor(mask_b).reshape(-1)] = -torch.inf
+    p = s.softmax(1)
+    if mode == "dual_softmax":
+        p = torch.nan_to_num(p * s.softmax(0))
+    hb, wb = b.shape[:2]
+    pos = torch.stack(torch.meshgrid(torch.arange(hb), torch.arange(wb), indexing="ij"), -1).reshape(-1, 2).double()
+    w = p / p.sum(1, keepdim=True)
+    mean = w @ pos
+    var = w @ pos.square() - mean.square()
+    grid = a.shape[:2]
+    return mean.reshape(*grid, 2), var.sum(1).clamp_min(0).sqrt().reshape(grid), p.amax(1).reshape(grid)
+
+
+@pytest.fixture(scope="module")
+def photo(camera_small):
+    f = patch_features(camera_small, 5)  # (64, 64, 25)
+    return f[10:26, 12:30], f[8:28, 10:32]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(_soft, "_TILE_B", 37)  # many column tiles, uneven
+    return 37 * 8 * 6 * 12  # a budget of about a dozen rows per tile
+
+
+# the plain softmax runs through torch's fused attention where it can, else tiles: both checked
+PATHS = [("softmax", True), ("softmax", False), ("dual_softmax", False)]
+
+
+@pytest.fixture(params=PATHS, ids=["softmax-fused", "softmax-tiled", "dual_softmax"])
+def mode(request, monkeypatch):
+    name, fused = request.param
+    monkeypatch.setattr(_soft, "_SDPA", fused)
+    return name
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.3])
+def test_equals_the_dense_reference(photo, small_tiles, mode, temperature):
+    a, b = photo
+    want = dense(a, b, temperature, mode)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-9)):
+        got = soft_match(a.to(dtype), b.to(dtype), temperature=temperature, mode=mode, memory=small_tiles)
+        assert got.coords.dtype == dtype and got.coords.shape == (16, 18, 2)
+        for have, ref in zip((got.coords, got.spread, got.max_weight), want, strict=True):
+            torch.testing.assert_close(have.double(), ref, atol=tol * max(1.0, float(ref.abs().max())), rtol=0)
+
+
+def test_gradients(photo, monkeypatch, mode):
+    a, b = (x[:3, :4, :3].double().requires_grad_() for x in photo)
+    monkeypatch.setattr(_soft, "_TILE_B", 5)  # 12 pixels of b in tiles of 5, 5 and 2
+
+    def f(x, y):
+        r = soft_match(x, y, temperature=0.2, mode=mode, memory=5 * 80 * 4)  # a in tiles of 4 rows
+        return r.coords, r.spread
+
+    assert torch.autograd.gradcheck(f, (a, b), eps=1e-6, atol=1e-5, rtol=1e-4)
+    # and the same gradient as the dense reference's, on the photo's features
+    x, y = (t.detach().double().requires_grad_() for t in photo)
+    got = soft_match(x, y, temperature=0.1, mode=mode)
+    (got.coords.sum() + got.spread.sum()).backward()
+    x2, y2 = (t.detach().double().requires_grad_() for t in photo)
+    coords, spread, _ = dense(x2, y2, 0.1, mode)
+    (coords.sum() + spread.sum()).backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-8, rtol=1e-6)
+    torch.testing.assert_close(y.grad, y2.grad, atol=1e-8, rtol=1e-6)
+
+
+def test_masks_and_batches(photo, small_tiles, mode):
+    a, b = photo
+    mask = torch.zeros(b.shape[:2], dtype=torch.bool)
+    mask[5:15, 3:20] = True
+    got = soft_match(a, b, temperature=0.1, mask_b=mask, memory=small_tiles, mode=mode)
+    want = dense(a, b, 0.1, mode, mask)
+    torch.testing.assert_close(got.coords.double(), want[0], atol=1e-4, rtol=0)
+    inside = (got.coords[..., 0] >= 5 - 1e-4) & (got.coords[..., 0] <= 14 + 1e-4)
+    assert inside.all(), "weight on a masked-out pixel of b"
+    batch = soft_match(torch.stack([a, a.flip(0)]), torch.stack([b, b]), temperature=0.1, memory=small_tiles)
+    torch.testing.assert_close(batch.coords[0], soft_match(a, b, temperature=0.1, memory=small_tiles).coords)
+    torch.testing.assert_close(batch.coords[1], soft_match(a.flip(0), b, temperature=0.1, memory=small_tiles).coords)
+    chw = soft_match(a.permute(2, 0, 1), b.permute(2, 0, 1), temperature=0.1, layout="chw", memory=small_tiles)
+    torch.testing.assert_close(chw.coords, soft_match(a, b, temperature=0.1, memory=small_tiles).coords)
+
+
+def test_sharp_weights_find_the_match(photo):
+    a, b = photo  # a is b shifted by (2, 2)
+    got = soft_match(a, b, temperature=0.005)
+    rows, cols = np.meshgrid(np.arange(16) + 2, np.arange(18) + 2, indexing="ij")
+    err = np.hypot(got.coords[..., 0].numpy() - rows, got.coords[..., 1].numpy() - cols)
+    sharp = got.spread.numpy() < 0.5
+    assert sharp.mean() > 0.5 and np.median(err[sharp]) < 0.05
+
+
+def test_memory_stays_under_the_budget():
+    # 64 x 64 against 64 x 64, forward and backward: the float64 weights alone would be 128 MiB
+    extra = peak_extra(
+        """
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(64, 64, 16, generator=g, requires_grad=True)
+        b = torch.randn(64, 64, 16, generator=g, requires_grad=True)
+        def run(small):
+            x, y = (a[:8, :8], b[:8, :8]) if small else (a, b)
+            r = densematch.soft_match(x, y, temperature=0.1, memory="12MiB")
+            (r.coords.sum() + r.spread.sum()).backward()
+        """
+    )
+    held = 2 * 64 * 64 * 16 * 4 * 4  # gradients, normalised copies, float64 gradient sums
+    assert extra <= 12 * 2**20 + held + 8 * 2**20, f"peak {extra / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"temperature": 0}, ValueError, r"temperature must be in \(0, inf\]"),
+        ({"mode": "sinkhorn"}, ValueError, "mode must be one of"),
+        ({"layout": "flat"}, ValueError, "positions need a 2-D grid"),
+        ({"mask_b": torch.zeros(5, 6, dtype=torch.bool)}, ValueError, "at least one pixel of b"),
+    ],
+)
+def test_bad_input(kwargs, error, pattern):
+    x = torch.randn(5, 6, 4)
+    with pytest.raises(error, match=pattern):
+        soft_match(x, x, **kwargs)
