@@ -254,22 +254,15 @@ def _align_options(a: argparse.ArgumentParser) -> None:
         choices=OBJECTIVES,
         help="mean absolute or squared difference, or 1 - NCC (robust to brightness and contrast)",
     )
-    a.add_argument(
-        "--scale-h",
-        nargs=2,
-        type=float,
-        default=(0.8, 1.2),
-        metavar=("LOW", "HIGH"),
-        help="vertical stretches searched",
-    )
-    a.add_argument(
-        "--scale-w",
-        nargs=2,
-        type=float,
-        default=(0.8, 1.2),
-        metavar=("LOW", "HIGH"),
-        help="horizontal stretches searched",
-    )
+    for axis, direction in (("h", "vertical"), ("w", "horizontal")):
+        a.add_argument(
+            f"--scale-{axis}",
+            nargs=2,
+            type=float,
+            default=(0.8, 1.2),
+            metavar=("LOW", "HIGH"),
+            help=f"{direction} stretches searched",
+        )
     a.add_argument("--mask", metavar="MASK", help="template weights (image or array); 0 ignores a pixel")
     a.add_argument("--memory", default=None, help=_MEMORY_HELP)
 
