@@ -1,4 +1,5 @@
-"""Sub-pixel and strided coordinates on match: refine, stride and offset."""
+"""Beyond the argmax on match: sub-pixel and strided coordinates (refine, stride, offset) and the
+ratio test's exclusion radius."""
 
 import numpy as np
 import pytest
@@ -116,3 +117,53 @@ def test_the_module_twin_carries_the_placing(shifted):
     )
     with pytest.raises(ValueError, match="refine must be one of"):
         DenseMatcher(refine="quadratic")
+    with pytest.raises(ValueError, match="give ratio= as well"):
+        DenseMatcher(exclude_radius=2)
+    twin = DenseMatcher(ratio=0.8, exclude_radius=1.5)
+    assert "exclude_radius=1.5" in repr(twin)
+    assert torch.equal(
+        twin(fa[:12, :12], fb[:12, :12]).valid, match(fa[:12, :12], fb[:12, :12], ratio=0.8, exclude_radius=1.5).valid
+    )
+
+
+@pytest.mark.parametrize("radius", [0.0, 1.0, 1.5, 2.0])
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_exclude_radius_takes_the_runner_up_beyond_it(radius, metric):
+    from ._reference import decided, reference_scores, reported, tolerance
+
+    g = torch.Generator().manual_seed(3)
+    # a smooth field, and a half-pixel shift of it: the best and its neighbour score alike
+    b = torch.nn.functional.avg_pool2d(torch.randn(1, 6, 14, 16, generator=g), 3, 1, 1)[0].permute(1, 2, 0)
+    a = 0.5 * (b[2:11, 3:12] + b[2:11, 4:13]) + 0.02 * torch.randn(9, 9, 6, generator=g)
+    m = match(a, b, metric=metric, ratio=0.8, exclude_radius=radius)
+    ra, rb = a.reshape(-1, 6), b.reshape(-1, 6)
+    ref = reference_scores(ra, rb, metric)
+    best = ref.argmax(1)
+    rows, cols = torch.arange(14).repeat_interleave(16), torch.arange(16).repeat(14)
+    near = (rows[None] - rows[best][:, None]).square() + (cols[None] - cols[best][:, None]).square() <= radius**2
+    second = ref.masked_fill(near, -torch.inf).amax(1)
+    first = ref.gather(1, best[:, None])[:, 0]
+    d1 = _ratio_distance(reported(first, metric), metric)
+    d2 = _ratio_distance(reported(second, metric), metric)
+    want = d1 <= 0.8 * d2
+    tol = tolerance(ra, rb, metric)
+    clear = decided(ref, tol) & ((d1 - 0.8 * d2).abs() > 10 * tol)
+    assert clear.float().mean() > 0.8
+    assert torch.equal(m.valid.reshape(-1)[clear], want[clear])
+    if radius >= 1:  # the plain test, whose runner-up is a neighbour, rejects more on a smooth field
+        plain = match(a, b, metric=metric, ratio=0.8)
+        assert m.valid.sum() > 1.5 * plain.valid.sum()
+
+
+def _ratio_distance(value: torch.Tensor, metric: str) -> torch.Tensor:
+    return (2 - 2 * value).clamp_min(0).sqrt() if metric == "cosine" else value
+
+
+def test_exclude_radius_needs_the_ratio_test_and_a_grid():
+    x = torch.randn(6, 7, 4)
+    with pytest.raises(ValueError, match="give ratio= as well"):
+        match(x, x, exclude_radius=2)
+    with pytest.raises(ValueError, match="needs 2-D grids"):
+        match(x.reshape(-1, 4), x.reshape(-1, 4), layout="flat", ratio=0.8, exclude_radius=2)
+    with pytest.raises(ValueError, match=r"exclude_radius must be in \[0, inf\]"):
+        match(x, x, ratio=0.8, exclude_radius=-1)

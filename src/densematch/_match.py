@@ -73,6 +73,7 @@ def match(
     refine: str | None = None,
     stride: float | tuple[float, float] | None = None,
     offset: float | tuple[float, float] | None = None,
+    exclude_radius: float | None = None,
 ) -> Matches:
     """Find, for every pixel of `a`, its `k` best pixels in `b`, exactly, within a memory budget.
 
@@ -97,6 +98,10 @@ def match(
         (inclusive). For cosine, d is the chord distance sqrt(2 - 2 cos) of unit features; for
         sqeuclidean, the Euclidean distance. A pixel whose second distance is 0 fails; one with
         no second candidate passes. Not defined for "dot".
+    exclude_radius : float, optional
+        With ``ratio``: the second-best is the best candidate farther than this many pixels
+        (Euclidean, in b's grid) from the best, not its neighbour, which on dense maps scores
+        almost as well and makes the test meaningless. Keeps (2r+1)^2 + 1 candidates a pixel.
     layout : {"hwc", "chw", "flat"}, default="hwc"
         How `a` and `b` are laid out; sizes are never guessed from.
     mask_a, mask_b : bool Tensor or ndarray, optional
@@ -160,7 +165,9 @@ def match(
     >>> bool((match(f, f).coords[..., 1] == torch.arange(32)).all())
     True
     """
-    task = validate(a, b, metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
+    task = validate(
+        a, b, metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision, exclude_radius=exclude_radius
+    )
     placing = _check_placing(task, refine, stride, offset)
     passes = 2 if mutual else 1
     with progress_bar(progress, total=passes * task.nbatch * task.na, unit="px", desc="match") as bar:
@@ -264,6 +271,7 @@ class Task:
     precision: Precision
     budget: int
     nb: int
+    exclude_radius: float | None = None
 
     @property
     def nbatch(self) -> int:
@@ -275,8 +283,15 @@ class Task:
 
     @property
     def k_rank(self) -> int:
-        """How many best rows the search keeps: two at least for the ratio test."""
-        return max(self.k, 2) if self.ratio is not None else self.k
+        """How many best rows the search keeps: two at least for the ratio test; with
+        ``exclude_radius``, one more than the pixels within that radius of the best, so that a
+        runner-up beyond it is among them wherever b has one."""
+        if self.ratio is None:
+            return self.k
+        if self.exclude_radius is None:
+            return max(self.k, 2)
+        side = 2 * math.floor(self.exclude_radius) + 1
+        return min(max(self.k, side * side + 1), self.nb)
 
     @property
     def reserved(self) -> int:
@@ -312,6 +327,7 @@ def validate(
     nb: int | None = None,
     grid_b: tuple[int, ...] | None = None,
     empty_b: bool = False,
+    exclude_radius: float | None = None,
 ) -> Task:
     """Validate a :func:`match` call. ``nb`` and ``grid_b`` give the whole of b where this
     process holds only a band of it (``empty_b``: a band may have no rows)."""
@@ -354,6 +370,7 @@ def validate(
         precision=resolve_precision(precision, ra.device, m),
         budget=resolve_memory(memory, ra.device),
         nb=total,
+        exclude_radius=_check_exclude(exclude_radius, ratio, layout, grid_b or band_grid),
     )
 
 
@@ -376,7 +393,8 @@ def solve(task: Task, forward: Forward, backward: Backward) -> Matches:
         v, idx = forward(i, rows_a, task.k_rank)
         ok = idx >= 0
         if task.ratio is not None:
-            ok &= _passes_ratio(task.metric.ratio_distance(v[:, :2]), idx, task.ratio)[:, None]
+            pair_v, pair_i = (v[:, :2], idx[:, :2]) if task.exclude_radius is None else _runner_up(v, idx, task)
+            ok &= _passes_ratio(task.metric.ratio_distance(pair_v), pair_i, task.ratio)[:, None]
         v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
         if task.mutual:
             owner = backward(i, rows_a)
@@ -414,6 +432,32 @@ def _check_ratio(ratio: Any, metric: Metric) -> float | None:
     return ratio
 
 
+def _check_exclude(radius: Any, ratio: Any, layout: str, grid_b: tuple[int, ...]) -> float | None:
+    if radius is None:
+        return None
+    radius = check_real(radius, "exclude_radius", 0.0, math.inf)
+    if ratio is None:
+        raise ValueError("exclude_radius applies to the ratio test: give ratio= as well")
+    if layout == "flat" or len(grid_b) != 2:
+        raise ValueError(f"exclude_radius needs 2-D grids (layout 'hwc' or 'chw'), got layout {layout!r}")
+    return radius
+
+
+def _runner_up(v: torch.Tensor, idx: torch.Tensor, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 2) values and indices of the best and of the best candidate farther than
+    ``task.exclude_radius`` pixels (Euclidean, in b's grid) from it; index -1 where none is."""
+    width, radius = task.grid_b[1], task.exclude_radius or 0.0
+    rows, cols = idx.div(width, rounding_mode="floor"), idx.remainder(width)
+    far = (rows - rows[:, :1]).square() + (cols - cols[:, :1]).square() > radius**2
+    far &= idx >= 0
+    far[:, 0] = False
+    second = far.to(torch.uint8).argmax(1, keepdim=True)  # the first far candidate, best first
+    has = far.any(1, keepdim=True)
+    pair_v = torch.cat([v[:, :1], v.gather(1, second)], 1)
+    pair_i = torch.cat([idx[:, :1], torch.where(has, idx.gather(1, second), -1)], 1)
+    return pair_v, pair_i
+
+
 def _passes_ratio(d: torch.Tensor, idx: torch.Tensor, ratio: float) -> torch.Tensor:
     """Lowe's test on the best two distances d (n, 2): d1 <= ratio * d2, and d2 > 0 (a second
     candidate at distance 0 makes the match ambiguous); a pixel with no second candidate passes."""
@@ -438,7 +482,7 @@ class DenseMatcher(nn.Module):
 
     Parameters
     ----------
-    metric, k, mutual, ratio, layout, memory, progress, precision, refine, stride, offset
+    metric, k, mutual, ratio, layout, memory, progress, precision, refine, stride, offset, exclude_radius
         As in :func:`match`, checked here (``k`` against b's pixels at each call).
 
     Examples
@@ -464,6 +508,7 @@ class DenseMatcher(nn.Module):
         refine: str | None = None,
         stride: float | tuple[float, float] | None = None,
         offset: float | tuple[float, float] | None = None,
+        exclude_radius: float | None = None,
     ) -> None:
         super().__init__()
         m = get_metric(metric)
@@ -479,6 +524,9 @@ class DenseMatcher(nn.Module):
         self.refine = None if refine is None else check_choice(refine, "refine", REFINES)
         self.stride = None if stride is None else _pair(stride, "stride", True)
         self.offset = None if offset is None else _pair(offset, "offset", False)
+        self.exclude_radius = None
+        if exclude_radius is not None:
+            self.exclude_radius = _check_exclude(exclude_radius, self.ratio, self.layout, (1, 1))
 
     def forward(self, a: Any, b: Any, *, mask_a: Any = None, mask_b: Any = None) -> Matches:
         return match(
@@ -497,6 +545,7 @@ class DenseMatcher(nn.Module):
             refine=self.refine,
             stride=self.stride,
             offset=self.offset,
+            exclude_radius=self.exclude_radius,
         )
 
     def extra_repr(self) -> str:
@@ -506,5 +555,9 @@ class DenseMatcher(nn.Module):
         shown += [f"layout={self.layout!r}"]
         shown += [f"memory={self.memory!r}"] if self.memory is not None else []
         shown += [f"precision={self.precision!r}"]
-        shown += [f"{n}={getattr(self, n)!r}" for n in ("refine", "stride", "offset") if getattr(self, n) is not None]
+        shown += [
+            f"{n}={getattr(self, n)!r}"
+            for n in ("refine", "stride", "offset", "exclude_radius")
+            if getattr(self, n) is not None
+        ]
         return ", ".join(shown)

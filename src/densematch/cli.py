@@ -78,6 +78,7 @@ def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
             "ratio": args.ratio,
             "memory": args.memory,
             "precision": args.precision,
+            "exclude_radius": args.exclude_radius,
             "refine": args.refine,
             "stride": _one_or_two(args.stride, "--stride"),
             "offset": _one_or_two(args.offset, "--offset"),
@@ -119,9 +120,9 @@ def cmd_match(args: argparse.Namespace) -> int:
     if sharded:
         from . import distributed
 
-        placing = [options.pop(name) for name in ("refine", "stride", "offset")]
+        placing = [options.pop(name) for name in ("refine", "stride", "offset", "exclude_radius")]
         if any(value is not None for value in placing):
-            raise CommandError("--refine, --stride and --offset are not available under torchrun yet")
+            raise CommandError("--refine, --stride, --offset and --exclude-radius are not available under torchrun yet")
         search = functools.partial(distributed.match, shard="queries")
     t0 = time.perf_counter()
     r = match_pair(args.a, args.b, viz=bool(args.viz), search=search, progress=_progress(args), **options)
@@ -234,6 +235,9 @@ def _match_options(m: argparse.ArgumentParser) -> None:
     m.add_argument("--k", type=int, default=1, help="matches per pixel, best first")
     m.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours valid")
     m.add_argument("--ratio", type=float, help="Lowe's ratio test threshold in (0, 1]")
+    m.add_argument(
+        "--exclude-radius", type=float, metavar="R", help="with --ratio: the runner-up lies farther than R pixels"
+    )
     m.add_argument("--memory", default=None, help=_MEMORY_HELP)
     m.add_argument("--precision", default="exact", choices=PRECISIONS, help=_PRECISION_HELP)
     m.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the search runs")
