@@ -96,6 +96,8 @@ def test_masks_and_batches(photo, small_tiles, mode):
     batch = soft_match(torch.stack([a, a.flip(0)]), torch.stack([b, b]), temperature=0.1, memory=small_tiles)
     torch.testing.assert_close(batch.coords[0], soft_match(a, b, temperature=0.1, memory=small_tiles).coords)
     torch.testing.assert_close(batch.coords[1], soft_match(a.flip(0), b, temperature=0.1, memory=small_tiles).coords)
+    shared = soft_match(torch.stack([a, a]), torch.stack([b, b]), temperature=0.1, mask_b=mask, mode=mode)
+    torch.testing.assert_close(shared.coords[1], got.coords, atol=1e-5, rtol=0)
     chw = soft_match(a.permute(2, 0, 1), b.permute(2, 0, 1), temperature=0.1, layout="chw", memory=small_tiles)
     torch.testing.assert_close(chw.coords, soft_match(a, b, temperature=0.1, memory=small_tiles).coords)
 

@@ -15,7 +15,7 @@ from torch import nn
 from . import engine
 from ._refine import REFINES, refine_positions
 from .budget import parse_memory
-from .checks import LAYOUTS, check_choice, check_features, check_finite, check_int, check_mask, check_real
+from .checks import LAYOUTS, check_batch_mask, check_choice, check_features, check_finite, check_int, check_real
 from .config import resolve_memory
 from .metrics import Metric, get_metric
 from .precision import PRECISIONS, Precision, resolve_precision
@@ -349,8 +349,8 @@ def validate(
     k = check_int(k, "k", 1, total)
     nbatch = ra.shape[0]
     masks = (
-        _batch_mask(mask_a, "mask_a", nbatch, grid_a, batched_a, ra.device),
-        _batch_mask(mask_b, "mask_b", nbatch, band_grid, batched_a, ra.device),
+        check_batch_mask(mask_a, "mask_a", nbatch, grid_a, batched_a, ra.device),
+        check_batch_mask(mask_b, "mask_b", nbatch, band_grid, batched_a, ra.device),
     )
     # masked-out pixels are never read, so they may hold anything (NaN padding of ragged batches)
     for rows, mask, name in ((ra, masks[0], "a"), (rb, masks[1], "b")):
@@ -462,19 +462,6 @@ def _passes_ratio(d: torch.Tensor, idx: torch.Tensor, ratio: float) -> torch.Ten
     """Lowe's test on the best two distances d (n, 2): d1 <= ratio * d2, and d2 > 0 (a second
     candidate at distance 0 makes the match ambiguous); a pixel with no second candidate passes."""
     return (idx[:, 1] < 0) | ((d[:, 1] > 0) & (d[:, 0] <= ratio * d[:, 1]))
-
-
-def _batch_mask(
-    mask: Any, name: str, nbatch: int, grid: tuple[int, ...], batched: bool, device: torch.device
-) -> torch.Tensor | None:
-    """A mask of shape (B, *grid): batched masks as given, a (*grid) mask repeated."""
-    if mask is None:
-        return None
-    shape = tuple(getattr(mask, "shape", ()))
-    if batched and shape == grid:
-        return check_mask(mask, name, grid, device).expand(nbatch, *grid)
-    full = (nbatch, *grid) if batched else grid
-    return check_mask(mask, name, full, device).reshape(nbatch, *grid)
 
 
 class DenseMatcher(nn.Module):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .budget import chunk_rows
-from .checks import check_choice, check_features, check_finite, check_mask, check_real
+from .checks import check_batch_mask, check_choice, check_features, check_finite, check_real
 from .config import resolve_memory
 
 __all__ = ["SOFT_MODES", "SoftMatches", "soft_match"]
@@ -104,11 +104,9 @@ def soft_match(
         raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
     if ra.device != rb.device:
         raise ValueError(f"a and b must be on one device, got {ra.device} and {rb.device}")
-    masks = None
-    if mask_b is not None:
-        m = check_mask(mask_b, "mask_b", (*((ra.shape[0],) if batched else ()), *grid_b), ra.device)
-        masks = m.reshape(ra.shape[0], -1) if m.ndim == 3 or not batched else m.reshape(-1, rb.shape[1])
-        masks = masks.expand(ra.shape[0], -1)
+    masks = check_batch_mask(mask_b, "mask_b", ra.shape[0], grid_b, batched, ra.device)
+    if masks is not None:
+        masks = masks.reshape(ra.shape[0], -1)
     budget = resolve_memory(memory, ra.device)
     dtype = torch.float64 if torch.float64 in (ra.dtype, rb.dtype) else torch.float32
     hb, wb = grid_b

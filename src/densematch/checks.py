@@ -144,3 +144,16 @@ def check_mask(mask: Any, name: str, shape: tuple[int, ...], device: torch.devic
     if tuple(mask.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, the map's pixels, got {tuple(mask.shape)}")
     return mask.to(device)
+
+
+def check_batch_mask(
+    mask: Any, name: str, nbatch: int, grid: tuple[int, ...], batched: bool, device: torch.device
+) -> torch.Tensor | None:
+    """A mask of shape (B, *grid): batched masks as given, a (*grid) mask repeated."""
+    if mask is None:
+        return None
+    shape = tuple(getattr(mask, "shape", ()))
+    if batched and shape == grid:
+        return check_mask(mask, name, grid, device).expand(nbatch, *grid)
+    full = (nbatch, *grid) if batched else grid
+    return check_mask(mask, name, full, device).reshape(nbatch, *grid)
