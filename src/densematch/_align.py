@@ -318,7 +318,8 @@ def align(
         )
     sh, sw, sy, sx, err, warped, landscape, grid_h, grid_w = result
     warped = (warped / unit).reshape(t.shape)
-    err = {"l1": err / unit, "l2": err / unit**2, "ncc": err}[objective]
+    # 1 - NCC is never below 0; rounding of a perfect fit may put it a hair under
+    err = {"l1": err / unit, "l2": err / unit**2, "ncc": err.clamp_min(0.0)}[objective]
     if objective != "ncc":  # the grid search's squared error
         landscape = landscape / unit**2
     bounds = _at_bound(sh, sw, (lo_h, hi_h), (lo_w, hi_w))
