@@ -8,6 +8,8 @@ import torch
 from densematch import match
 from densematch.features import dense_features
 
+from ._reference import assert_same_up_to_ties
+
 SHIFT = (0.3, -0.4)
 
 
@@ -40,7 +42,8 @@ def test_feature_refinement_recovers_a_fractional_shift(shifted):
     errors = {None: median_error(whole.coords, truth, keep)}
     for mode in ("parabola", "soft", "features"):
         m = match(fa, fb, refine=mode)
-        assert m.coords.dtype == torch.float32 and torch.equal(m.index, whole.index)
+        assert m.coords.dtype == torch.float32
+        assert_same_up_to_ties(fa.reshape(-1, 49), fb.reshape(-1, 49), m.index, whole.index, "cosine")
         # never more than one pixel from the integer match
         assert (m.coords - whole.coords).abs().max() <= 1.0 + 1e-6
         errors[mode] = median_error(m.coords, truth, keep)
@@ -121,9 +124,12 @@ def test_the_module_twin_carries_the_placing(shifted):
         DenseMatcher(exclude_radius=2)
     twin = DenseMatcher(ratio=0.8, exclude_radius=1.5)
     assert "exclude_radius=1.5" in repr(twin)
-    assert torch.equal(
-        twin(fa[:12, :12], fb[:12, :12]).valid, match(fa[:12, :12], fb[:12, :12], ratio=0.8, exclude_radius=1.5).valid
-    )
+    got = twin(fa[:12, :12], fb[:12, :12])
+    want = match(fa[:12, :12], fb[:12, :12], ratio=0.8, exclude_radius=1.5)
+    a, b = fa[:12, :12].reshape(-1, 49), fb[:12, :12].reshape(-1, 49)
+    assert_same_up_to_ties(a, b, got.index, want.index, "cosine")
+    same = got.index == want.index  # where a near-tie picked another match, its ratio may differ
+    assert same.float().mean() > 0.9 and torch.equal(got.valid[same], want.valid[same])
 
 
 @pytest.mark.parametrize("radius", [0.0, 1.0, 1.5, 2.0])

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .io import atomic_write, save_npy, save_npz, save_with
+from .io import atomic_write, save_arrays, save_with
 from .progress import progress_bar
 from .tasks import PairResult, align_pairs, distance_pair, match_pair, picture_bytes
 
@@ -254,7 +254,7 @@ class _Results:
 
     def add(self, record: dict[str, Any]) -> None:
         self.records[record["id"]] = record
-        self.fh.write((json.dumps(record, allow_nan=False, default=_plain) + "\n").encode())
+        self.fh.write(_line(record).encode())
         self.fh.flush()
 
     def close(self, order: Sequence[str] | None = None) -> None:
@@ -266,9 +266,12 @@ class _Results:
             ids = [i for i in order if i in self.records]
             known = set(ids)
             ids += [i for i in self.records if i not in known]
-            lines = [json.dumps(self.records[i], allow_nan=False, default=_plain) + "\n" for i in ids]
             with atomic_write(self.path) as fh:
-                fh.write("".join(lines).encode())
+                fh.write("".join(_line(self.records[i]) for i in ids).encode())
+
+
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(record, allow_nan=False, default=_plain) + "\n"
 
 
 def _plain(value: Any) -> Any:
@@ -282,12 +285,8 @@ def _write_outputs(record: dict[str, Any], out_dir: Path) -> None:
     (``<id>.png``), atomically; their names go into the record's result."""
     arrays, picture = record.pop("_arrays", None), record.pop("_picture", None)
     if arrays:
-        if list(arrays) == ["distance"]:
-            name = f"{record['id']}.npy"
-            save_npy(out_dir / name, arrays["distance"])
-        else:
-            name = f"{record['id']}.npz"
-            save_npz(out_dir / name, **arrays)
+        name = f"{record['id']}{'.npy' if list(arrays) == ['distance'] else '.npz'}"
+        save_arrays(out_dir / name, arrays, single="distance")
         record["result"]["output"] = name
     if picture is not None:
         name = f"{record['id']}.png"
@@ -372,10 +371,9 @@ def run(
         raise ValueError("pairs must have unique ids")
     order = [p.id for p in todo]
     results = None
-    folder = Path(out_dir) if out_dir is not None else None
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-        results = _Results(folder / RESULTS)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        results = _Results(Path(out_dir) / RESULTS)
         for p in todo:
             if on_skip is not None and results.done(p.id):
                 on_skip(p)
@@ -391,9 +389,9 @@ def run(
         with progress_bar(progress, total=len(todo), unit="pair", desc=f"batch {task}") as bar:
             for records in stream:
                 for record in records:
-                    if folder is not None and results is not None:
+                    if results is not None:
                         if record["status"] == "ok":
-                            _write_outputs(record, folder)
+                            _write_outputs(record, results.path.parent)
                         results.add(record)
                     else:
                         arrays = record.pop("_arrays", None)

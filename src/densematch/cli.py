@@ -39,12 +39,6 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-def _device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise CommandError("--device cuda: no CUDA device is available here")
-    return torch.device(name)
-
-
 def _sharded(args: argparse.Namespace) -> bool:
     """Whether torchrun launched this command with more than one process: the process group is
     then initialised (gloo on CPUs, NCCL on GPUs) and the search sharded over it."""
@@ -114,7 +108,6 @@ def cmd_match(args: argparse.Namespace) -> int:
     if args.features and not (is_image(args.a) or is_image(args.b)):
         warnings.warn("--features is ignored: A and B are feature files, not images", stacklevel=1)
     sharded = _sharded(args)
-    _device(args.device)
     search: Callable[..., Matches] = match
     options = task_options("match", args)
     if sharded:

@@ -172,13 +172,13 @@ def match_pair(
     ``options`` are :func:`densematch.match`'s keywords; ``search`` replaces it (the sharded
     search under torchrun, which returns None on every rank but the first: so does this).
     """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():  # before any file is read
+        raise ValueError("--device cuda: no CUDA device is available here")
     fa, ia = _features(a, features, "A")
     fb, ib = _features(b, features, "B")
     if fa.shape[-1] != fb.shape[-1]:
         raise ValueError(f"A and B must have the same number of channels, got {fa.shape[-1]} and {fb.shape[-1]}")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here")
     r = search(fa.to(dev), fb.to(dev), **options)
     if r is None:
         return None
