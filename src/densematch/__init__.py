@@ -6,6 +6,7 @@ from typing import Any
 from ._align import Alignment, align, warp
 from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
 from ._knn import KNNIndex, knn
+from ._local import LocalMatcher, local_match
 from ._match import DenseMatcher, Matches, match
 from ._soft import SoftMatches, soft_match
 from .budget import parse_memory
@@ -17,6 +18,7 @@ __all__ = [
     "Alignment",
     "DenseMatcher",
     "KNNIndex",
+    "LocalMatcher",
     "Matches",
     "PrototypeDistance",
     "SoftMatches",
@@ -25,6 +27,7 @@ __all__ = [
     "config_context",
     "get_config",
     "knn",
+    "local_match",
     "match",
     "nearest_prototype",
     "pairwise_distance",

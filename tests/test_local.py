@@ -1,0 +1,398 @@
+"""local_match: windows against a float64 brute-force reference, the volume's layout and
+gradients, flows, masks, and the memory it never takes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import densematch
+from densematch import LocalMatcher, local_match
+
+from ._reference import assert_same_up_to_ties, reference_scores, reported, tolerance
+from .conftest import patch_features
+from .test_memory import peak_extra
+
+METRICS = ["cosine", "dot", "l2", "sqeuclidean", "l1", "linf"]
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+def window_reference(a, b, radius, dilation=1, flow=None, sampling="nearest", metric="cosine", mask_b=None):
+    """(O, H, W) float64 values of one (H, W, C) pair, NaN where a window has no candidate.
+
+    Integer positions read the full float64 score matrix; bilinear positions interpolate b
+    with torch's grid_sample (align_corners=True puts -1 and 1 on the first and last pixels)."""
+    h, w, c = a.shape
+    (ry, rx), (dy, dx) = _pair(radius), _pair(dilation)
+    yy, xx = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
+    fy, fx = (
+        (torch.zeros_like(yy), torch.zeros_like(xx)) if flow is None else (flow[..., 0].double(), flow[..., 1].double())
+    )
+    if sampling == "nearest":
+        fy, fx = (fy + 0.5).floor(), (fx + 0.5).floor()
+    full = reported(reference_scores(a.reshape(-1, c), b.reshape(-1, c), metric), metric)
+    allowed = torch.ones(h, w, dtype=torch.bool) if mask_b is None else mask_b
+    out = []
+    for i in range(-ry, ry + 1):
+        for j in range(-rx, rx + 1):
+            py, px = yy + fy + i * dy, xx + fx + j * dx
+            inside = (py >= 0) & (py <= h - 1) & (px >= 0) & (px <= w - 1)
+            vals = torch.full((h, w), math.nan, dtype=torch.float64)
+            if sampling == "nearest":
+                q = (py.clamp(0, h - 1) * w + px.clamp(0, w - 1)).long()
+                ok = inside & allowed.reshape(-1)[q]
+                vals[ok] = full[torch.arange(h * w).reshape(h, w)[ok], q[ok]]
+            else:
+                grid = torch.stack((2 * px / max(w - 1, 1) - 1, 2 * py / max(h - 1, 1) - 1), -1)[None]
+                bi = F.grid_sample(b.double().permute(2, 0, 1)[None], grid, align_corners=True)[0].permute(1, 2, 0)
+                vals[inside] = _direct(a.double()[inside], bi[inside], metric)
+            out.append(vals)
+    return torch.stack(out)
+
+
+def _direct(x, y, metric):
+    if metric == "cosine":
+        return (F.normalize(x, dim=-1) * F.normalize(y, dim=-1)).sum(-1)
+    if metric == "dot":
+        return (x * y).sum(-1)
+    d = x - y
+    return {
+        "l2": d.norm(dim=-1),
+        "sqeuclidean": d.square().sum(-1),
+        "l1": d.abs().sum(-1),
+        "linf": d.abs().amax(-1),
+    }[metric]
+
+
+def ranked_reference(vol, metric, k):
+    """(H*W, k) offsets best first from a reference volume, ties to the lower offset; -1 where
+    a pixel has fewer than k candidates."""
+    o = vol.shape[0]
+    flat = vol.reshape(o, -1).T
+    score = torch.where(flat.isnan(), -math.inf, flat if metric in ("cosine", "dot") else -flat)
+    order = score.sort(dim=1, descending=True, stable=True).indices[:, :k]
+    return torch.where(score.gather(1, order) > -math.inf, order, -1)
+
+
+def offset_index(order, radius, dilation, h, w, flow=None):
+    """Flat indices in b of the offsets ``order`` (H*W, k) of each pixel (nearest positions)."""
+    (ry, rx), (dy, dx) = _pair(radius), _pair(dilation)
+    side = 2 * rx + 1
+    oy, ox = (order // side - ry) * dy, (order % side - rx) * dx
+    y = torch.arange(h).repeat_interleave(w)[:, None]
+    x = torch.arange(w).repeat(h)[:, None]
+    if flow is not None:
+        f = (flow.double() + 0.5).floor().long().reshape(-1, 2)
+        y, x = y + f[:, :1], x + f[:, 1:]
+    return torch.where(order >= 0, (y + oy) * w + x + ox, -1)
+
+
+def check_topk(a, b, radius, metric, k=1, dilation=1, flow=None, mask_b=None):
+    h, w, c = a.shape
+    got = local_match(a, b, radius, dilation=dilation, flow=flow, metric=metric, k=k, mask_b=mask_b)
+    vol = window_reference(a, b, radius, dilation, flow, metric=metric, mask_b=mask_b)
+    want = offset_index(ranked_reference(vol, metric, k), radius, dilation, h, w, flow)
+    index = got.index.reshape(h * w, k)
+    # a tie inside the window is a tie: judge with the same near-tie rule as the global search
+    assert_same_up_to_ties(a.reshape(-1, c), b.reshape(-1, c), index, want, metric)
+    chosen = reported(reference_scores(a.reshape(-1, c), b.reshape(-1, c), metric), metric)
+    ok = index >= 0
+    expect = chosen.gather(1, index.clamp_min(0))[ok]
+    assert torch.allclose(got.score.reshape(h * w, k)[ok].double(), expect, atol=tolerance(a, b, metric), rtol=1e-5)
+    assert torch.equal(got.valid.reshape(h * w, k), ok)
+    coords = got.coords.reshape(h * w, k, 2)
+    assert torch.equal(coords[ok], torch.stack((index // w, index % w), -1)[ok])
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_topk_on_photo_features_matches_the_windowed_reference(camera_small, metric):
+    img = camera_small[:20, :24]
+    a = patch_features(img, 5)
+    b = torch.roll(a, (2, -1), (0, 1)) + 0.01 * torch.randn(a.shape)
+    for radius, dilation, k in ((0, 1, 1), (3, 1, 2), ((2, 5), (2, 1), 3), (7, 1, 1)):
+        check_topk(a, b, radius, metric, k=k, dilation=dilation)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    h=st.integers(1, 9),
+    w=st.integers(1, 9),
+    c=st.integers(1, 5),
+    radius=st.tuples(st.integers(0, 7), st.integers(0, 7)),
+    dilation=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    metric=st.sampled_from(METRICS),
+    integer=st.booleans(),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_property_volume_and_topk_equal_the_reference(h, w, c, radius, dilation, metric, integer, seed, data):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(h, w, c, generator=g), torch.randn(h, w, c, generator=g)
+    if integer:  # small integers: exact ties everywhere, which must go to the lower offset
+        a, b = a.round().clamp(-1, 1), b.round().clamp(-1, 1)
+    count = (2 * radius[0] + 1) * (2 * radius[1] + 1)
+    k = data.draw(st.integers(1, min(count, 4)))
+    check_topk(a, b, radius, metric, k=k, dilation=dilation)
+    vol = local_match(a, b, radius, dilation=dilation, metric=metric, output="volume", fill=math.nan)
+    ref = window_reference(a, b, radius, dilation, metric=metric)
+    assert vol.shape == (2 * radius[0] + 1, 2 * radius[1] + 1, h, w)
+    assert torch.equal(vol.isnan().reshape(count, h, w), ref.isnan())
+    assert torch.allclose(
+        vol.reshape(count, h, w).double(), ref, atol=tolerance(a, b, metric), rtol=1e-5, equal_nan=True
+    )
+
+
+def test_exact_ties_go_to_the_lowest_offset():
+    a = torch.ones(6, 7, 3)
+    b = torch.ones(6, 7, 3)
+    m = local_match(a, b, 2, metric="l2", k=3)
+    # every candidate is at distance 0: the first three inside b, row-major over the window
+    assert m.coords[3, 3].tolist() == [[1, 1], [1, 2], [1, 3]]
+    assert m.coords[0, 0].tolist() == [[0, 0], [0, 1], [0, 2]]
+    assert m.coords[5, 6].tolist() == [[3, 4], [3, 5], [3, 6]]
+
+
+def test_volume_has_spatial_correlation_samplers_layout_hand_computed():
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])[None, None]  # (B, C, H, W)
+    b = torch.tensor([[5.0, 6.0], [7.0, 8.0]])[None, None]
+    vol = local_match(a, b, 1, metric="dot", layout="chw", output="volume")
+    assert vol.shape == (1, 3, 3, 2, 2)
+    assert vol[0, 1, 1].tolist() == [[5, 12], [21, 32]]  # no displacement
+    assert vol[0, 0, 0].tolist() == [[0, 0], [0, 20]]  # b one row up and one col left
+    assert vol[0, 2, 2].tolist() == [[8, 0], [0, 0]]
+    assert vol[0, 0, 1].tolist() == [[0, 0], [15, 24]]
+    assert vol[0, 1, 2].tolist() == [[6, 0], [24, 0]]
+    dil = local_match(a, b, 1, dilation=2, metric="dot", layout="chw", output="volume")
+    assert dil[0, 1, 1].tolist() == [[5, 12], [21, 32]] and dil[0, 0].abs().sum() == 0 and dil[0, 2].abs().sum() == 0
+
+
+def test_volume_equals_the_samplers_formula_written_out():
+    """out[n, i, j, y, x] = sum_c a[n, c, y, x] * b[n, c, y + (i - ry) dy, x + (j - rx) dx],
+    0 outside b: spatial-correlation-sampler's definition (kernel_size=1, stride=1, padding=0)."""
+    a, b = torch.randn(2, 3, 5, 6, dtype=torch.float64), torch.randn(2, 3, 5, 6, dtype=torch.float64)
+    (ry, rx), (dy, dx) = (1, 2), (2, 1)
+    want = torch.zeros(2, 3, 5, 5, 6, dtype=torch.float64)
+    for n in range(2):
+        for i in range(3):
+            for j in range(5):
+                for y in range(5):
+                    for x in range(6):
+                        yb, xb = y + (i - ry) * dy, x + (j - rx) * dx
+                        if 0 <= yb < 5 and 0 <= xb < 6:
+                            want[n, i, j, y, x] = (a[n, :, y, x] * b[n, :, yb, xb]).sum()
+    got = LocalMatcher((ry, rx), dilation=(dy, dx), metric="dot", layout="chw", output="volume")(a, b)
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("metric", ["cosine", "dot", "l2", "l1"])
+def test_volume_gradcheck(metric):
+    a = torch.randn(2, 5, 6, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 5, 6, 3, dtype=torch.float64, requires_grad=True)
+
+    def vol(a, b):
+        return local_match(a, b, (1, 2), dilation=(1, 2), metric=metric, output="volume", memory=6000, fill=0.0)
+
+    assert torch.autograd.gradcheck(vol, (a, b), fast_mode=True)
+
+
+def test_volume_gradient_equals_the_unfold_recipe():
+    a = torch.randn(1, 4, 9, 11, requires_grad=True)
+    b = torch.randn(1, 4, 9, 11, requires_grad=True)
+    g = torch.randn(1, 5, 5, 9, 11)
+    (local_match(a, b, 2, metric="dot", layout="chw", output="volume", memory="64KiB") * g).sum().backward()
+    mine = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    patches = F.unfold(F.pad(b, (2, 2, 2, 2)), 5).view(1, 4, 5, 5, 9, 11)
+    ((a[:, :, None, None] * patches).sum(1) * g).sum().backward()
+    assert torch.allclose(mine[0], a.grad, atol=1e-5) and torch.allclose(mine[1], b.grad, atol=1e-5)
+
+
+def test_nearest_flow_moves_the_window(camera_small):
+    a = patch_features(camera_small[:24, :24], 5)
+    flow = torch.zeros(24, 24, 2)
+    flow[..., 0] = torch.linspace(-3.4, 3.6, 24)[:, None]
+    flow[..., 1] = 2.5  # halves go up
+    for metric in ("cosine", "l2"):
+        b = a + 0.01 * torch.randn(a.shape)
+        check_topk(a, b, 1, metric, k=2, flow=flow)
+    m = local_match(a, a, 0, flow=flow)
+    assert m.coords[10, 3].tolist() == [10 + round(float(flow[10, 3, 0]) + 1e-9), 6]
+
+
+@pytest.mark.parametrize("metric", ["cosine", "dot", "l2", "l1"])
+def test_bilinear_flow_reads_b_like_grid_sample(metric):
+    a, b = torch.randn(7, 8, 4, dtype=torch.float64), torch.randn(7, 8, 4, dtype=torch.float64)
+    flow = 3 * torch.rand(7, 8, 2, dtype=torch.float64) - 1.5
+    flow[0, 0] = torch.tensor([0.0, 0.0])  # integer positions, and one exactly on the last row
+    flow[6, 2] = torch.tensor([0.0, 0.25])
+    vol = local_match(
+        a, b, 1, dilation=2, flow=flow, sampling="bilinear", metric=metric, output="volume", fill=math.nan
+    )
+    ref = window_reference(a, b, 1, 2, flow, "bilinear", metric)
+    assert torch.allclose(vol.reshape(9, 7, 8), ref, atol=1e-10, equal_nan=True)
+    m = local_match(a, b, 1, dilation=2, flow=flow, sampling="bilinear", metric=metric)
+    best = ranked_reference(ref, metric, 1)[:, 0]
+    ok = best >= 0
+    side_y, side_x = best // 3 - 1, best % 3 - 1
+    want = torch.stack((torch.arange(7).repeat_interleave(8) + 2 * side_y, torch.arange(8).repeat(7) + 2 * side_x), -1)
+    want = want + flow.reshape(-1, 2)
+    assert torch.allclose(m.coords.reshape(-1, 2)[ok], want[ok].to(m.coords.dtype))
+    assert torch.equal(m.valid.reshape(-1), ok)
+
+
+def test_bilinear_flow_gradcheck():
+    a = torch.randn(1, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(1, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    flow = (0.8 * torch.rand(1, 4, 5, 2, dtype=torch.float64) + 0.1).requires_grad_()  # away from integers
+
+    def vol(a, b, flow):
+        return local_match(a, b, 1, flow=flow, sampling="bilinear", metric="l2", output="volume", fill=0.0)
+
+    assert torch.autograd.gradcheck(vol, (a, b, flow), fast_mode=True)
+
+
+def test_topk_score_carries_gradients():
+    a = torch.randn(5, 6, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, 6, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: local_match(a, b, 1, metric="l2", k=2).score, (a, b))
+    m = local_match(a.detach(), b.detach(), 1, metric="l2", k=2)
+    assert not m.score.requires_grad
+
+
+def test_masks_exclude_candidates_and_pixels():
+    a, b = torch.randn(6, 7, 4), torch.randn(6, 7, 4)
+    mask_b = torch.rand(6, 7) > 0.4
+    b_nan = torch.where(mask_b[..., None], b, math.nan)  # masked-out pixels are never read
+    check_topk(a, b, 2, "l2", k=2, mask_b=mask_b)
+    got = local_match(a, b_nan, 2, metric="l2", k=2, mask_b=mask_b)
+    assert torch.equal(got.index, local_match(a, b, 2, metric="l2", k=2, mask_b=mask_b).index)
+    mask_a = torch.zeros(6, 7, dtype=torch.bool)
+    mask_a[2:4, 3:5] = True
+    m = local_match(a, b, 2, mask_a=mask_a)
+    assert (m.index[~mask_a] == -1).all() and m.valid[mask_a].all() and not m.valid[~mask_a].any()
+    vol = local_match(a, b_nan, 1, metric="l2", mask_a=mask_a, mask_b=mask_b, output="volume")
+    assert torch.isinf(vol[:, :, ~mask_a]).all() and not vol.isnan().any()
+
+
+def test_batches_and_layouts_agree():
+    a, b = torch.randn(3, 8, 9, 5), torch.randn(3, 8, 9, 5)
+    flow = torch.randn(3, 8, 9, 2) * 2
+    whole = local_match(a, b, 2, k=2, flow=flow)
+    for i in range(3):
+        one = local_match(a[i], b[i], 2, k=2, flow=flow[i])
+        assert torch.equal(whole.index[i], one.index) and torch.allclose(whole.score[i], one.score, equal_nan=True)
+    chw = local_match(a.permute(0, 3, 1, 2), b.permute(0, 3, 1, 2), 2, k=2, flow=flow, layout="chw")
+    assert torch.equal(chw.index, whole.index)
+    shared = local_match(a, b, 2, flow=flow[0])  # one (H, W, 2) flow for every item
+    assert torch.equal(shared.index[1], local_match(a[1], b[1], 2, flow=flow[0]).index)
+
+
+def test_small_budgets_give_the_same_answer():
+    a, b = torch.randn(2, 12, 10, 6), torch.randn(2, 12, 10, 6)
+    big = local_match(a, b, 3, metric="l1", k=3)
+    small = local_match(a, b, 3, metric="l1", k=3, memory=40_000)
+    assert torch.equal(big.index, small.index) and torch.equal(big.score, small.score)
+    vol = local_match(a, b, 3, metric="l1", output="volume")
+    assert torch.equal(vol, local_match(a, b, 3, metric="l1", output="volume", memory=30_000))
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_a_window_over_the_whole_map_is_the_global_match(metric):
+    a, b = torch.randn(7, 6, 5), torch.randn(7, 6, 5)
+    local = local_match(a, b, 6, metric=metric, k=3)
+    whole = densematch.match(a, b, metric=metric, k=3)
+    assert_same_up_to_ties(a.reshape(-1, 5), b.reshape(-1, 5), local.index, whole.index, metric)
+    assert torch.allclose(local.score, whole.score, atol=tolerance(a, b, metric), rtol=1e-5)
+
+
+def test_a_shifted_photo_is_found(camera_small):
+    a = patch_features(camera_small, 7)
+    b = torch.roll(a, (-3, 2), (0, 1))  # b[y, x] = a[y + 3, x - 2]
+    m = local_match(a, b, 4)
+    inner = m.coords[8:-8, 8:-8]
+    grid = torch.stack(torch.meshgrid(torch.arange(8, 56), torch.arange(8, 56), indexing="ij"), -1)
+    assert ((inner - grid) == torch.tensor([-3, 2])).all(-1).float().mean() > 0.99
+
+
+def test_half_inputs_are_computed_in_float32():
+    a, b = torch.randn(6, 7, 8), torch.randn(6, 7, 8)
+    got = local_match(a.half(), b.half(), 1, metric="l2", output="volume")
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, local_match(a.half().float(), b.half().float(), 1, metric="l2", output="volume"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"radius": -1}, ValueError, "radius must be"),
+        ({"radius": (1, 2, 3)}, ValueError, "radius must be an int or a"),
+        ({"radius": 1.5}, TypeError, "radius must be an int"),
+        ({"dilation": 0}, ValueError, "dilation must be"),
+        ({"k": 10}, ValueError, "k must be between 1 and 9"),
+        ({"k": 2, "output": "volume"}, ValueError, "k applies to output='topk'"),
+        ({"fill": 0.0}, ValueError, "fill applies to output='volume'"),
+        ({"output": "dense"}, ValueError, "output must be one of"),
+        ({"sampling": "cubic"}, ValueError, "sampling must be one of"),
+        ({"metric": "hamming"}, ValueError, "metric must be one of"),
+        ({"layout": "flat"}, ValueError, "layout must be 'hwc' or 'chw'"),
+        ({"flow": torch.zeros(6, 7, 3)}, ValueError, "flow must have shape"),
+        ({"flow": torch.full((6, 7, 2), math.nan)}, ValueError, "flow must hold only finite"),
+        ({"flow": torch.zeros(6, 7, 2, dtype=torch.bool)}, TypeError, "flow must hold real numbers"),
+        ({"mask_b": torch.ones(6, 7)}, TypeError, "mask_b must be a boolean mask"),
+        ({"memory": 100}, ValueError, "cannot hold one row of windows"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error, text):
+    kwargs = {"radius": 1, **kwargs}
+    with pytest.raises(error, match=text):
+        local_match(torch.randn(6, 7, 4), torch.randn(6, 7, 4), **kwargs)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="share one grid"):
+        local_match(torch.randn(6, 7, 4), torch.randn(6, 8, 4), 1)
+    with pytest.raises(ValueError, match="channels"):
+        local_match(torch.randn(6, 7, 4), torch.randn(6, 7, 3), 1)
+    with pytest.raises(ValueError, match="finite"):
+        local_match(torch.full((6, 7, 4), math.inf), torch.randn(6, 7, 4), 1)
+    with pytest.raises(TypeError, match="floats"):
+        local_match(torch.ones(6, 7, 4, dtype=torch.int64), torch.randn(6, 7, 4), 1)
+
+
+def test_module_twin():
+    m = LocalMatcher(2, metric="l2", k=2)
+    assert repr(m) == "LocalMatcher(radius=(2, 2), metric='l2', output='topk', k=2, layout='hwc')"
+    a, b = torch.randn(5, 6, 3), torch.randn(5, 6, 3)
+    assert torch.equal(m(a, b).index, local_match(a, b, 2, metric="l2", k=2).index)
+    with pytest.raises(ValueError, match="k must be between 1 and 25"):
+        LocalMatcher(2, k=26)
+
+
+LOCAL_TRAIN = """
+g = torch.Generator().manual_seed(0)
+a = torch.randn(1, 64, {n}, {n}, generator=g).requires_grad_()
+b = torch.randn(1, 64, {n}, {n}, generator=g).requires_grad_()
+def run(small):
+    n = 16 if small else {n}
+    x, y = a[..., :n, :n], b[..., :n, :n]
+    vol = densematch.local_match(x, y, 7, metric="{metric}", layout="chw", output="volume", memory="{mib}MiB")
+    vol.sum().backward()
+"""
+
+
+@pytest.mark.parametrize("metric", ["l2"])
+def test_volume_forward_backward_stays_under_its_budget(metric):
+    # the unfold recipe would hold 1 x 64 x 225 x 96 x 96 floats: 506 MiB, twice over
+    n, mib = 96, 32
+    extra = peak_extra(LOCAL_TRAIN.format(n=n, metric=metric, mib=mib))
+    volume = 225 * n * n * 4
+    grads = 2 * 64 * n * n * 4
+    assert extra <= mib * 2**20 + 3 * volume + grads + 16 * 2**20, f"peak {extra / 2**20:.1f} MiB"
