@@ -101,6 +101,7 @@ class _Window:
         px: torch.Tensor = torch.arange(w, device=dev)[None, None, :] + ox
         py, px = py.expand(nb, y1 - y0, w), px.expand(nb, y1 - y0, w)
         frac = None
+        corners: tuple[Pair, ...] = ((0, 0),)
         if flow is not None:
             fy, fx = flow[:, y0:y1, :, 0].detach(), flow[:, y0:y1, :, 1].detach()
             if self.flow_kind == "bilinear":
@@ -111,8 +112,6 @@ class _Window:
                 corners = ((0, 0), (0, 1), (1, 0), (1, 1))
             else:
                 py, px = py + fy, px + fx
-        if frac is None:
-            corners = ((0, 0),)
         base = (torch.arange(nb, device=dev) * (h * w))[:, None, None]
         band = (slice(None), slice(y0, y1), slice(None))
         whole = (slice(None), slice(None), slice(None))
@@ -202,6 +201,26 @@ def local_match(
     fill: float | None = ...,
     memory: int | str | None = ...,
 ) -> torch.Tensor: ...
+
+
+@overload
+def local_match(
+    a: Any,
+    b: Any,
+    radius: int | tuple[int, int],
+    *,
+    dilation: int | tuple[int, int] = ...,
+    flow: Any = ...,
+    sampling: str = ...,
+    metric: str = ...,
+    k: int = ...,
+    output: str = ...,
+    layout: str = ...,
+    mask_a: Any = ...,
+    mask_b: Any = ...,
+    fill: float | None = ...,
+    memory: int | str | None = ...,
+) -> Matches | torch.Tensor: ...
 
 
 def local_match(
@@ -627,7 +646,7 @@ class LocalMatcher(nn.Module):
             sampling=self.sampling,
             metric=self.metric,
             k=self.k,
-            output=self.output,  # type: ignore[arg-type]
+            output=self.output,
             layout=self.layout,
             mask_a=mask_a,
             mask_b=mask_b,
