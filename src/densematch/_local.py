@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._match import Matches
@@ -71,6 +72,7 @@ class _Window:
     mask_b: torch.Tensor | None  # (B, H, W)
     pair: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
+    linear: bool = False  # the pair's value is a plain dot product (dot, and cosine of unit rows)
 
     def read(self, y0: int, y1: int, oy: Any, ox: Any, flow: torch.Tensor | None) -> _Read:
         """Where the candidates at offset (oy, ox) of rows y0:y1 come from."""
@@ -145,18 +147,21 @@ class _Window:
             parts = [_leaf(rb[read.b], want[1])]
         else:
             flat = rb.reshape(-1, c)
-            parts = [_leaf(flat.index_select(0, q).view(*read.valid.shape, c), want[1]) for q in read.index]
+            parts = [_leaf(F.embedding(q, flat).view(*read.valid.shape, c), want[1]) for q in read.index]
         fl = None
         if read.frac is not None:
             assert flow is not None
             fl = _leaf(flow[:, read.rows[0] : read.rows[1]], want[2])
             wy, wx = read.frac[0] + fl[..., 0], read.frac[1] + fl[..., 1]
             weights = ((1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx)
-            cand = sum(wt[..., None] * part for wt, part in zip(weights, parts, strict=True))
+            if self.linear:  # a dot product of the blend is the blend of the dot products
+                v = sum(wt * self.pair(xa, part) for wt, part in zip(weights, parts, strict=True))
+            else:
+                v = self.pair(xa, sum(wt[..., None] * part for wt, part in zip(weights, parts, strict=True)))
         else:
-            cand = parts[0]
-        assert isinstance(cand, torch.Tensor)
-        return self.pair(xa, cand), [xa, *parts, fl]
+            v = self.pair(xa, parts[0])
+        assert isinstance(v, torch.Tensor)
+        return v, [xa, *parts, fl]
 
 
 def _leaf(x: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -392,7 +397,7 @@ def _prepare(
     blended = moved is not None and moved.is_floating_point()
     prepared = []
     for rows, mk, unit in ((ra, masks[0], True), (rb, masks[1], not blended)):
-        x = rows.to(dtype)
+        x = rows.to(dtype).contiguous()  # channels last: each pixel's feature one run of memory
         if mk is not None:
             x = torch.where(mk.reshape(nb, -1, 1), x, 0.0)
         if metric.name == "cosine" and unit:
@@ -407,6 +412,7 @@ def _prepare(
         mask_b=masks[1],
         pair=pair,
         device=ra.device,
+        linear=metric.name == "dot" or (metric.name == "cosine" and not blended),
     )
     return window, (prepared[0], prepared[1], moved), batched
 
@@ -484,6 +490,13 @@ class _Values(torch.autograd.Function):
                 if read.out is None:
                     continue
                 g = grad[:, j, y0:y1][read.out] * read.valid[read.out]
+                if win.linear and read.b is not None and read.a is not None:
+                    # a shifted dot product: its gradients directly, with no recomputation
+                    if grads[0] is not None:
+                        grads[0][read.a].addcmul_(g[..., None], rb[read.b])
+                    if grads[1] is not None:
+                        grads[1][read.b].addcmul_(g[..., None], ra[read.a])
+                    continue
                 with torch.enable_grad():
                     v, sources = win.evaluate(read, ra, rb, flow, track)
                     leaves = [x for x in sources if x is not None and x.requires_grad]

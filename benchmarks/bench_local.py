@@ -1,0 +1,197 @@
+"""local_match against the recipes users write today: the cost volume against the unfold/pad
+recipe and against the full correlation that RAFT-style code samples windows from, forward and
+forward+backward; the top-k output against the global `match` and the unfold recipe's argmax.
+
+Run: python benchmarks/bench_local.py [--rounds 3] [--side 96 128] [--channels 64] [--radius 4]
+
+Features: 7x7 patch descriptors of astronaut projected to C channels, and of a shifted, noisy
+crop (benchmarks/_common.photo_features), in (1, C, H, W). Each method runs in its own process
+(so no thread pool or allocator state carries over), the methods alternating. Per method and
+round, one process warms up on a 16x16 map and records its peak memory above the warm state
+(VmHWM - VmRSS) over the first full-size call, with glibc's mmap threshold fixed so that freed
+memory leaves at once; a second, plain process times ``--repeats`` calls after one full-size
+call. The table gives the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import machine, save
+
+CHILD = textwrap.dedent(
+    """
+    import json, statistics, sys, time
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, {here!r})
+    from _common import photo_features
+    import densematch
+
+    H, W, C, R, BACKWARD = {h}, {w}, {c}, {r}, {backward}
+    P = 2 * R + 1
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    def unfold_volume(a, b):
+        n, c, h, w = a.shape
+        patches = F.unfold(F.pad(b, (R, R, R, R)), P).view(n, c, P, P, h, w)
+        return (a[:, :, None, None] * patches).sum(1)
+
+    def full_volume(a, b):
+        # RAFT's recipe: every pair's product, then each pixel's window read out of it
+        n, c, h, w = a.shape
+        corr = torch.einsum("nchw,ncyx->nhwyx", a, b)
+        corr = F.pad(corr, (R, R, R, R))
+        ys = torch.arange(h)[:, None, None, None] + torch.arange(P)[None, None, :, None]
+        xs = torch.arange(w)[None, :, None, None] + torch.arange(P)[None, None, None, :]
+        hh = torch.arange(h)[:, None, None, None]
+        ww = torch.arange(w)[None, :, None, None]
+        return corr[:, hh, ww, ys, xs].permute(0, 3, 4, 1, 2)
+
+    def ours_volume(a, b):
+        return densematch.local_match(a, b, R, metric="dot", layout="chw", output="volume")
+
+    def ours_cosine(a, b):
+        return densematch.local_match(a, b, R, metric="cosine", layout="chw", output="volume")
+
+    def ours_flow(a, b):
+        flow = torch.randn(1, a.shape[2], a.shape[3], 2, generator=torch.Generator().manual_seed(0)) * 2
+        kw = dict(metric="dot", layout="chw", output="volume", flow=flow, sampling="bilinear")
+        return densematch.local_match(a, b, R, **kw)
+
+    def ours_topk(a, b):
+        return densematch.local_match(a, b, R, layout="chw").index
+
+    def unfold_topk(a, b):
+        a = F.normalize(a, dim=1)
+        b = F.normalize(b, dim=1)
+        return unfold_volume(a, b).flatten(1, 2).argmax(1)
+
+    def global_match(a, b):
+        return densematch.match(a, b, layout="chw").index
+
+    fn = {{
+        "local_match volume, dot": ours_volume,
+        "local_match volume, cosine": ours_cosine,
+        "local_match volume, dot, bilinear flow": ours_flow,
+        "unfold/pad recipe": unfold_volume,
+        "full correlation, windows read out": full_volume,
+        "local_match topk, cosine": ours_topk,
+        "unfold recipe + argmax": unfold_topk,
+        "match (global), cosine": global_match,
+    }}[{method!r}]
+
+    def inputs(h, w):
+        a, b = photo_features(h, w, C)
+        return [x.permute(2, 0, 1)[None].contiguous().requires_grad_(BACKWARD) for x in (a, b)]
+
+    def run(a, b):
+        out = fn(a, b)
+        if BACKWARD:
+            out.float().sum().backward()
+
+    torch.set_num_threads({threads})
+    run(*inputs(16, 16))
+    a, b = inputs(H, W)
+    before = status("VmRSS:")
+    run(a, b)
+    peak = status("VmHWM:") - before
+    times = []
+    for _ in range({repeats}):
+        a.grad = b.grad = None
+        t0 = time.perf_counter()
+        run(a, b)
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({{"seconds": statistics.median(times), "peak": peak}}))
+    """
+)
+
+VOLUMES = [
+    "local_match volume, dot",
+    "local_match volume, cosine",
+    "unfold/pad recipe",
+    "full correlation, windows read out",
+]
+TOPK = ["local_match topk, cosine", "unfold recipe + argmax", "match (global), cosine"]
+
+
+def child(method: str, backward: bool, args: argparse.Namespace) -> dict[str, float]:
+    code = CHILD.format(
+        here=os.path.dirname(os.path.abspath(__file__)),
+        h=args.side[0],
+        w=args.side[1],
+        c=args.channels,
+        r=args.radius,
+        backward=backward,
+        method=method,
+        threads=args.threads,
+        repeats=args.repeats,
+    )
+    # the peak in a process whose fixed mmap threshold hands freed blocks back at once, so RSS
+    # measures what is held; the time in a plain one, as users run (that threshold makes every
+    # large temporary a fresh mapping, and penalises code that allocates many)
+    found = {}
+    for key, extra in (("peak", {"MALLOC_MMAP_THRESHOLD_": "131072"}), ("seconds", {})):
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **extra}, timeout=1800
+        )
+        if out.returncode:
+            return {"error": out.stderr.strip().splitlines()[-1]}
+        found[key] = json.loads(out.stdout.strip().splitlines()[-1])[key]
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--side", type=int, nargs=2, default=[96, 128])
+    p.add_argument("--channels", type=int, default=64)
+    p.add_argument("--radius", type=int, default=4)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--name", default="local")
+    args = p.parse_args()
+    cases = [(m, bw) for m in VOLUMES for bw in (False, True)] + [(m, False) for m in TOPK]
+    results: dict[tuple[str, bool], list[dict[str, float]]] = {c: [] for c in cases}
+    for r in range(args.rounds):
+        for case in cases:
+            results[case].append(child(*case, args))
+            print(r, case, results[case][-1], flush=True)
+    rows = []
+    for (method, backward), runs in results.items():
+        ok = [x for x in runs if "error" in x] == []
+        rows.append(
+            {
+                "method": method,
+                "backward": backward,
+                "median_s": statistics.median(x["seconds"] for x in runs) if ok else None,
+                "peak_mib": statistics.median(x["peak"] for x in runs) / 2**20 if ok else None,
+                "error": None if ok else runs[0]["error"],
+            }
+        )
+    info = machine()
+    saved = save(args.name, {"machine": info, "command": " ".join(sys.argv), "args": vars(args), "rows": rows})
+    print(f"\nmachine: {info}\nsaved {saved}\n")
+    h, w = args.side
+    print(f"{h}x{w}, C={args.channels}, radius {args.radius}, {args.threads} threads\n")
+    print("| method | pass | median s | peak MiB |\n|---|---|---|---|")
+    for row in rows:
+        what = "forward + backward" if row["backward"] else "forward"
+        if row["median_s"] is None:
+            print(f"| {row['method']} | {what} | failed: {row['error']} | |")
+        else:
+            print(f"| {row['method']} | {what} | {row['median_s']:.4f} | {row['peak_mib']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
