@@ -68,6 +68,26 @@ def matmul_gflops(device: str = "cpu", n: int = 2048, repeats: int = 15) -> floa
     return 2 * n**3 / t / 1e9
 
 
+def peak_and_time(code: str, keys: tuple[str, str] = ("peak", "seconds")) -> dict[str, Any]:
+    """Run ``code`` (a script whose last line of output is JSON with ``peak`` bytes and
+    ``seconds``) twice, in fresh processes: the peak from one whose glibc mmap threshold is
+    fixed, so that freed blocks leave at once and RSS measures what is held; the time from a
+    plain one, as users run (that threshold turns every large temporary into a fresh mapping,
+    which penalises code that allocates many). ``{"error": last line of stderr}`` on failure."""
+    import subprocess
+    import sys
+
+    found: dict[str, Any] = {}
+    for key, extra in ((keys[0], {"MALLOC_MMAP_THRESHOLD_": "131072"}), (keys[1], {})):
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **extra}, timeout=1800
+        )
+        if out.returncode:
+            return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1]}
+        found[key] = json.loads(out.stdout.strip().splitlines()[-1])[key]
+    return found
+
+
 def save(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -16,15 +16,13 @@ call. The table gives the median over rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import textwrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine, save
+from _common import machine, peak_and_time, save
 
 CHILD = textwrap.dedent(
     """
@@ -119,6 +117,7 @@ CHILD = textwrap.dedent(
 VOLUMES = [
     "local_match volume, dot",
     "local_match volume, cosine",
+    "local_match volume, dot, bilinear flow",
     "unfold/pad recipe",
     "full correlation, windows read out",
 ]
@@ -137,18 +136,7 @@ def child(method: str, backward: bool, args: argparse.Namespace) -> dict[str, fl
         threads=args.threads,
         repeats=args.repeats,
     )
-    # the peak in a process whose fixed mmap threshold hands freed blocks back at once, so RSS
-    # measures what is held; the time in a plain one, as users run (that threshold makes every
-    # large temporary a fresh mapping, and penalises code that allocates many)
-    found = {}
-    for key, extra in (("peak", {"MALLOC_MMAP_THRESHOLD_": "131072"}), ("seconds", {})):
-        out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **extra}, timeout=1800
-        )
-        if out.returncode:
-            return {"error": out.stderr.strip().splitlines()[-1]}
-        found[key] = json.loads(out.stdout.strip().splitlines()[-1])[key]
-    return found
+    return peak_and_time(code)
 
 
 def main() -> None:

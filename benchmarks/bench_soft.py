@@ -1,10 +1,13 @@
 """soft_match against the dense recipe (softmax of the full similarity matrix, then the weighted
-positions), forward and forward+backward, and its two paths: torch's fused attention and tiles.
+positions) and against torch's fused attention called directly, forward and forward+backward,
+time and peak memory; and soft_match's two paths (fused attention and tiles).
 
-Run: python benchmarks/bench_soft.py [--repeats 3]
+Run: python benchmarks/bench_soft.py [--rounds 3] [--sides 64 128] [--channels 64]
 
-Random unit features, C=32, temperature 0.1, square maps of side 64, 96 and 128 against the same
-size; median of ``repeats`` after a warm-up, all in this process (the methods alternate).
+Random features, temperature 0.1, square maps against maps of the same size. Each method runs
+in its own processes (benchmarks/_common.peak_and_time: the peak above the warm state over the
+first full-size call with freed memory returned at once; the median of ``--repeats`` calls in a
+plain process), the methods alternating, median over rounds.
 """
 
 from __future__ import annotations
@@ -13,67 +16,132 @@ import argparse
 import os
 import statistics
 import sys
-import time
+import textwrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine, save
+from _common import machine, peak_and_time, save
 
-
-def main() -> None:
+CHILD = textwrap.dedent(
+    """
+    import json, statistics, time, warnings
     import torch
-
+    import torch.nn.functional as F
     import densematch
     from densematch import _soft
 
+    SIDE, C, BACKWARD, T = {side}, {c}, {backward}, 0.1
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    def positions(side):
+        return torch.stack(torch.meshgrid(torch.arange(side * 1.0), torch.arange(side * 1.0), indexing="ij"), -1)
+
+    def dense(a, b):
+        q = F.normalize(a.reshape(-1, C), dim=1)
+        k = F.normalize(b.reshape(-1, C), dim=1)
+        return (q @ k.T / T).softmax(1) @ positions(a.shape[0]).reshape(-1, 2)
+
+    def sdpa(a, b):
+        # torch's fused attention called directly: the positions padded to C (the CPU flash
+        # kernel wants one width), the largest weight and the spread left out
+        q = F.normalize(a.reshape(-1, C), dim=1)
+        k = F.normalize(b.reshape(-1, C), dim=1)
+        v = F.pad(positions(a.shape[0]).reshape(-1, 2), (0, C - 2))
+        out = F.scaled_dot_product_attention(q[None, None], k[None, None], v[None, None], scale=1 / T)
+        return out[0, 0, :, :2]
+
+    def ours(fused):
+        def run(a, b):
+            _soft._SDPA = fused
+            return densematch.soft_match(a, b, temperature=T).coords
+        return run
+
+    fn = {{
+        "soft_match (fused attention)": ours(True),
+        "soft_match (tiles)": ours(False),
+        "dense": dense,
+        "scaled_dot_product_attention alone": sdpa,
+    }}[{method!r}]
+
+    def inputs(side):
+        g = torch.Generator().manual_seed(0)
+        return [torch.randn(side, side, C, generator=g).requires_grad_(BACKWARD) for _ in range(2)]
+
+    def run(a, b):
+        out = fn(a, b)
+        if BACKWARD:
+            out.sum().backward()
+
+    torch.set_num_threads({threads})
+    run(*inputs(16))
+    a, b = inputs(SIDE)
+    before = status("VmRSS:")
+    run(a, b)
+    peak = status("VmHWM:") - before
+    times = []
+    for _ in range({repeats}):
+        a.grad = b.grad = None
+        t0 = time.perf_counter()
+        run(a, b)
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({{"seconds": statistics.median(times), "peak": peak}}))
+    """
+)
+
+METHODS = ["soft_match (fused attention)", "soft_match (tiles)", "dense", "scaled_dot_product_attention alone"]
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sides", type=int, nargs="+", default=[64, 96, 128])
+    p.add_argument("--sides", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--channels", type=int, default=64)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--name", default="soft")
     args = p.parse_args()
-    rows = []
-    for side in args.sides:
-        g = torch.Generator().manual_seed(0)
-        a0, b0 = (torch.randn(side, side, 32, generator=g) for _ in range(2))
-        pos = torch.stack(torch.meshgrid(torch.arange(side * 1.0), torch.arange(side * 1.0), indexing="ij"), -1)
-
-        def dense(a, b, pos=pos):
-            q = torch.nn.functional.normalize(a.reshape(-1, 32), dim=1)
-            k = torch.nn.functional.normalize(b.reshape(-1, 32), dim=1)
-            return (q @ k.T / 0.1).softmax(1) @ pos.reshape(-1, 2)
-
-        def ours(fused):
-            def run(a, b):
-                _soft._SDPA = fused
-                return densematch.soft_match(a, b, temperature=0.1).coords
-
-            return run
-
-        methods = {"soft_match (fused attention)": ours(True), "soft_match (tiles)": ours(False), "dense": dense}
-        times: dict[tuple[str, bool], list[float]] = {}
-        for _ in range(args.repeats + 1):
-            for name, fn in methods.items():
-                for backward in (False, True):
-                    x, y = (t.clone().requires_grad_(backward) for t in (a0, b0))
-                    t0 = time.perf_counter()
-                    out = fn(x, y)
-                    if backward:
-                        out.sum().backward()
-                    times.setdefault((name, backward), []).append(time.perf_counter() - t0)
-        _soft._SDPA = True
-        for (name, backward), t in times.items():
-            rows.append({"side": side, "method": name, "backward": backward, "median_s": statistics.median(t[1:])})
-            print(rows[-1], flush=True)
-    info = machine()
-    saved = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
-    print(f"\nmachine: {info}\nsaved {saved}\n")
-    print("| maps | method | forward s | forward + backward s |\n|---|---|---|---|")
-    for side in args.sides:
-        for name in ("soft_match (fused attention)", "soft_match (tiles)", "dense"):
-            f, fb = (
-                next(r["median_s"] for r in rows if (r["side"], r["method"], r["backward"]) == (side, name, bw))
-                for bw in (False, True)
+    cases = [(side, m, bw) for side in args.sides for m in METHODS for bw in (False, True)]
+    results: dict[tuple[int, str, bool], list[dict[str, float]]] = {c: [] for c in cases}
+    for r in range(args.rounds):
+        for side, method, backward in cases:
+            code = CHILD.format(
+                side=side,
+                c=args.channels,
+                backward=backward,
+                method=method,
+                threads=args.threads,
+                repeats=args.repeats,
             )
-            print(f"| {side}x{side} against {side}x{side} | {name} | {f:.3f} | {fb:.3f} |")
+            results[(side, method, backward)].append(peak_and_time(code))
+            print(r, side, method, backward, results[(side, method, backward)][-1], flush=True)
+    rows = []
+    for (side, method, backward), runs in results.items():
+        errors = [x["error"] for x in runs if "error" in x]
+        rows.append(
+            {
+                "side": side,
+                "method": method,
+                "backward": backward,
+                "median_s": None if errors else statistics.median(x["seconds"] for x in runs),
+                "peak_mib": None if errors else statistics.median(x["peak"] for x in runs) / 2**20,
+                "error": errors[0] if errors else None,
+            }
+        )
+    info = machine()
+    saved = save(args.name, {"machine": info, "command": " ".join(sys.argv), "args": vars(args), "rows": rows})
+    print(f"\nmachine: {info}\nsaved {saved}\n")
+    print(f"C={args.channels}, {args.threads} threads\n")
+    print("| maps | method | forward s | peak MiB | forward + backward s | peak MiB |\n|---|---|---|---|---|---|")
+    for side in args.sides:
+        for method in METHODS:
+            cells = []
+            for backward in (False, True):
+                row = next(r for r in rows if (r["side"], r["method"], r["backward"]) == (side, method, backward))
+                ok = row["median_s"] is not None
+                cells += [f"{row['median_s']:.3f}", f"{row['peak_mib']:.1f}"] if ok else [f"failed: {row['error']}", ""]
+            print(f"| {side}x{side} against {side}x{side} | {method} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

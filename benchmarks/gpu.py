@@ -10,7 +10,9 @@ Checks first (CUDA answers against the CPU's), then times, each side by side in 
   ms, TFLOP/s and the fraction of that rate; the certificate's candidate counts and fallback
   rate; exactness of "exact" against float64 on 2000 sampled rows;
 - pairwise_distance l2 / l1, forward and forward+backward, against torch.cdist;
-- align: one 100x100-into-125x125 pair (target < 5 ms) and a batch of 256 (target > 2000 pairs/s).
+- align: one 100x100-into-125x125 pair (target < 5 ms) and a batch of 256 (target > 2000 pairs/s);
+- local_match: the cost volume at 96x128, C=64, r=4 (dot), forward and forward+backward, against
+  the unfold/pad recipe; soft_match at 128x128, C=64, against the dense recipe.
 Writes benchmarks/results/gpu.json and prints a table.
 """
 
@@ -130,6 +132,48 @@ def match_rows(dev: torch.device, *, small: bool, checks: dict[str, bool]) -> li
     return rows
 
 
+def window_rows(dev: torch.device, *, small: bool) -> list[dict]:
+    """local_match's volume against the unfold/pad recipe, soft_match against the dense recipe."""
+    import torch.nn.functional as F
+
+    rows: list[dict] = []
+    h, w, c, r = (24, 32, 16, 2) if small else (96, 128, 64, 4)
+    a = torch.randn(1, c, h, w, device=dev, requires_grad=True)
+    b = torch.randn(1, c, h, w, device=dev, requires_grad=True)
+
+    def unfold(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        patches = F.unfold(F.pad(b, (r, r, r, r)), 2 * r + 1).view(1, c, 2 * r + 1, 2 * r + 1, h, w)
+        return (a[:, :, None, None] * patches).sum(1)
+
+    def ours(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return densematch.local_match(a, b, r, metric="dot", layout="chw", output="volume")
+
+    side = 32 if small else 128
+    qa = torch.randn(side, side, 64, device=dev, requires_grad=True)
+    qb = torch.randn(side, side, 64, device=dev, requires_grad=True)
+    pos = torch.stack(torch.meshgrid(*(torch.arange(side * 1.0, device=dev),) * 2, indexing="ij"), -1).reshape(-1, 2)
+
+    def dense(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        q, k = (F.normalize(x.reshape(-1, 64), dim=1) for x in (a, b))
+        return (q @ k.T / 0.1).softmax(1) @ pos
+
+    def soft(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return densematch.soft_match(a, b).coords
+
+    for job, inputs, methods in (
+        (f"local volume {h}x{w} C={c} r={r}", (a, b), (("densematch", ours), ("unfold/pad recipe", unfold))),
+        (f"soft_match {side}x{side} C=64", (qa, qb), (("densematch", soft), ("dense recipe", dense))),
+    ):
+        for name, fn in methods:
+            fwd = timeit(lambda fn=fn, x=inputs: fn(*x).detach(), repeats=5)
+            both = timeit(lambda fn=fn, x=inputs: fn(*x).sum().backward(), repeats=3)
+            rows.append(
+                {"job": job, "method": name, "median_s": round(fwd["median"], 5), "fwd+bwd_s": round(both["median"], 5)}
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -155,6 +199,17 @@ def main() -> None:
     case = next(alignment_cases(1, seed=0, sizes=(((100, 100), (125, 125)),)))
     al = densematch.align(case.template.to(dev), case.image.to(dev))
     checks["align"] = abs(al.scale_h - case.scale_h) < 0.005 and abs(al.shift_x - case.shift_x) < 0.5
+    fa, fb = torch.randn(2, 20, 24, 16, generator=g), torch.randn(2, 20, 24, 16, generator=g)
+    flow = 3 * torch.randn(2, 20, 24, 2, generator=g)
+    for sampling in ("nearest", "bilinear"):
+        kw = dict(flow=flow, sampling=sampling, metric="l2", output="volume", fill=0.0)
+        ref = densematch.local_match(fa, fb, 3, **kw)
+        got = densematch.local_match(fa.to(dev), fb.to(dev), 3, **{**kw, "flow": flow.to(dev)})
+        checks[f"local_match volume {sampling}"] = bool(torch.allclose(got.cpu(), ref, atol=1e-4))
+    ref_soft = densematch.soft_match(fa, fb).coords
+    checks["soft_match"] = bool(
+        torch.allclose(densematch.soft_match(fa.to(dev), fb.to(dev)).coords.cpu(), ref_soft, atol=1e-3)
+    )
     print("checks:", checks, flush=True)
 
     rows += match_rows(dev, small=args.small, checks=checks)
@@ -195,6 +250,8 @@ def main() -> None:
         }
     )
     print(rows[-1], flush=True)
+
+    rows += window_rows(dev, small=args.small)
 
     info = machine()
     path = save(
