@@ -123,3 +123,57 @@ def test_out_of_memory_in_a_tile_halves_the_tile_and_retries(monkeypatch):
     assert sizes[:3] == [100, 50, 25]
     assert_same_up_to_ties(a, b, got[1], want[1], "l2")
     torch.testing.assert_close(got[0], want[0])
+
+
+@pytest.mark.parametrize(("metric", "k"), [("cosine", 1), ("l2", 3), ("l1", 2)])
+def test_query_tiles_on_worker_threads_give_the_single_thread_answer(monkeypatch, metric, k):
+    # 3000 query rows: over the threshold where a CPU search shares its query tiles out
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3000, 12, generator=g), torch.randn(700, 12, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert engine.driver.tile_workers(a.device, a.shape[0]) == 2
+        seen = []
+        real = PlainSearch.rank
+
+        def spy(self, best_v, best_i, start, buf):
+            seen.append((torch.get_num_threads(), __import__("threading").current_thread().name))
+            return real(self, best_v, best_i, start, buf)
+
+        monkeypatch.setattr(PlainSearch, "rank", spy)
+        done = []
+        value, index = engine.topk(a, b, metric=metric, k=k, budget=2**28, on_tile=done.append)
+        monkeypatch.setattr(engine.driver, "THREADED", False)
+        ref_v, ref_i = engine.topk(a, b, metric=metric, k=k, budget=2**28)
+        # the caller's setting stays, and threads started later get it too
+        assert torch.get_num_threads() == 2
+        later = []
+        t = __import__("threading").Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert later == [2]
+    finally:
+        torch.set_num_threads(threads)
+    assert sum(done) == 3000
+    workers = {name for n, name in seen if name.startswith("densematch-tiles")}
+    assert len(workers) == 2 and all(n == 1 for n, name in seen if name in workers)
+    assert_same_up_to_ties(a, b, index, ref_i, metric)
+    torch.testing.assert_close(value, ref_v, rtol=0, atol=tolerance(a, b, metric))
+
+
+def test_an_error_in_a_worker_thread_reaches_the_caller(monkeypatch):
+    a, b = torch.randn(3000, 4), torch.randn(50, 4)
+
+    def broken(self, best_v, best_i, start, buf):
+        raise RuntimeError("tile failed")
+
+    monkeypatch.setattr(PlainSearch, "rank", broken)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="tile failed"):
+            engine.topk(a, b, metric="cosine", k=1, budget=2**28)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -4,6 +4,7 @@ memory model, and runs the tile loop with its out-of-memory retry."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -233,13 +234,14 @@ def topk(
         stats.update(rows=na, candidates=0, most=0, fallback=0)
     if na == 0 or nb == 0:
         return value, index
+    workers = tile_workers(device, na)
     dims, plan = _plan(
         strategy,
         na,
         nb,
         a.shape[1],
         k,
-        budget,
+        budget if workers == 1 else max(1, (budget - reserved) // workers + reserved),
         metric=metric,
         device=device,
         precision=precision,
@@ -257,6 +259,11 @@ def topk(
             scale = common_scale(max(top_a, peak(b, rows_b, plan.tile_a)))
         inputs = Inputs(a, b, rows_a, rows_b, metric, precision, k, scale, dims.cap, stats, prepared)
         search = strategy(inputs, plan)
+        if workers > 1:
+            # tiles small enough that a worker slowed by other processes leaves little behind
+            ta = max(1, min(plan.tile_a, -(-na // (_TILES_PER_WORKER * workers)), na))
+            _threaded(search, value, index, ta, workers, on_tile)
+            return value, index
         ta = plan.tile_a
         buf = None
         start = 0
@@ -278,3 +285,70 @@ def topk(
                 on_tile(stop - start)
             start = stop
     return value, index
+
+
+# Query tiles per worker thread at least, so that the tiles left when one worker is slowed are few
+_TILES_PER_WORKER = 4
+# Below this many query rows a search is too short to share out
+_MIN_THREADED_ROWS = 2048
+# Whether CPU searches run their query tiles on worker threads (tests switch it off to compare)
+THREADED = True
+
+
+def tile_workers(device: torch.device, na: int) -> int:
+    """How many threads run query tiles at once: on a CPU, one per intra-op thread of the
+    caller, each running its tiles' operators on itself alone, so that a search holds no barrier
+    of the OpenMP pool per operator (a few thousand per call, each waiting for the slowest thread:
+    on a busy machine, for a descheduled one) and a slowed worker only takes fewer tiles. One on
+    other devices and for short searches."""
+    if not THREADED or device.type != "cpu" or na < _MIN_THREADED_ROWS:
+        return 1
+    return max(1, torch.get_num_threads())
+
+
+def _threaded(
+    search: Strategy,
+    value: torch.Tensor,
+    index: torch.Tensor,
+    ta: int,
+    workers: int,
+    on_tile: Callable[[int], None] | None,
+) -> None:
+    """Rank and finalise the query tiles of ``ta`` rows on ``workers`` threads, each taking the
+    next tile when it finishes one. torch.set_num_threads in a thread sets that thread's own
+    OpenMP and MKL thread counts (and a process-wide default for threads started later, which
+    each worker puts back as it ends)."""
+    na = value.shape[0]
+    lock = threading.Lock()
+    starts = iter(range(0, na, ta))
+    errors: list[BaseException] = []
+    threads = torch.get_num_threads()
+
+    def work() -> None:
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                buf = search.block(ta)
+                while not errors:
+                    with lock:
+                        start = next(starts, None)
+                    if start is None:
+                        return
+                    stop = min(start + ta, na)
+                    search.rank(value[start:stop], index[start:stop], start, buf)
+                    search.finalise(value[start:stop], index[start:stop], start)
+                    if on_tile is not None:
+                        with lock:
+                            on_tile(stop - start)
+        except BaseException as e:  # handed to the caller's thread below
+            errors.append(e)
+        finally:
+            torch.set_num_threads(threads)
+
+    pool = [threading.Thread(target=work, name=f"densematch-tiles-{i}") for i in range(workers)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]

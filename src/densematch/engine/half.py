@@ -159,10 +159,11 @@ class HalfSearch(Strategy):
             v, i = self._search_float32(q.index_select(0, redo), k, buf)
             best_v[redo], best_i[redo] = v, i
         if self.stats is not None:
-            counts = torch.bincount(rows, minlength=m)
-            self.stats["candidates"] += int(rows.numel())
-            self.stats["most"] = max(self.stats["most"], int(counts.max()) if m else 0)
-            self.stats["fallback"] += int(redo.numel())
+            most = int(torch.bincount(rows, minlength=m).max()) if m else 0
+            with self.lock:  # query tiles may run on several threads
+                self.stats["candidates"] += int(rows.numel())
+                self.stats["most"] = max(self.stats["most"], most)
+                self.stats["fallback"] += int(redo.numel())
 
     def _search_float32(self, q: torch.Tensor, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The plain float32 search of prepared rows ``q`` (the rows that overflowed), its score

@@ -10,6 +10,7 @@ running top-k of the tile) and ``finalise`` (rows of b, values recomputed, order
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +151,7 @@ class Strategy:
         self.metric, self.dtype, self.scale = inputs.metric, inputs.precision.dtype, inputs.scale
         self.tile_b, self.nb, self.cap_rows = plan.tile_b, inputs.nb, inputs.cap
         self.merge = merge_best if inputs.k == 1 else merge_topk
+        self.lock = threading.Lock()  # for what query tiles on several threads update together
         self.whole: torch.Tensor | None = None
         if inputs.prepared is not None:
             self.centre, self.whole = inputs.prepared.centre, inputs.prepared.whole
