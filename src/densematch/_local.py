@@ -154,13 +154,13 @@ class _Window:
             fl = _leaf(flow[:, read.rows[0] : read.rows[1]], want[2])
             wy, wx = read.frac[0] + fl[..., 0], read.frac[1] + fl[..., 1]
             weights = ((1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx)
+            pairs = list(zip(weights, parts, strict=True))
             if self.linear:  # a dot product of the blend is the blend of the dot products
-                v = sum(wt * self.pair(xa, part) for wt, part in zip(weights, parts, strict=True))
+                v = torch.stack([wt * self.pair(xa, part) for wt, part in pairs]).sum(0)
             else:
-                v = self.pair(xa, sum(wt[..., None] * part for wt, part in zip(weights, parts, strict=True)))
+                v = self.pair(xa, torch.stack([wt[..., None] * part for wt, part in pairs]).sum(0))
         else:
             v = self.pair(xa, parts[0])
-        assert isinstance(v, torch.Tensor)
         return v, [xa, *parts, fl]
 
 
