@@ -56,8 +56,8 @@ CHILD = textwrap.dedent(
 
     if method == "densematch, one OpenMP pool":
         # the engine as it ran before query tiles went to worker threads
-        from densematch.engine import driver
-        driver.THREADED = False
+        from densematch import threads
+        threads.THREADED = False
         method = "densematch"
 
     def faiss_flat(a, b):

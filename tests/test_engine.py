@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import densematch.threads
 from densematch import engine
 from densematch.engine.plain import PlainSearch
 from densematch.metrics import METRICS, get_metric
@@ -144,7 +145,7 @@ def test_query_tiles_on_worker_threads_give_the_single_thread_answer(monkeypatch
         monkeypatch.setattr(PlainSearch, "rank", spy)
         done = []
         value, index = engine.topk(a, b, metric=metric, k=k, budget=2**28, on_tile=done.append)
-        monkeypatch.setattr(engine.driver, "THREADED", False)
+        monkeypatch.setattr(densematch.threads, "THREADED", False)
         ref_v, ref_i = engine.topk(a, b, metric=metric, k=k, budget=2**28)
         # the caller's setting stays, and threads started later get it too
         assert torch.get_num_threads() == 2

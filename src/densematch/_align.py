@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .budget import chunk_rows
 from .checks import as_tensor, check_choice, check_finite
 from .config import resolve_memory
+from .threads import share_out, workers_for
 
 __all__ = ["Alignment", "align", "warp"]
 
@@ -417,12 +418,20 @@ def _align(
     # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
     per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
     step = chunk_rows(budget, per_cand, "the refinement of one candidate")
-    params, errs = [], []
-    for s in range(0, b * m, step):
-        part = slice(s, s + step)
+    workers = workers_for(x.device)
+    if workers > 1:  # its operators are small: shared out by candidates, each worker alone
+        step = max(1, min(step, -(-b * m // (4 * workers))))
+    starts = range(0, b * m, step)
+    params: list[torch.Tensor] = [cand] * len(starts)
+    errs: list[torch.Tensor] = [cand] * len(starts)
+
+    def refine(n: int) -> None:
+        part = slice(starts[n], starts[n] + step)
         p = _refine(t, x, mask, owner[part], cand[part], range_h, range_w, objective == "ncc")
-        params.append(torch.stack(p, 1))
-        errs.append(_objective(t, x, mask, owner[part], p, objective))
+        params[n] = torch.stack(p, 1)
+        errs[n] = _objective(t, x, mask, owner[part], p, objective)
+
+    share_out(range(len(starts)), refine, workers, name="densematch-align")
     err = torch.cat(errs)
     pick = torch.arange(b, device=x.device) * m + err.view(b, m).argmin(1)
     sh, sw, sy, sx = torch.cat(params)[pick].unbind(1)
@@ -476,26 +485,28 @@ def _grid_search(
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
     pairs = chunk_rows(cap, per_pair, what)
+    workers = workers_for(x.device)
+    if workers > 1:  # a few chunks per worker thread, so that a slowed one leaves little behind
+        pairs = max(1, min(pairs, -(-b * nh * nw // (4 * workers))))
     step_w = min(nw, pairs)
     step_h = min(nh, max(1, pairs // step_w))
     step_b = max(1, min(b, pairs // (nh * nw)))
+    chunks = [(s, r, col) for s in range(0, b, step_b) for r in range(0, nh, step_h) for col in range(0, nw, step_w)]
+    found: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def search(chunk: tuple[int, int, int]) -> None:
+        s, r, col = chunk
+        e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
+        args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform)
+        score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
+        found[chunk] = score.flatten(3).min(3)  # best and where, (bc, rows, cols of the scale grid)
+
+    share_out(chunks, search, workers, name="densematch-align")
     land, cands = [], []
     for s in range(0, b, step_b):
-        e = min(b, s + step_b)
-        bests, wheres = [], []
-        for r in range(0, nh, step_h):
-            q = slice(r, r + step_h)
-            row_best, row_where = [], []
-            for col in range(0, nw, step_w):
-                v = slice(col, col + step_w)
-                args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform)
-                score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
-                best, where = score.flatten(3).min(3)  # (bc, rows, cols of the scale grid)
-                row_best.append(best)
-                row_where.append(where)
-            bests.append(torch.cat(row_best, 2))
-            wheres.append(torch.cat(row_where, 2))
-        best, where = torch.cat(bests, 1), torch.cat(wheres, 1)
+        rows_of = [[found[(s, r, col)] for col in range(0, nw, step_w)] for r in range(0, nh, step_h)]
+        best = torch.cat([torch.cat([bw[0] for bw in row], 2) for row in rows_of], 1)
+        where = torch.cat([torch.cat([bw[1] for bw in row], 2) for row in rows_of], 1)
         land.append(best)
         cands.append(_pick_candidates(best, where, grid_h, grid_w, n_x))
     return torch.cat(cands), torch.cat(land)

@@ -152,22 +152,45 @@ def _fused(
     """The softmax moments through torch's fused attention (flash or memory-efficient kernels
     only: never the math kernel, which builds the Na x Nb weights), with the values padded to
     the features' width (the CPU flash kernel needs one width), or None where no fused kernel
-    takes these inputs. The largest weight, exp(max logit - log-sum-exp), takes one more tiled
-    pass (the fused kernel keeps its log-sum-exp to itself)."""
+    takes these inputs. The largest weight is exp(max logit - log-sum-exp): on a CPU the flash
+    kernel hands its log-sum-exp out and one pass of products finds the maxima; elsewhere that
+    pass computes the log-sum-exp too."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     c = max(q.shape[1], v.shape[1])
     qp, kp = (F.pad(x, (0, c - x.shape[1])) for x in (q, k))  # zero columns change no product
     vp = F.pad(v.to(q.dtype), (0, c - v.shape[1]))
+    lse = None
     try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch explains each kernel it cannot use
-            out = F.scaled_dot_product_attention(qp[None, None], kp[None, None], vp[None, None], scale=scale)
+        if q.device.type == "cpu":
+            # the bare kernel reads its inputs as contiguous, whatever their strides
+            qp, kp, vp = (x.contiguous()[None, None] for x in (qp, kp, vp))
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, scale=scale)
+        else:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch explains each kernel it cannot use
+                out = F.scaled_dot_product_attention(qp[None, None], kp[None, None], vp[None, None], scale=scale)
     except RuntimeError:
         return None
+    ta, tb = _tiles(q.shape[0], k.shape[0], q.shape[1], budget)
     with torch.no_grad():
-        lse, best = _row_stats(q.detach(), k.detach(), scale, *_tiles(q.shape[0], k.shape[0], q.shape[1], budget))
-    return out[0, 0, :, : v.shape[1]].double(), torch.exp(best - lse)
+        if lse is None:
+            lse_rows, best = _row_stats(q.detach(), k.detach(), scale, ta, tb)
+        else:
+            lse_rows, best = lse.detach().reshape(-1).to(q.dtype), _row_max(q.detach(), k.detach(), scale, ta, tb)
+    return out[0, 0, :, : v.shape[1]].double(), torch.exp(best - lse_rows)
+
+
+def _row_max(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -> torch.Tensor:
+    """The largest logit of every row, over column tiles (products and maxima, no exponentials)."""
+    best = torch.empty(q.shape[0], dtype=q.dtype, device=q.device)
+    for i in range(0, q.shape[0], ta):
+        qi = q[i : i + ta]
+        top = torch.full((qi.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
+        for j in range(0, k.shape[0], tb):
+            top = torch.maximum(top, (qi @ k[j : j + tb].T).amax(1))
+        best[i : i + ta] = top * scale
+    return best
 
 
 def _tiles(na: int, nb: int, c: int, budget: int) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import torch
 from .. import kernels
 from ..metrics import Metric, get_metric
 from ..precision import FLOAT32, Precision
+from ..threads import share_out, workers_for
 from .fused import KernelSearch
 from .half import HalfSearch
 from .plain import PlainSearch
@@ -291,19 +292,13 @@ def topk(
 _TILES_PER_WORKER = 4
 # Below this many query rows a search is too short to share out
 _MIN_THREADED_ROWS = 2048
-# Whether CPU searches run their query tiles on worker threads (tests switch it off to compare)
-THREADED = True
 
 
 def tile_workers(device: torch.device, na: int) -> int:
-    """How many threads run query tiles at once: on a CPU, one per intra-op thread of the
-    caller, each running its tiles' operators on itself alone, so that a search holds no barrier
-    of the OpenMP pool per operator (a few thousand per call, each waiting for the slowest thread:
-    on a busy machine, for a descheduled one) and a slowed worker only takes fewer tiles. One on
-    other devices and for short searches."""
-    if not THREADED or device.type != "cpu" or na < _MIN_THREADED_ROWS:
-        return 1
-    return max(1, torch.get_num_threads())
+    """How many threads run query tiles at once (:mod:`densematch.threads`): on a CPU, one per
+    intra-op thread of the caller, so that a search holds no OpenMP barrier per operator and a
+    worker slowed by other processes takes fewer tiles; one on GPUs and for short searches."""
+    return 1 if na < _MIN_THREADED_ROWS else workers_for(device)
 
 
 def _threaded(
@@ -314,41 +309,20 @@ def _threaded(
     workers: int,
     on_tile: Callable[[int], None] | None,
 ) -> None:
-    """Rank and finalise the query tiles of ``ta`` rows on ``workers`` threads, each taking the
-    next tile when it finishes one. torch.set_num_threads in a thread sets that thread's own
-    OpenMP and MKL thread counts (and a process-wide default for threads started later, which
-    each worker puts back as it ends)."""
+    """Rank and finalise the query tiles of ``ta`` rows on ``workers`` threads, each with its
+    own score block."""
     na = value.shape[0]
+    local = threading.local()
     lock = threading.Lock()
-    starts = iter(range(0, na, ta))
-    errors: list[BaseException] = []
-    threads = torch.get_num_threads()
 
-    def work() -> None:
-        torch.set_num_threads(1)
-        try:
-            with torch.inference_mode():
-                buf = search.block(ta)
-                while not errors:
-                    with lock:
-                        start = next(starts, None)
-                    if start is None:
-                        return
-                    stop = min(start + ta, na)
-                    search.rank(value[start:stop], index[start:stop], start, buf)
-                    search.finalise(value[start:stop], index[start:stop], start)
-                    if on_tile is not None:
-                        with lock:
-                            on_tile(stop - start)
-        except BaseException as e:  # handed to the caller's thread below
-            errors.append(e)
-        finally:
-            torch.set_num_threads(threads)
+    def tile(start: int) -> None:
+        if getattr(local, "buf", None) is None:
+            local.buf = search.block(ta)
+        stop = min(start + ta, na)
+        search.rank(value[start:stop], index[start:stop], start, local.buf)
+        search.finalise(value[start:stop], index[start:stop], start)
+        if on_tile is not None:
+            with lock:
+                on_tile(stop - start)
 
-    pool = [threading.Thread(target=work, name=f"densematch-tiles-{i}") for i in range(workers)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
+    share_out(range(0, na, ta), tile, workers, name="densematch-tiles")
