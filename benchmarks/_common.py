@@ -68,6 +68,44 @@ def matmul_gflops(device: str = "cpu", n: int = 2048, repeats: int = 15) -> floa
     return 2 * n**3 / t / 1e9
 
 
+def measure_in_child(
+    fn: Callable[..., torch.Tensor],
+    inputs: Callable[[bool], list[torch.Tensor]],
+    *,
+    backward: bool,
+    repeats: int,
+    threads: int,
+) -> None:
+    """The body of a child process of :func:`peak_and_time`: warm up on ``inputs(True)`` (small),
+    then print JSON with ``peak`` (bytes of VmHWM above the warm RSS over the first call on
+    ``inputs(False)``) and ``seconds`` (the median of ``repeats`` more calls). With
+    ``backward``, each call also takes the gradient of the output's sum."""
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    def run(args: list[torch.Tensor]) -> None:
+        for x in args:
+            x.grad = None
+        out = fn(*args)
+        if backward:
+            out.float().sum().backward()
+
+    torch.set_num_threads(threads)
+    run(inputs(True))
+    args = inputs(False)
+    before = status("VmRSS:")
+    run(args)
+    peak = status("VmHWM:") - before
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(args)
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"seconds": statistics.median(times), "peak": peak}))
+
+
 def peak_and_time(code: str, keys: tuple[str, str] = ("peak", "seconds")) -> dict[str, Any]:
     """Run ``code`` (a script whose last line of output is JSON with ``peak`` bytes and
     ``seconds``) twice, in fresh processes: the peak from one whose glibc mmap threshold is

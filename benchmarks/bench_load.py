@@ -133,12 +133,13 @@ def main() -> None:
     p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     p.add_argument("--no-align", action="store_true")
+    p.add_argument("--align-only", action="store_true", help="time align alone")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--name", default="load")
     args = p.parse_args()
     cases = []
-    for size in args.sizes:
+    for size in [] if args.align_only else args.sizes:
         dims = tuple(int(v) for v in size.split("x"))
         for metric in args.metrics:
             for k in args.ks:

@@ -26,19 +26,15 @@ from _common import machine, peak_and_time, save
 
 CHILD = textwrap.dedent(
     """
-    import json, statistics, sys, time
+    import sys
     import torch
     import torch.nn.functional as F
     sys.path.insert(0, {here!r})
-    from _common import photo_features
+    from _common import measure_in_child, photo_features
     import densematch
 
     H, W, C, R, BACKWARD = {h}, {w}, {c}, {r}, {backward}
     P = 2 * R + 1
-
-    def status(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
     def unfold_volume(a, b):
         n, c, h, w = a.shape
@@ -89,28 +85,11 @@ CHILD = textwrap.dedent(
         "match (global), cosine": global_match,
     }}[{method!r}]
 
-    def inputs(h, w):
-        a, b = photo_features(h, w, C)
+    def inputs(small):
+        a, b = photo_features(16, 16, C) if small else photo_features(H, W, C)
         return [x.permute(2, 0, 1)[None].contiguous().requires_grad_(BACKWARD) for x in (a, b)]
 
-    def run(a, b):
-        out = fn(a, b)
-        if BACKWARD:
-            out.float().sum().backward()
-
-    torch.set_num_threads({threads})
-    run(*inputs(16, 16))
-    a, b = inputs(H, W)
-    before = status("VmRSS:")
-    run(a, b)
-    peak = status("VmHWM:") - before
-    times = []
-    for _ in range({repeats}):
-        a.grad = b.grad = None
-        t0 = time.perf_counter()
-        run(a, b)
-        times.append(time.perf_counter() - t0)
-    print(json.dumps({{"seconds": statistics.median(times), "peak": peak}}))
+    measure_in_child(fn, inputs, backward=BACKWARD, repeats={repeats}, threads={threads})
     """
 )
 

@@ -23,17 +23,15 @@ from _common import machine, peak_and_time, save
 
 CHILD = textwrap.dedent(
     """
-    import json, statistics, time, warnings
+    import sys
     import torch
     import torch.nn.functional as F
     import densematch
     from densematch import _soft
+    sys.path.insert(0, {here!r})
+    from _common import measure_in_child
 
     SIDE, C, BACKWARD, T = {side}, {c}, {backward}, 0.1
-
-    def status(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
     def positions(side):
         return torch.stack(torch.meshgrid(torch.arange(side * 1.0), torch.arange(side * 1.0), indexing="ij"), -1)
@@ -65,28 +63,12 @@ CHILD = textwrap.dedent(
         "scaled_dot_product_attention alone": sdpa,
     }}[{method!r}]
 
-    def inputs(side):
+    def inputs(small):
+        side = 16 if small else SIDE
         g = torch.Generator().manual_seed(0)
         return [torch.randn(side, side, C, generator=g).requires_grad_(BACKWARD) for _ in range(2)]
 
-    def run(a, b):
-        out = fn(a, b)
-        if BACKWARD:
-            out.sum().backward()
-
-    torch.set_num_threads({threads})
-    run(*inputs(16))
-    a, b = inputs(SIDE)
-    before = status("VmRSS:")
-    run(a, b)
-    peak = status("VmHWM:") - before
-    times = []
-    for _ in range({repeats}):
-        a.grad = b.grad = None
-        t0 = time.perf_counter()
-        run(a, b)
-        times.append(time.perf_counter() - t0)
-    print(json.dumps({{"seconds": statistics.median(times), "peak": peak}}))
+    measure_in_child(fn, inputs, backward=BACKWARD, repeats={repeats}, threads={threads})
     """
 )
 
@@ -107,6 +89,7 @@ def main() -> None:
     for r in range(args.rounds):
         for side, method, backward in cases:
             code = CHILD.format(
+                here=os.path.dirname(os.path.abspath(__file__)),
                 side=side,
                 c=args.channels,
                 backward=backward,

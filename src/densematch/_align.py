@@ -419,8 +419,10 @@ def _align(
     per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
     step = chunk_rows(budget, per_cand, "the refinement of one candidate")
     workers = workers_for(x.device)
-    if workers > 1:  # its operators are small: shared out by candidates, each worker alone
-        step = max(1, min(step, -(-b * m // (4 * workers))))
+    if workers > 1 and b > 1:
+        # shared out by whole pairs, a few chunks per worker: every chunk pays the refinement's
+        # per-iteration overhead once, so a pair's candidates stay together
+        step = min(step, m * -(-b // (4 * workers)))
     starts = range(0, b * m, step)
     params: list[torch.Tensor] = [cand] * len(starts)
     errs: list[torch.Tensor] = [cand] * len(starts)
@@ -444,6 +446,10 @@ def _downsample(v: torch.Tensor, factor: int) -> torch.Tensor:
         return v
     hh, ww = (v.shape[-2] // factor) * factor, (v.shape[-1] // factor) * factor
     return F.avg_pool2d(v[..., :hh, :ww], factor)
+
+
+# grid-search chunks per worker thread at least (0: chunks sized by the cache alone)
+_GRID_CHUNKS = 4
 
 
 def _grid_search(
@@ -486,8 +492,8 @@ def _grid_search(
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
     pairs = chunk_rows(cap, per_pair, what)
     workers = workers_for(x.device)
-    if workers > 1:  # a few chunks per worker thread, so that a slowed one leaves little behind
-        pairs = max(1, min(pairs, -(-b * nh * nw // (4 * workers))))
+    if workers > 1 and _GRID_CHUNKS:  # a few chunks per worker, so that a slowed one leaves little
+        pairs = max(1, min(pairs, -(-b * nh * nw // (_GRID_CHUNKS * workers))))
     step_w = min(nw, pairs)
     step_h = min(nh, max(1, pairs // step_w))
     step_b = max(1, min(b, pairs // (nh * nw)))

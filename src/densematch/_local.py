@@ -23,7 +23,16 @@ from torch import nn
 
 from ._match import Matches
 from .budget import chunk_rows, parse_memory
-from .checks import as_tensor, check_batch_mask, check_choice, check_features, check_finite, check_int, check_real
+from .checks import (
+    as_tensor,
+    check_batch_mask,
+    check_choice,
+    check_features,
+    check_finite,
+    check_int,
+    check_pair,
+    check_real,
+)
 from .config import resolve_memory
 from .metrics import Metric, get_metric, unit_rows
 
@@ -375,12 +384,7 @@ def _prepare(
     rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
     if grid != grid_b:
         raise ValueError(f"a and b must share one grid (windows sit at a's own positions), got {grid} and {grid_b}")
-    if batched != batched_b or ra.shape[0] != rb.shape[0]:
-        raise ValueError(f"a and b must have the same batch size, got {tuple(ra.shape)} and {tuple(rb.shape)}")
-    if ra.shape[2] != rb.shape[2]:
-        raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
-    if ra.device != rb.device:
-        raise ValueError(f"a and b must be on one device, got {ra.device} and {rb.device}")
+    check_pair(ra, rb, batched, batched_b)
     ry, rx = _pair_int(radius, "radius", 0)
     dy, dx = _pair_int(dilation, "dilation", 1)
     nb, (h, w) = ra.shape[0], grid

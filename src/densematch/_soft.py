@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .budget import chunk_rows
-from .checks import check_batch_mask, check_choice, check_features, check_finite, check_real
+from .checks import check_batch_mask, check_choice, check_features, check_finite, check_pair, check_real
 from .config import resolve_memory
 
 __all__ = ["SOFT_MODES", "SoftMatches", "soft_match"]
@@ -98,12 +98,7 @@ def soft_match(
         raise ValueError(f"layout must be 'hwc' or 'chw' (positions need a 2-D grid), got {layout!r}")
     ra, grid_a, batched = check_features(a, "a", layout)
     rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
-    if batched != batched_b or ra.shape[0] != rb.shape[0]:
-        raise ValueError(f"a and b must have the same batch size, got {tuple(ra.shape)} and {tuple(rb.shape)}")
-    if ra.shape[2] != rb.shape[2]:
-        raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
-    if ra.device != rb.device:
-        raise ValueError(f"a and b must be on one device, got {ra.device} and {rb.device}")
+    check_pair(ra, rb, batched, batched_b)
     masks = check_batch_mask(mask_b, "mask_b", ra.shape[0], grid_b, batched, ra.device)
     if masks is not None:
         masks = masks.reshape(ra.shape[0], -1)

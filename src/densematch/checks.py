@@ -7,7 +7,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["as_tensor", "check_choice", "check_features", "check_finite", "check_int", "check_mask", "check_real"]
+__all__ = [
+    "as_tensor",
+    "check_choice",
+    "check_features",
+    "check_finite",
+    "check_int",
+    "check_mask",
+    "check_pair",
+    "check_real",
+]
 
 LAYOUTS = ("hwc", "chw", "flat")
 _SHAPES = {
@@ -144,6 +153,17 @@ def check_mask(mask: Any, name: str, shape: tuple[int, ...], device: torch.devic
     if tuple(mask.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, the map's pixels, got {tuple(mask.shape)}")
     return mask.to(device)
+
+
+def check_pair(ra: torch.Tensor, rb: torch.Tensor, batched: bool, batched_b: bool) -> None:
+    """Rows of a and b (from :func:`check_features`) that can be compared: one batch size, one
+    number of channels, one device."""
+    if batched != batched_b or ra.shape[0] != rb.shape[0]:
+        raise ValueError(f"a and b must have the same batch size, got {tuple(ra.shape)} and {tuple(rb.shape)}")
+    if ra.shape[2] != rb.shape[2]:
+        raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
+    if ra.device != rb.device:
+        raise ValueError(f"a and b must be on one device, got {ra.device} and {rb.device}")
 
 
 def check_batch_mask(
