@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .budget import chunk_rows
 from .checks import as_tensor, check_choice, check_finite
 from .config import resolve_memory
-from .threads import share_out, workers_for
+from .threads import share_out, share_size, workers_for
 
 __all__ = ["Alignment", "align", "warp"]
 
@@ -422,7 +422,7 @@ def _align(
     if workers > 1 and b > 1:
         # shared out by whole pairs, a few chunks per worker: every chunk pays the refinement's
         # per-iteration overhead once, so a pair's candidates stay together
-        step = min(step, m * -(-b // (4 * workers)))
+        step = min(step, m * share_size(b, workers))
     starts = range(0, b * m, step)
     params: list[torch.Tensor] = [cand] * len(starts)
     errs: list[torch.Tensor] = [cand] * len(starts)
@@ -446,10 +446,6 @@ def _downsample(v: torch.Tensor, factor: int) -> torch.Tensor:
         return v
     hh, ww = (v.shape[-2] // factor) * factor, (v.shape[-1] // factor) * factor
     return F.avg_pool2d(v[..., :hh, :ww], factor)
-
-
-# grid-search chunks per worker thread at least (0: chunks sized by the cache alone)
-_GRID_CHUNKS = 4
 
 
 def _grid_search(
@@ -492,8 +488,8 @@ def _grid_search(
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
     pairs = chunk_rows(cap, per_pair, what)
     workers = workers_for(x.device)
-    if workers > 1 and _GRID_CHUNKS:  # a few chunks per worker, so that a slowed one leaves little
-        pairs = max(1, min(pairs, -(-b * nh * nw // (_GRID_CHUNKS * workers))))
+    if workers > 1:  # a few chunks per worker, so that a slowed one leaves little behind
+        pairs = min(pairs, share_size(b * nh * nw, workers))
     step_w = min(nw, pairs)
     step_h = min(nh, max(1, pairs // step_w))
     step_b = max(1, min(b, pairs // (nh * nw)))

@@ -17,12 +17,14 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["THREADED", "own_thread", "share_out", "workers_for"]
+__all__ = ["THREADED", "own_thread", "share_out", "share_size", "workers_for"]
 
 T = TypeVar("T")
 
 # Whether CPU work is shared out over worker threads (benchmarks switch it off to compare)
 THREADED = True
+# Items per worker at least, so that the items left when one worker is slowed down are few
+ITEMS_PER_WORKER = 4
 
 
 def workers_for(device: torch.device) -> int:
@@ -31,6 +33,12 @@ def workers_for(device: torch.device) -> int:
     if not THREADED or device.type != "cpu":
         return 1
     return max(1, torch.get_num_threads())
+
+
+def share_size(total: int, workers: int) -> int:
+    """The largest share of ``total`` units that still cuts them into :data:`ITEMS_PER_WORKER`
+    items per worker (at least 1)."""
+    return max(1, -(-total // (ITEMS_PER_WORKER * workers)))
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import torch
 from .. import kernels
 from ..metrics import Metric, get_metric
 from ..precision import FLOAT32, Precision
-from ..threads import share_out, workers_for
+from ..threads import share_out, share_size, workers_for
 from .fused import KernelSearch
 from .half import HalfSearch
 from .plain import PlainSearch
@@ -262,7 +262,7 @@ def topk(
         search = strategy(inputs, plan)
         if workers > 1:
             # tiles small enough that a worker slowed by other processes leaves little behind
-            ta = max(1, min(plan.tile_a, -(-na // (_TILES_PER_WORKER * workers)), na))
+            ta = min(plan.tile_a, share_size(na, workers))
             _threaded(search, value, index, ta, workers, on_tile)
             return value, index
         ta = plan.tile_a
@@ -288,8 +288,6 @@ def topk(
     return value, index
 
 
-# Query tiles per worker thread at least, so that the tiles left when one worker is slowed are few
-_TILES_PER_WORKER = 4
 # Below this many query rows a search is too short to share out
 _MIN_THREADED_ROWS = 2048
 
