@@ -13,6 +13,8 @@ $(BIN)/python:
 $(STAMP): pyproject.toml scripts/install-torch.sh | $(BIN)/python
 	scripts/install-torch.sh $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test,cli]'
+	@# the l1 / linf / l2 C kernels, built once per machine (without a compiler torch's kernels run)
+	-$(BIN)/python -m densematch.kernels.native
 	touch $@
 
 demo: $(STAMP)

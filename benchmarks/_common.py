@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +166,24 @@ def photo_features(h: int, w: int, c: int, *, photo: str = "astronaut", shift: t
     crops[1] = crops[1] + np.random.default_rng(0).normal(0, 0.02, crops[1].shape).astype(np.float32)
     proj, _ = torch.linalg.qr(torch.randn(size * size, c, generator=torch.Generator().manual_seed(1)))
     return tuple(patch_descriptor(torch.from_numpy(np.ascontiguousarray(x)), size) @ proj for x in crops)
+
+
+# Loads that other programs put on the machine while a benchmark runs (benchmarks/bench_load.py
+# says why these two): another PyTorch program with its own OpenMP pool plus a busy loop, or two
+# plain busy loops.
+TORCH_LOAD = "import torch\nx = torch.randn(384, 384)\nwhile True:\n    x = torch.tanh(x @ x)\n"
+BUSY_LOOP = "while True:\n    pass\n"
+LOADS = {"quiet": [], "torch": [TORCH_LOAD, BUSY_LOOP], "busy": [BUSY_LOOP, BUSY_LOOP]}
+
+
+@contextlib.contextmanager
+def under_load(load: str) -> Iterator[None]:
+    """Run the block while the programs of ``LOADS[load]`` run beside it (started 2 s before)."""
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for code in LOADS[load]]
+    try:
+        time.sleep(2.0 if procs else 0.0)
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -1,7 +1,7 @@
 """Dense matching on a quiet machine and on a busy one, side by side: densematch.match against
 FAISS, the blockwise loop and torch.cdist, every method in its own process.
 
-Run: python benchmarks/bench_load.py [--sizes 160x160x64 80x80x384] [--metrics cosine l2]
+Run: python benchmarks/bench_load.py [--sizes 160x160x64 80x80x384] [--metrics cosine l2 l1]
      [--ks 1 8] [--loads quiet torch busy] [--rounds 3] [--repeats 3]
 
 Loads, started before the timings of their block and stopped after:
@@ -28,10 +28,9 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine, save
+from _common import LOADS, machine, save, under_load
 
 CHILD = textwrap.dedent(
     """
@@ -60,10 +59,13 @@ CHILD = textwrap.dedent(
         threads.THREADED = False
         method = "densematch"
 
+    order = 1.0 if metric == "l1" else 2.0
+
     def faiss_flat(a, b):
         import faiss
         xa, xb = prepared(a).numpy(), prepared(b).numpy()
-        index = faiss.IndexFlatIP(xb.shape[1]) if metric == "cosine" else faiss.IndexFlatL2(xb.shape[1])
+        kind = {{"cosine": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2, "l1": faiss.METRIC_L1}}[metric]
+        index = faiss.IndexFlat(xb.shape[1], kind)
         index.add(xb)
         return index.search(xa, k)[1]
 
@@ -71,12 +73,12 @@ CHILD = textwrap.dedent(
         a, b = prepared(a), prepared(b)
         out = torch.empty(a.shape[0], k, dtype=torch.int64)
         for i in range(0, a.shape[0], block):
-            s = a[i : i + block] @ b.T if metric == "cosine" else -torch.cdist(a[i : i + block], b)
+            s = a[i : i + block] @ b.T if metric == "cosine" else -torch.cdist(a[i : i + block], b, p=order)
             out[i : i + block] = s.topk(k, 1).indices if k > 1 else s.argmax(1, keepdim=True)
         return out
 
     def cdist(a, b):
-        d = torch.cdist(prepared(a), prepared(b))
+        d = torch.cdist(prepared(a), prepared(b), p=order)
         return d.topk(k, 1, largest=False).indices if k > 1 else d.argmin(1)
 
     def align(a, b):
@@ -106,9 +108,6 @@ CHILD = textwrap.dedent(
     """
 )
 
-TORCH_LOAD = "import torch\nx = torch.randn(384, 384)\nwhile True:\n    x = torch.tanh(x @ x)\n"
-BUSY_LOOP = "while True:\n    pass\n"
-LOADS = {"quiet": [], "torch": [TORCH_LOAD, BUSY_LOOP], "busy": [BUSY_LOOP, BUSY_LOOP]}
 METHODS = ["densematch", "densematch, one OpenMP pool", "FAISS", "blockwise loop", "torch.cdist"]
 
 
@@ -150,19 +149,13 @@ def main() -> None:
         cases.append({"size": (100, 100, 1), "metric": "-", "k": 1, "method": "align"})
     rows = []
     for load in args.loads:
-        procs = [subprocess.Popen([sys.executable, "-c", code]) for code in LOADS[load]]
-        try:
-            time.sleep(2.0 if procs else 0.0)
-            results: dict[int, list[dict]] = {i: [] for i in range(len(cases))}
+        results: dict[int, list[dict]] = {i: [] for i in range(len(cases))}
+        with under_load(load):
             for r in range(args.rounds):
                 for i, case in enumerate(cases):
                     count = load == "quiet" and r == 0 and case["method"].startswith(("densematch", "align"))
                     results[i].append(run_child({**case, "repeats": args.repeats, "count_ops": count}))
                     print(load, r, case, results[i][-1], flush=True)
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
         for i, case in enumerate(cases):
             runs = results[i]
             errors = [x["error"] for x in runs if "error" in x]

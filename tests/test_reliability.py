@@ -107,6 +107,13 @@ class TestNoProcessWideState:
             carried = pool.submit(contextvars.copy_context().run, budget).result()
         assert (plain, carried) == (None, "3MiB")
 
+    def test_config_context_reaches_densematchs_own_workers(self):
+        # the engine's tiles run on worker threads: the caller's scoped settings must hold there
+        seen = []
+        with densematch.config_context(memory="5MiB", kernel="torch"):
+            densematch.threads.share_out(range(6), lambda _: seen.append(densematch.get_config()), 2)
+        assert len(seen) == 6 and all(c["memory"] == "5MiB" and c["kernel"] == "torch" for c in seen)
+
 
 class TestWarpChecks:
     @pytest.mark.parametrize(

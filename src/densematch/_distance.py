@@ -2,14 +2,16 @@
 
 ``pairwise_distance`` returns the full (N, F, H, W) tensor and ``nearest_prototype`` only the k
 nearest, never building that tensor. Neither ever builds the (N*H*W, F, D) broadcast: matrix
-metrics go through one matrix product per tile, and l1 / linf through ``torch.cdist``'s kernel
-forward and tiles of bounded size backward (``torch.cdist``'s own backward allocates that
-broadcast). Both are differentiable; the backward pass recomputes tiles instead of keeping them.
+metrics go through one matrix product per tile, l1 / linf through densematch's C kernels on a CPU
+(:mod:`densematch.kernels.native`) or ``torch.cdist``'s kernels by tiles of bounded size
+(``torch.cdist``'s own backward allocates that broadcast). Both are differentiable; the backward
+pass recomputes tiles instead of keeping them. Tiles run on worker threads on a CPU.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -19,8 +21,10 @@ from . import engine
 from .budget import chunk_rows
 from .checks import as_tensor, check_choice, check_finite, check_int
 from .config import resolve_memory
-from .metrics import Metric, Minkowski, get_metric
+from .kernels import native
+from .metrics import Euclidean, Metric, Minkowski, get_metric
 from .precision import RANKINGS, Precision, resolve_precision
+from .threads import share_out, share_size, workers_for
 
 __all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
 
@@ -57,6 +61,12 @@ def _check_inputs(
     return x, p, m, dtype
 
 
+# Bytes of one tile of distances for the matrix metrics, written by the product and read again
+# at once: within this machine's L2 + L3 share per core (4 MiB ran 0.65-0.77x torch.cdist's time
+# at both benchmark sizes, 1 MiB 0.69-0.85x)
+_CACHE_TILE = 4 << 20
+
+
 @functools.cache
 def _compiled_minkowski(metric: Minkowski, rows_last: bool) -> Any:
     """A torch.compile'd l1 / linf kernel. Inductor fuses the difference, absolute value and
@@ -81,7 +91,8 @@ def _column_tile(budget: int, f: int, d: int, item: int, minkowski: bool) -> int
 
 
 class _PairwiseDistance(torch.autograd.Function):
-    """Tiled forward written into the output; tiled closed-form backward from the output."""
+    """Tiled forward written into the output; tiled closed-form backward from the output. Tiles
+    of ``cols`` pixels of one map go to worker threads (:mod:`densematch.threads`)."""
 
     @staticmethod
     def forward(
@@ -99,29 +110,35 @@ class _PairwiseDistance(torch.autograd.Function):
         channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         bank = metric.bank(p, dtype)
         x3 = x.detach().flatten(2)  # (N, D, HW): a view for NCHW and channels_last alike
-        if compiled and isinstance(metric, Minkowski) and x.dtype == dtype:
+        minkowski = metric if isinstance(metric, Minkowski) and x.dtype == dtype else None
+        if compiled and minkowski is not None:
             # the fused kernel holds nothing but its output: no tiling needed
-            kernel = _compiled_minkowski(metric, channels_last)
+            kernel = _compiled_minkowski(minkowski, channels_last)
             buf = kernel(x3.transpose(1, 2) if channels_last else x3, bank.rows)
-        elif isinstance(metric, Minkowski) and cols >= hw and x.dtype == dtype:
+        elif minkowski is not None and cols >= hw and not native.usable(x.device, dtype):
             # whole maps fit: one batched kernel call writes the output in x's layout directly
             rows = x3.transpose(1, 2).contiguous()  # (N, HW, D): a view already if channels_last
             bank_n = bank.rows.expand(n, f, d).contiguous()
             buf = torch.ops.aten._cdist_forward(
-                *((rows, bank_n) if channels_last else (bank_n, rows)), metric.order, None
+                *((rows, bank_n) if channels_last else (bank_n, rows)), minkowski.order, None
             )
         else:
             # the output is laid out like x: NCHW, or channels_last as a (N, HW, F) buffer
             buf = torch.empty((n, hw, f) if channels_last else (n, f, hw), dtype=x.dtype, device=x.device)
             out = buf.transpose(1, 2) if channels_last else buf
-            for i in range(n):
-                for s in range(0, hw, cols):
-                    o = out[i, :, s : s + cols]
-                    direct = o.dtype == dtype and o.is_contiguous()
-                    tile = o if direct else torch.empty(o.shape, dtype=dtype, device=x.device)
-                    metric.bank_distances(bank, x3[i, :, s : s + cols].to(dtype), tile)
-                    if not direct:
-                        o.copy_(tile)
+            # the C kernels write any strides; the others write a contiguous tile of their own
+            strided = isinstance(metric, (Minkowski, Euclidean)) and native.usable(x.device, dtype)
+
+            def tile(item: tuple[int, int]) -> None:
+                i, s = item
+                o = out[i, :, s : s + cols]
+                direct = o.dtype == dtype and (strided or o.is_contiguous())
+                t = o if direct else torch.empty(o.shape, dtype=dtype, device=x.device)
+                metric.bank_distances(bank, x3[i, :, s : s + cols].to(dtype), t)
+                if not direct:
+                    o.copy_(t)
+
+            share_out(_tiles(n, hw, cols), tile, workers_for(x.device), name="densematch-distance")
         result = (buf.transpose(1, 2) if channels_last else buf).view(n, f, h, w)
         ctx.save_for_backward(x, p, result)
         ctx.settings = (metric, dtype, cols_backward)
@@ -137,18 +154,37 @@ class _PairwiseDistance(torch.autograd.Function):
         bank = metric.bank(p, dtype)
         gx = torch.empty((n, d, h * w), dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
         gp = torch.zeros(p.shape, dtype=dtype, device=p.device)
-        for i in range(n):
-            for s in range(0, h * w, cols):
-                part = slice(s, s + cols)
-                tx, tp = metric.bank_grads(
-                    bank, x3[i, :, part].to(dtype), g3[i, :, part].to(dtype), d3[i, :, part].to(dtype)
-                )
-                if gx is not None:
-                    gx[i, :, part] = tx
-                gp += tp
+        tiles = _tiles(n, h * w, cols)
+        # the prototypes' gradient adds the tiles' parts in the order of the tiles, whichever
+        # worker finishes first, so that it does not depend on the threads' timing
+        done: dict[int, torch.Tensor] = {}
+        added = 0
+        lock = threading.Lock()
+
+        def tile(number: int) -> None:
+            nonlocal added
+            i, s = tiles[number]
+            part = slice(s, s + cols)
+            tx, tp = metric.bank_grads(
+                bank, x3[i, :, part].to(dtype), g3[i, :, part].to(dtype), d3[i, :, part].to(dtype)
+            )
+            if gx is not None:
+                gx[i, :, part] = tx
+            with lock:
+                done[number] = tp
+                while added in done:
+                    gp.add_(done.pop(added))
+                    added += 1
+
+        share_out(range(len(tiles)), tile, workers_for(x.device), name="densematch-distance")
         grad_x = None if gx is None else gx.view(n, d, h, w)
         grad_p = metric.bank_grad_finish(bank, gp).to(p.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_p, None, None, None, None, None
+
+
+def _tiles(n: int, hw: int, cols: int) -> list[tuple[int, int]]:
+    """(map, first pixel) of every tile of ``cols`` pixels."""
+    return [(i, s) for i in range(n) for s in range(0, hw, cols)]
 
 
 def pairwise_distance(
@@ -178,9 +214,9 @@ def pairwise_distance(
         Raise on NaN or Inf. Switch off in training loops: on a GPU the check syncs.
     compile : bool, default=False
         For l1 and linf on float32 / float64 inputs, run the forward pass through a kernel built
-        by ``torch.compile`` (fused, vectorised across pixels: 2.6x faster than torch.cdist's on
-        the benchmark CPU). The first call in a process compiles (seconds) and needs a C++
-        compiler on a CPU, Triton on a GPU. Other metrics ignore it.
+        by ``torch.compile`` (fused, vectorised across pixels). The first call in a process
+        compiles (seconds) and needs a C++ compiler on a CPU, Triton on a GPU. On a CPU the
+        default C kernels are faster where they run (docs/distance.md); other metrics ignore it.
 
     Returns
     -------
@@ -204,8 +240,14 @@ def pairwise_distance(
     budget = resolve_memory(memory, x.device)
     item = torch.finfo(dtype).bits // 8
     hw = x.shape[2] * x.shape[3]
-    cols = min(_column_tile(budget, p.shape[0], p.shape[1], item, False), hw)
-    cols_backward = min(_column_tile(budget, p.shape[0], p.shape[1], item, not m.matrix), hw)
+    workers = workers_for(x.device)
+    share = budget if workers == 1 else max(1, budget // workers)  # each worker holds one tile
+    # at least a few tiles per worker, and for the matrix metrics tiles whose several passes
+    # stay in the cache
+    cap = min(hw, share_size(x.shape[0] * hw, workers), max(64, _CACHE_TILE // (p.shape[0] * item)) if m.matrix else hw)
+    cols = min(_column_tile(share, p.shape[0], p.shape[1], item, False), cap)
+    torch_backward = not m.matrix and not native.usable(x.device, dtype)
+    cols_backward = min(_column_tile(share, p.shape[0], p.shape[1], item, torch_backward), cap)
     with torch.autocast(device_type=x.device.type, enabled=False):
         out: torch.Tensor = _PairwiseDistance.apply(x, p, m, dtype, cols, cols_backward, bool(compile))  # type: ignore[no-untyped-call]
         return out

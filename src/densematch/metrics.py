@@ -29,6 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import native
+from .threads import scratch
+
 __all__ = ["METRICS", "Bank", "Metric", "get_metric", "row_norms", "unit_rows"]
 
 # Zero rows pass gradients g / _EPS through their unit vector, as through x / max(||x||, eps).
@@ -340,31 +343,48 @@ class Euclidean(Metric):
         body = rows - centre
         return Bank(rows, body, body.square().sum(1), centre)
 
+    root = True  # the distance is the square root of the expansion
+
     def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
-        xc = xt - bank.centre[:, None]
-        xx = xc.square().sum(0)
-        torch.addmm(bank.norms[:, None], bank.body, xc, alpha=-2.0, out=out).add_(xx)
+        if native.usable(xt.device, xt.dtype):
+            # tiles of this thread's own for the centred columns and the products, then one pass
+            # adds, clamps, roots and writes
+            xc = torch.sub(xt, bank.centre[:, None], out=scratch("l2-centred", xt.shape, xt.dtype, xt.device))
+            xx = native.sqnorms(xc)
+            products = scratch("l2-products", out.shape, out.dtype, out.device)
+            smallest = native.l2_finish(torch.mm(bank.body, xc, out=products), bank.norms, xx, out, root=self.root)
+        else:
+            xc = xt - bank.centre[:, None]
+            xx = torch.linalg.vecdot(xc, xc, dim=0)
+            torch.addmm(bank.norms[:, None], bank.body, xc, alpha=-2.0, out=out).add_(xx)
+            smallest = out.amin(0)
+            self._finish(out.clamp_min_(0.0))
         # columns with a near prototype have lost digits: recompute them directly, in chunks
         # no larger than ``out``
-        close = (out.amin(0) < _CLOSE * (xx + bank.norms.max())).nonzero().squeeze(1)
+        close = (smallest < _CLOSE * (xx + bank.norms.max())).nonzero().squeeze(1)
         step = max(1, out.numel() // max(1, xt.shape[0] * bank.rows.shape[0]))
         for start in range(0, close.numel(), step):
             cols = close[start : start + step]
             diff = bank.body[:, :, None] - xc[:, cols][None]
-            out[:, cols] = diff.square_().sum(1)
-        self._finish(out.clamp_min_(0.0))
+            out[:, cols] = self._finish(diff.square_().sum(1))
 
-    def _pair_weights(self, g: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _pair_weights(self, g: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """d = ||x - p||: the gradient is (x - p) g / d per pair, and 0 where d = 0 (the
         subgradient that keeps training finite)."""
-        return torch.div(g, d).masked_fill_(d == 0, 0.0), 1.0
+        return torch.div(g, d).masked_fill_(d == 0, 0.0)
 
     def bank_grads(
         self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        w, scale = self._pair_weights(g, d)
-        gx = torch.addmm(xt * w.sum(0), bank.rows.T, w, alpha=-1.0)
-        gp = torch.addmm(bank.rows * w.sum(1, keepdim=True), w, xt.T, alpha=-1.0)
+        scale = 1.0 if self.root else 2.0
+        if native.usable(xt.device, xt.dtype):
+            w = scratch("l2-weights", g.shape, g.dtype, g.device)
+            w, per_col, per_row = native.l2_weights(g, d, w, root=self.root)
+        else:
+            w = self._pair_weights(g, d)
+            per_col, per_row = w.sum(0), w.sum(1)
+        gx = torch.addmm(xt * per_col, bank.rows.T, w, alpha=-1.0)
+        gp = torch.addmm(bank.rows * per_row[:, None], w, xt.T, alpha=-1.0)
         return gx.mul_(scale), gp.mul_(scale)
 
 
@@ -373,6 +393,7 @@ class SquaredEuclidean(Euclidean):
 
     name = "sqeuclidean"
     degree = 2
+    root = False
 
     def _finish(self, squared: torch.Tensor) -> torch.Tensor:
         return squared
@@ -383,13 +404,14 @@ class SquaredEuclidean(Euclidean):
     def ratio_distance(self, value: torch.Tensor) -> torch.Tensor:
         return value.clamp_min(0.0).sqrt()
 
-    def _pair_weights(self, g: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """d = ||x - p||^2: the gradient is 2 (x - p) g per pair."""
-        return g, 2.0
+    def _pair_weights(self, g: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """d = ||x - p||^2: the gradient is 2 (x - p) g per pair (the 2 applied by the caller)."""
+        return g
 
 
 class Minkowski(Metric):
-    """l1 (p=1) and linf (p=inf): no matrix form, tiles through torch.cdist's kernel."""
+    """l1 (p=1) and linf (p=inf): no matrix form. Tiles go through densematch's C kernels where
+    they run (:mod:`densematch.kernels.native`), else through torch.cdist's."""
 
     def __init__(self, name: str, p: float) -> None:
         self.name, self.p = name, p
@@ -400,7 +422,14 @@ class Minkowski(Metric):
         assert self.p is not None
         return self.p
 
+    @property
+    def linf(self) -> bool:
+        return self.order == float("inf")
+
     def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if native.usable(q.device, q.dtype):
+            out = torch.empty((q.shape[0], r.shape[0]), dtype=q.dtype) if out is None else out
+            return native.minkowski(q, r.T, out, linf=self.linf, scale=-1.0)
         if out is None:
             return torch.cdist(q, r, p=self.order).neg_()
         # torch.cdist has no out=; its kernel does, and writing into the caller's reused buffer
@@ -418,11 +447,16 @@ class Minkowski(Metric):
         return diff.sum(dim) if self.order == 1.0 else diff.amax(dim)
 
     def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
-        torch.ops.aten._cdist_forward.out(bank.rows, xt.T.contiguous(), self.order, None, out=out)
+        if native.usable(xt.device, xt.dtype):
+            native.minkowski(bank.rows, xt, out, linf=self.linf)
+        else:
+            torch.ops.aten._cdist_forward.out(bank.rows, xt.T.contiguous(), self.order, None, out=out)
 
     def bank_grads(
         self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if native.usable(xt.device, xt.dtype):
+            return native.minkowski_grad(bank.rows, xt, g, d, linf=self.linf)
         # torch's own kernel, on one tile: its buffer of (m, F, D) stays inside the plan
         rows = xt.T.contiguous()
         gx = torch.ops.aten._cdist_backward(g.T.contiguous(), rows, bank.rows, self.order, d.T.contiguous()).T

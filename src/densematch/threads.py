@@ -11,13 +11,14 @@ own OpenMP and MKL counts (and the default of threads started later, put back on
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
 
-__all__ = ["THREADED", "own_thread", "share_out", "share_size", "workers_for"]
+__all__ = ["THREADED", "own_thread", "scratch", "share_out", "share_size", "workers_for"]
 
 T = TypeVar("T")
 
@@ -56,12 +57,30 @@ def own_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+_buffers = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer of this thread's, kept between calls under ``name`` and grown when too small: a
+    tile written and read again at once needs no fresh block (whose pages the kernel would map
+    and zero on every first touch). The caller must be done with it before asking again."""
+    store: dict[str, torch.Tensor] = _buffers.__dict__.setdefault("store", {})
+    size = 1
+    for n in shape:
+        size *= n
+    held = store.get(name)
+    if held is None or held.numel() < size or held.dtype != dtype or held.device != device:
+        held = store[name] = torch.empty(size, dtype=dtype, device=device)
+    return held[:size].view(shape)
+
+
 def share_out(items: Sequence[T], work: Callable[[T], None], workers: int, *, name: str = "densematch") -> None:
     """Call ``work(item)`` for every item, on ``workers`` threads that each take the next item
     when done and run on themselves alone (:func:`own_thread`). The caller's grad and inference
-    modes hold in the workers. The first error is raised here, once every worker has stopped
-    (the others take no new item after it). With one worker the items run here, in order, with
-    the caller's threads; a single item runs here on this thread alone."""
+    modes and its context variables (:func:`densematch.config_context`) hold in the workers.
+    The first error is raised here, once every worker has stopped (the others take no new item
+    after it). With one worker the items run here, in order, with the caller's threads; a single
+    item runs here on this thread alone."""
     if workers <= 1:
         for item in items:
             work(item)
@@ -88,7 +107,11 @@ def share_out(items: Sequence[T], work: Callable[[T], None], workers: int, *, na
         except BaseException as e:  # handed to the caller below
             errors.append(e)
 
-    pool = [threading.Thread(target=run, name=f"{name}-{i}") for i in range(min(workers, len(items)))]
+    # each worker runs in a copy of the caller's context: scoped settings (config_context) hold
+    pool = [
+        threading.Thread(target=contextvars.copy_context().run, args=(run,), name=f"{name}-{i}")
+        for i in range(min(workers, len(items)))
+    ]
     for t in pool:
         t.start()
     for t in pool:

@@ -1,7 +1,9 @@
 """Merging running top-k lists: plain functions on (rows, k) value and index tensors.
 
-Scores are higher-is-better; equal scores always go to the lower column, whatever order the
-blocks come in, so every strategy returns the same ties.
+Scores are higher-is-better; equal scores go to the lower column (for k = 1, given blocks in
+increasing column order, as every strategy scans them), so every strategy returns the same ties.
+On a CPU the engine merges float32 / float64 tiles with :func:`densematch.kernels.native.merge`
+instead, which keeps the same rule in any order.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import native
 from ..metrics import Metric
 from ..precision import Precision, product_slack
 from .merge import best_of_candidates
@@ -86,18 +87,30 @@ class PlainSearch(Strategy):
         # than k candidates are settled by the direct form (more than the cap: kept as ranked).
         m, k = best_v.shape
         twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
-        pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        for j in range(0, self.nb, self.tile_b):
-            n = min(self.tile_b, self.nb - j)
-            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
-            hot, sub = self.merge(s, j, best_v, best_i, twice)
-            if hot.numel():
-                pool.add(sub, j, best_v[:, -1] - twice, hot)
-        floor = best_v[:, -1] - twice
-        rows, cols = pool.finish(floor)
-        redo = pool.over.nonzero().squeeze(1)
+        if self._native(best_v, best_i):
+            # one C call per tile merges and lists (native.merge): no reductions, no gathers
+            listed = native.Candidates(m, self.cap_rows, self.dtype)
+            for j in range(0, self.nb, self.tile_b):
+                n = min(self.tile_b, self.nb - j)
+                s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
+                native.merge(s, j, best_v, best_i, twice, listed)
+            floor = best_v[:, -1] - twice
+            rows, cols = listed.reaching(floor)
+            over = listed.over
+        else:
+            pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
+            for j in range(0, self.nb, self.tile_b):
+                n = min(self.tile_b, self.nb - j)
+                s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
+                hot, sub = self.merge(s, j, best_v, best_i, twice)
+                if hot.numel():
+                    pool.add(sub, j, best_v[:, -1] - twice, hot)
+            floor = best_v[:, -1] - twice
+            rows, cols = pool.finish(floor)
+            over = pool.over
+        redo = over.nonzero().squeeze(1)
         if redo.numel():
             more_rows, more_cols = self._listed(q.index_select(0, redo), floor[redo], buf)
             rows, cols = torch.cat([rows, redo[more_rows]]), torch.cat([cols, more_cols])

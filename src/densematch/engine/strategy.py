@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import native
 from ..metrics import Metric
 from ..precision import Precision
 from .merge import merge_best, merge_topk, order
@@ -212,10 +213,17 @@ class Strategy:
         m = q.shape[0]
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
+        merge = native.merge if self._native(best_v, best_i) else self.merge
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
             s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n))
-            self.merge(s, j, best_v, best_i)
+            merge(s, j, best_v, best_i)
+
+    def _native(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
+        """Whether score tiles merge through the C kernel (:func:`densematch.kernels.native.merge`):
+        float32 / float64 scores on a CPU, into a contiguous running top-k."""
+        tiles = self.inputs.precision.half or self.dtype
+        return native.usable(best_v.device, tiles) and best_v.is_contiguous() and best_i.is_contiguous()
 
     def _direct_scores(self, start: int, rows: torch.Tensor, cols: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """The metric's direct scores of candidates (rows of the query tile at ``start``,

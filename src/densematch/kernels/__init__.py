@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..metrics import Metric
+if TYPE_CHECKING:
+    from ..metrics import Metric
 
 __all__ = ["MAX_K", "interpreting", "triton_available", "wanted"]
 

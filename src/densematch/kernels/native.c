@@ -1,0 +1,310 @@
+/* l1 and linf distances between the rows of Y (F x D) and the columns of X (D x P), and their
+ * gradients, and the elementwise passes around the matrix product of l2 distances, in plain C for
+ * one thread. densematch.kernels.native compiles this file once per
+ * machine and calls it through ctypes (which lets go of the GIL), one tile per worker thread.
+ *
+ * The forward keeps a block of FB rows of Y by PB columns of X in registers as accumulators and
+ * walks D once: per step one load of X's PB values, FB broadcasts of Y, and FB * PB
+ * subtract-absolute-accumulate, vectorised across columns (pixels). torch.cdist's kernel instead
+ * reduces over D one pair at a time.
+ *
+ * Sums run over d = 0 .. D-1 in that order for every pair, however the work is tiled or threaded,
+ * so a distance does not depend on the tile it was computed in.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FB 4
+
+#define DEFINE_KERNELS(T, SUF, PB, ABS)                                                            \
+    /* acc[i][j] over d for rows y0..y0+FB-1 and the PB columns at x (row stride ldx) */           \
+    static inline __attribute__((always_inline)) void block_##SUF(                                 \
+        const T *y, long ldy, int nf, const T *x, long ldx, long D, int linf, T acc[FB][PB]) {     \
+        const T *yr[FB];                                                                           \
+        for (int i = 0; i < FB; i++) yr[i] = y + (i < nf ? i : nf - 1) * ldy;                      \
+        for (int i = 0; i < FB; i++)                                                               \
+            for (int j = 0; j < PB; j++) acc[i][j] = 0;                                            \
+        if (linf) {                                                                                \
+            for (long d = 0; d < D; d++) {                                                         \
+                const T *xr = x + d * ldx;                                                         \
+                for (int i = 0; i < FB; i++) {                                                     \
+                    const T yv = yr[i][d];                                                         \
+                    for (int j = 0; j < PB; j++) {                                                 \
+                        const T a = ABS(xr[j] - yv);                                               \
+                        acc[i][j] = (a > acc[i][j] || a != a) ? a : acc[i][j];                     \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        } else {                                                                                   \
+            for (long d = 0; d < D; d++) {                                                         \
+                const T *xr = x + d * ldx;                                                         \
+                for (int i = 0; i < FB; i++) {                                                     \
+                    const T yv = yr[i][d];                                                         \
+                    for (int j = 0; j < PB; j++) acc[i][j] += ABS(xr[j] - yv);                     \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* out[f * osf + p * osp] = scale * (sum or max over d of |x[d * ldx + p] - y[f * ldy + d]|).  \
+     * Returns 0, or -1 when scratch memory ran out. */                                            \
+    int dm_minkowski_##SUF(const T *y, long ldy, const T *x, long ldx, T *out, long osf, long osp, \
+                           long F, long D, long P, int linf, double scale) {                       \
+        T acc[FB][PB];                                                                             \
+        T *pad = NULL;                                                                             \
+        for (long p0 = 0; p0 < P; p0 += PB) {                                                      \
+            const int pn = P - p0 < PB ? (int)(P - p0) : PB;                                       \
+            const T *xb = x + p0;                                                                  \
+            long ld = ldx;                                                                         \
+            if (pn < PB) { /* the last columns, copied into a zero-padded block */                 \
+                pad = calloc((size_t)D * PB, sizeof(T));                                           \
+                if (pad == NULL) return -1;                                                        \
+                for (long d = 0; d < D; d++) memcpy(pad + d * PB, x + d * ldx + p0, pn * sizeof(T)); \
+                xb = pad;                                                                          \
+                ld = PB;                                                                           \
+            }                                                                                      \
+            for (long f0 = 0; f0 < F; f0 += FB) {                                                  \
+                const int nf = F - f0 < FB ? (int)(F - f0) : FB;                                   \
+                block_##SUF(y + f0 * ldy, ldy, nf, xb, ld, D, linf, acc);                          \
+                for (int i = 0; i < nf; i++) {                                                     \
+                    T *o = out + (f0 + i) * osf + p0 * osp;                                        \
+                    for (int j = 0; j < pn; j++) o[j * osp] = (T)scale * acc[i][j];                \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        free(pad);                                                                                 \
+        return 0;                                                                                  \
+    }                                                                                              \
+                                                                                                   \
+    static inline __attribute__((always_inline)) T weight_##SUF(T diff, T gv, T dv, int linf) {    \
+        const T s = diff > 0 ? gv : (diff < 0 ? -gv : 0);                                          \
+        return linf ? (ABS(diff) == dv ? s : 0) : s;                                               \
+    }                                                                                              \
+                                                                                                   \
+    /* The gradients of sum_{f,p} g[f, p] * dist(f, p), with dist from the forward:                \
+     *   gx[d * ldgx + p] = sum_f g[f, p] * w(f, d, p)   (written)                                 \
+     *   gy[f * ldgy + d] -= sum_p g[f, p] * w(f, d, p)  (accumulated)                             \
+     * where w = sign(x - y) for l1, and for linf sign(x - y) where |x - y| equals the distance    \
+     * (every such d, as torch.cdist's gradient does), else 0. g and dist: (F, P), row stride ldg. \
+     */                                                                                            \
+    void dm_minkowski_grad_##SUF(const T *y, long ldy, const T *x, long ldx, const T *g,           \
+                                 const T *dist, long ldg, T *gx, long ldgx, T *gy, long ldgy,      \
+                                 long F, long D, long P, int linf) {                               \
+        const long full = P - P % PB;                                                              \
+        for (long d = 0; d < D; d++) {                                                             \
+            const T *xr = x + d * ldx;                                                             \
+            T *gxr = gx + d * ldgx;                                                                \
+            for (long p = 0; p < P; p++) gxr[p] = 0;                                               \
+            for (long f0 = 0; f0 < F; f0 += FB) {                                                  \
+                const int nf = F - f0 < FB ? (int)(F - f0) : FB;                                   \
+                T part[FB][PB];                                                                    \
+                T yv[FB];                                                                          \
+                const T *gr[FB], *dr[FB];                                                          \
+                for (int i = 0; i < FB; i++) {                                                     \
+                    const long f = f0 + (i < nf ? i : nf - 1);                                     \
+                    yv[i] = y[f * ldy + d];                                                        \
+                    gr[i] = g + f * ldg;                                                           \
+                    dr[i] = dist + f * ldg;                                                        \
+                    for (int j = 0; j < PB; j++) part[i][j] = 0;                                   \
+                }                                                                                  \
+                for (long p0 = 0; p0 < full; p0 += PB) {                                           \
+                    T acc[PB];                                                                     \
+                    for (int j = 0; j < PB; j++) acc[j] = gxr[p0 + j];                             \
+                    for (int i = 0; i < FB; i++) {                                                 \
+                        if (i >= nf) break;                                                        \
+                        for (int j = 0; j < PB; j++) {                                             \
+                            const T s = weight_##SUF(xr[p0 + j] - yv[i], gr[i][p0 + j],            \
+                                                     linf ? dr[i][p0 + j] : 0, linf);              \
+                            part[i][j] += s;                                                       \
+                            acc[j] += s;                                                           \
+                        }                                                                          \
+                    }                                                                              \
+                    for (int j = 0; j < PB; j++) gxr[p0 + j] = acc[j];                             \
+                }                                                                                  \
+                for (int i = 0; i < nf; i++) {                                                     \
+                    T sum = 0;                                                                     \
+                    for (int j = 0; j < PB; j++) sum += part[i][j];                                \
+                    for (long p = full; p < P; p++) {                                              \
+                        const T s = weight_##SUF(xr[p] - yv[i], gr[i][p], linf ? dr[i][p] : 0, linf); \
+                        gxr[p] += s;                                                               \
+                        sum += s;                                                                  \
+                    }                                                                              \
+                    gy[(f0 + i) * ldgy + d] -= sum;                                                \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* l2 after its matrix product: t[f, p] (row stride ldt) holds p_f.x_p, rows[f] ||p_f||^2 and
+ * cols[p] ||x_p||^2. Writes v = max(rows - 2 t + cols, 0), or its square root (root), to
+ * out[f * osf + p * osp], and each column's smallest v (before clamping) to colmin[p], for the
+ * caller to recompute the columns whose expansion lost too many digits. One pass instead of five.
+ */
+#define DEFINE_L2(T, SUF, SQRT)                                                                    \
+    static inline __attribute__((always_inline)) void finish_row_##SUF(                            \
+        const T *tr, T rv, const T *cols, T *o, long osp, long P, int root, T *colmin) {           \
+        for (long p = 0; p < P; p++) {                                                             \
+            const T v = (rv - 2 * tr[p]) + cols[p];                                                \
+            colmin[p] = colmin[p] < v ? colmin[p] : v;                                             \
+            const T c = v < 0 ? 0 : v; /* NaN stays */                                             \
+            o[p * osp] = root ? SQRT(c) : c;                                                       \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* out[p] = sum over d of x[d * ldx + p]^2, in that order */                                   \
+    void dm_sqnorms_##SUF(const T *x, long ldx, T *out, long D, long P) {                          \
+        for (long p = 0; p < P; p++) out[p] = 0;                                                   \
+        for (long d = 0; d < D; d++) {                                                             \
+            const T *xr = x + d * ldx;                                                             \
+            for (long p = 0; p < P; p++) out[p] += xr[p] * xr[p];                                  \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void dm_l2_finish_##SUF(const T *t, long ldt, const T *rows, const T *cols, T *out, long osf,  \
+                            long osp, long F, long P, int root, T *colmin) {                       \
+        for (long p = 0; p < P; p++) colmin[p] = INFINITY;                                         \
+        for (long f = 0; f < F; f++) {                                                             \
+            /* constant arguments let each call be specialised and vectorised */                   \
+            if (osp == 1 && root)                                                                  \
+                finish_row_##SUF(t + f * ldt, rows[f], cols, out + f * osf, 1, P, 1, colmin);      \
+            else if (osp == 1)                                                                     \
+                finish_row_##SUF(t + f * ldt, rows[f], cols, out + f * osf, 1, P, 0, colmin);      \
+            else                                                                                   \
+                finish_row_##SUF(t + f * ldt, rows[f], cols, out + f * osf, osp, P, root, colmin); \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* The backward's pair weights: w = g / dist, 0 where dist is 0 (root), or w = g (squared),    \
+     * into w (F x P, contiguous), with their sums per column (colsum) and per row (rowsum). g and \
+     * dist may have any strides (an expanded gradient has stride 0). */                           \
+    static inline __attribute__((always_inline)) T weights_row_##SUF(                              \
+        const T *gr, long gsp, const T *dr, long dsp, T *wr, T *colsum, long P, int root) {        \
+        T part[16] = {0};                                                                          \
+        long p = 0;                                                                                \
+        for (; p + 16 <= P; p += 16)                                                               \
+            for (int j = 0; j < 16; j++) {                                                         \
+                const T gv = gr[(p + j) * gsp], dv = dr[(p + j) * dsp];                            \
+                /* the division always runs (on 1 where dist is 0), so that it vectorises */       \
+                const T v = root ? (dv == 0 ? 0 : gv / (dv == 0 ? 1 : dv)) : gv;                   \
+                wr[p + j] = v;                                                                     \
+                colsum[p + j] += v;                                                                \
+                part[j] += v;                                                                      \
+            }                                                                                      \
+        T sum = 0;                                                                                 \
+        for (int j = 0; j < 16; j++) sum += part[j];                                               \
+        for (; p < P; p++) {                                                                       \
+            const T gv = gr[p * gsp], dv = dr[p * dsp];                                            \
+            const T v = root ? (dv == 0 ? 0 : gv / dv) : gv;                                       \
+            wr[p] = v;                                                                             \
+            colsum[p] += v;                                                                        \
+            sum += v;                                                                              \
+        }                                                                                          \
+        return sum;                                                                                \
+    }                                                                                              \
+                                                                                                   \
+    void dm_l2_weights_##SUF(const T *g, long gsf, long gsp, const T *dist, long dsf, long dsp,    \
+                             T *w, T *colsum, T *rowsum, long F, long P, int root) {               \
+        for (long p = 0; p < P; p++) colsum[p] = 0;                                                \
+        for (long f = 0; f < F; f++) {                                                             \
+            const T *gr = g + f * gsf, *dr = dist + f * dsf;                                       \
+            T *wr = w + f * P;                                                                     \
+            /* constant arguments specialise the common cases: contiguous gradients, and the       \
+             * expanded one of a sum (stride 0) */                                                 \
+            if (gsp == 1 && dsp == 1 && root)                                                      \
+                rowsum[f] = weights_row_##SUF(gr, 1, dr, 1, wr, colsum, P, 1);                     \
+            else if (gsp == 0 && dsp == 1 && root)                                                 \
+                rowsum[f] = weights_row_##SUF(gr, 0, dr, 1, wr, colsum, P, 1);                     \
+            else if (gsp == 1 && dsp == 1)                                                         \
+                rowsum[f] = weights_row_##SUF(gr, 1, dr, 1, wr, colsum, P, 0);                     \
+            else if (gsp == 0 && dsp == 1)                                                         \
+                rowsum[f] = weights_row_##SUF(gr, 0, dr, 1, wr, colsum, P, 0);                     \
+            else                                                                                   \
+                rowsum[f] = weights_row_##SUF(gr, gsp, dr, dsp, wr, colsum, P, root);              \
+        }                                                                                          \
+    }
+
+DEFINE_KERNELS(float, f32, 16, fabsf)
+DEFINE_KERNELS(double, f64, 8, fabs)
+DEFINE_L2(float, f32, sqrtf)
+DEFINE_L2(double, f64, sqrt)
+
+/* One score tile merged into the running top-k of its rows, for the engine's search on a CPU.
+ *
+ * s: (m, n) scores, higher is better, row stride lds, columns offset + 0 .. n-1. best_v / best_i:
+ * (m, k) contiguous, each row's best first; empty slots hold -inf and -1. Equal scores go to the
+ * lower column, whatever order the tiles come in. A chunk of 16 scores is looked at one by one
+ * only when one of them reaches the row's k-th best, which after the first tiles is rare.
+ *
+ * With a margin (m,), the certified search's candidates are listed too: every (column, score)
+ * reaching the row's running floor, its k-th best minus the margin, goes to the row's cap slots
+ * (cand_cols / cand_vals, (m, cap), counts (m,)). A full row is pruned against its floor; a row
+ * still full is marked over (over[r] = 1) and lists no more (the caller lists it again). The
+ * floor only rises, so every pair reaching the final floor is listed, unless its row is over.
+ */
+#define DEFINE_MERGE(T, SUF)                                                                       \
+    static inline int better_##SUF(T v, long i, T w, long j) { return v > w || (v == w && i < j); } \
+                                                                                                   \
+    void dm_merge_##SUF(const T *s, long lds, long m, long n, long offset, T *best_v, int64_t *best_i, \
+                        long k, const T *margin, long cap, int64_t *cand_cols, T *cand_vals,       \
+                        int *counts, unsigned char *over) {                                        \
+        for (long r = 0; r < m; r++) {                                                             \
+            const T *row = s + r * lds;                                                            \
+            T *bv = best_v + r * k;                                                                \
+            int64_t *bi = best_i + r * k;                                                          \
+            const T slack = margin ? margin[r] : 0;                                                \
+            T floor = bv[k - 1] - slack;                                                           \
+            int listing = margin != NULL && !over[r];                                              \
+            int64_t *cc = listing ? cand_cols + r * cap : NULL;                                    \
+            T *cv = listing ? cand_vals + r * cap : NULL;                                          \
+            for (long c = 0; c < n; c += 16) {                                                     \
+                const long end = c + 16 < n ? c + 16 : n;                                          \
+                if (end - c == 16) {                                                               \
+                    int any = 0;                                                                   \
+                    for (int j = 0; j < 16; j++) any |= row[c + j] >= floor;                       \
+                    if (!any) continue;                                                            \
+                }                                                                                  \
+                for (long q = c; q < end; q++) {                                                   \
+                    const T v = row[q];                                                            \
+                    if (!(v >= floor)) continue;                                                   \
+                    const long idx = offset + q;                                                   \
+                    if (listing) {                                                                 \
+                        if (counts[r] == cap) {                                                    \
+                            int kept = 0;                                                          \
+                            for (int t = 0; t < cap; t++)                                          \
+                                if (cv[t] >= floor) {                                              \
+                                    cc[kept] = cc[t];                                              \
+                                    cv[kept] = cv[t];                                              \
+                                    kept++;                                                        \
+                                }                                                                  \
+                            counts[r] = kept;                                                      \
+                            if (kept == cap) {                                                     \
+                                over[r] = 1;                                                       \
+                                listing = 0;                                                       \
+                            }                                                                      \
+                        }                                                                          \
+                        if (listing) {                                                             \
+                            cc[counts[r]] = idx;                                                   \
+                            cv[counts[r]] = v;                                                     \
+                            counts[r]++;                                                           \
+                        }                                                                          \
+                    }                                                                              \
+                    if (better_##SUF(v, idx, bv[k - 1], bi[k - 1])) {                              \
+                        long t = k - 1;                                                            \
+                        while (t > 0 && better_##SUF(v, idx, bv[t - 1], bi[t - 1])) {              \
+                            bv[t] = bv[t - 1];                                                     \
+                            bi[t] = bi[t - 1];                                                     \
+                            t--;                                                                   \
+                        }                                                                          \
+                        bv[t] = v;                                                                 \
+                        bi[t] = idx;                                                               \
+                        floor = bv[k - 1] - slack;                                                 \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+DEFINE_MERGE(float, f32)
+DEFINE_MERGE(double, f64)

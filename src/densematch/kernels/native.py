@@ -1,0 +1,295 @@
+"""l1 / linf distance kernels in C, compiled once per machine and called through ctypes.
+
+torch.cdist's CPU kernel for p=1 and p=inf reduces over the features one pair at a time; the
+kernels of ``native.c`` keep a block of pairs in registers and vectorise across pixels instead
+(4x faster on one thread here, with the same sums in the same order). ctypes lets go of the GIL
+for the call, so :func:`densematch.threads.share_out`'s workers run tiles side by side.
+
+The library is built with the system's C compiler (``$CC``, else ``cc``) the first time it is
+wanted on a machine, about a second, and kept in ``$DENSEMATCH_CACHE`` (default
+``~/.cache/densematch``) under a name drawn from the source, the flags, the compiler and the CPU,
+so a shared home directory never hands one CPU's build to another. ``make`` builds it while
+setting up (``python -m densematch.kernels.native``). Without a compiler, with
+``DENSEMATCH_NATIVE=0``, or under ``config_context(kernel="torch")``, callers fall back to
+torch's kernels: :func:`usable` says which applies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..config import kernel_setting
+
+__all__ = [
+    "Candidates",
+    "build",
+    "cache_dir",
+    "l2_finish",
+    "l2_weights",
+    "library",
+    "merge",
+    "minkowski",
+    "minkowski_grad",
+    "sqnorms",
+    "usable",
+]
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11")
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$DENSEMATCH_CACHE``, else ``$XDG_CACHE_HOME/densematch``,
+    else ``~/.cache/densematch``."""
+    if os.environ.get("DENSEMATCH_CACHE"):
+        return Path(os.environ["DENSEMATCH_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "densematch"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu() -> str:
+    """The CPU's model and instruction sets, as the first processor of /proc/cpuinfo lists them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(line for line in text.split("\n\n")[0].splitlines() if line.startswith(wanted))
+
+
+def _library_path(compiler: str) -> Path:
+    stat = Path(compiler).resolve().stat()
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), f"{compiler}:{stat.st_mtime_ns}".encode()):
+        key.update(part)
+    key.update(f"{platform.machine()}\n{_cpu()}".encode())
+    return cache_dir() / f"native-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """The library's path, compiling it first if this machine has none yet. Raises a RuntimeError
+    saying why when there is no compiler or the compilation fails."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    path = _library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # compiled beside its final name and renamed into it: a process that races this one, or
+    # one that dies half-way, never leaves a half-written library under the final name
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built if needed; None where it cannot be (the reason is logged)."""
+    if os.environ.get("DENSEMATCH_NATIVE", "1") in ("0", ""):
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError) as e:
+        _log.info("densematch's C kernels are unavailable, torch's run instead: %s", e)
+        return None
+    n, ptr, flag = ctypes.c_long, ctypes.c_void_p, ctypes.c_int  # sizes and strides, data, switches
+    signatures = {
+        "dm_minkowski": ([ptr, n, ptr, n, ptr, n, n, n, n, n, flag, ctypes.c_double], flag),
+        "dm_minkowski_grad": ([ptr, n, ptr, n, ptr, ptr, n, ptr, n, ptr, n, n, n, n, flag], None),
+        "dm_l2_finish": ([ptr, n, ptr, ptr, ptr, n, n, n, n, flag, ptr], None),
+        "dm_sqnorms": ([ptr, n, ptr, n, n], None),
+        "dm_l2_weights": ([ptr, n, n, ptr, n, n, ptr, ptr, ptr, n, n, flag], None),
+        "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
+    }
+    for name, (args, result) in signatures.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = args, result
+    return lib
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the C kernels run for tensors of ``dtype`` on ``device``: float32 or float64 on a
+    CPU, the library built, and the scoped ``kernel`` setting not "torch"."""
+    return device.type == "cpu" and dtype in _SUFFIX and kernel_setting() != "torch" and library() is not None
+
+
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) with unit stride along its rows, copied only if it has none."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
+def minkowski(y: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, linf: bool, scale: float = 1.0) -> torch.Tensor:
+    """``out[f, p] = scale * dist(y[f], x[:, p])``, l1 or linf (``linf``), on this thread.
+
+    Shapes: y (F, D), x (D, P), out (F, P) of any strides; all of one dtype (see :func:`usable`).
+    """
+    lib = library()
+    assert lib is not None and y.dtype == x.dtype == out.dtype
+    y, x = _unit_rows(y), _unit_rows(x)
+    f, d = y.shape
+    p = x.shape[1]
+    if f * p == 0:
+        return out
+    code = getattr(lib, f"dm_minkowski_{_SUFFIX[y.dtype]}")(
+        y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), out.stride(1),
+        f, d, p, int(linf), scale,
+    )  # fmt: skip
+    if code != 0:
+        raise MemoryError(f"the l1/linf kernel could not allocate a block of {d} x 16 values")
+    return out
+
+
+def minkowski_grad(
+    y: torch.Tensor, x: torch.Tensor, g: torch.Tensor, dist: torch.Tensor, *, linf: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``sum(g * dist)`` with respect to x (D, P) and y (F, D), where ``dist``
+    (F, P) is :func:`minkowski`'s output; l1, or linf (the gradient goes to every feature
+    where the difference reaches the distance, as torch.cdist's does). On this thread."""
+    lib = library()
+    assert lib is not None
+    y, x = _unit_rows(y), _unit_rows(x)
+    g, dist = g.contiguous(), dist.contiguous()
+    f, d = y.shape
+    p = x.shape[1]
+    gx = torch.empty((d, p), dtype=x.dtype)
+    gy = torch.zeros((f, d), dtype=y.dtype)
+    if f * p * d:
+        getattr(lib, f"dm_minkowski_grad_{_SUFFIX[y.dtype]}")(
+            y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), g.data_ptr(), dist.data_ptr(), p,
+            gx.data_ptr(), p, gy.data_ptr(), d, f, d, p, int(linf),
+        )  # fmt: skip
+    else:
+        gx.zero_()
+    return gx, gy
+
+
+def sqnorms(x: torch.Tensor) -> torch.Tensor:
+    """The squared norms (P,) of the columns of x (D, P), summed over rows in order; one pass,
+    no temporary. On this thread."""
+    lib = library()
+    assert lib is not None
+    x = _unit_rows(x)
+    d, p = x.shape
+    out = torch.empty(p, dtype=x.dtype)
+    getattr(lib, f"dm_sqnorms_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), out.data_ptr(), d, p)
+    return out
+
+
+def l2_finish(
+    t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, out: torch.Tensor, *, root: bool
+) -> torch.Tensor:
+    """``out = max(rows[:, None] - 2 t + cols, 0)``, square-rooted if ``root``, in one pass;
+    returns each column's smallest value before clamping. Shapes: t (F, P) with unit column
+    stride, rows (F,), cols (P,), out (F, P) of any strides; all one dtype; on this thread."""
+    lib = library()
+    assert lib is not None and t.dtype == rows.dtype == cols.dtype == out.dtype
+    t, rows, cols = _unit_rows(t), rows.contiguous(), cols.contiguous()
+    f, p = t.shape
+    colmin = torch.empty(p, dtype=t.dtype)
+    getattr(lib, f"dm_l2_finish_{_SUFFIX[t.dtype]}")(
+        t.data_ptr(), t.stride(0), rows.data_ptr(), cols.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+        f, p, int(root), colmin.data_ptr(),
+    )  # fmt: skip
+    return colmin
+
+
+def l2_weights(
+    g: torch.Tensor, dist: torch.Tensor, w: torch.Tensor, *, root: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The l2 backward's pair weights into ``w`` (F, P, contiguous): ``g / dist`` and 0 where
+    dist is 0 (``root``), or ``g``; returned with their sums over rows (P,) and over columns
+    (F,). g and dist (F, P) may have any strides. On this thread."""
+    lib = library()
+    assert lib is not None and g.dtype == dist.dtype == w.dtype and w.is_contiguous()
+    f, p = g.shape
+    colsum = torch.empty(p, dtype=g.dtype)
+    rowsum = torch.empty(f, dtype=g.dtype)
+    getattr(lib, f"dm_l2_weights_{_SUFFIX[g.dtype]}")(
+        g.data_ptr(), g.stride(0), g.stride(1), dist.data_ptr(), dist.stride(0), dist.stride(1),
+        w.data_ptr(), colsum.data_ptr(), rowsum.data_ptr(), f, p, int(root),
+    )  # fmt: skip
+    return w, colsum, rowsum
+
+
+class Candidates:
+    """Per-row candidate slots for :func:`merge`'s certified listing: ``cols`` (m, cap) int64,
+    ``vals`` (m, cap), ``counts`` (m,) int32, ``over`` (m,) bool (rows that had more than cap)."""
+
+    def __init__(self, m: int, cap: int, dtype: torch.dtype) -> None:
+        self.cap = cap
+        self.cols = torch.empty((m, cap), dtype=torch.int64)
+        self.vals = torch.empty((m, cap), dtype=dtype)
+        self.counts = torch.zeros(m, dtype=torch.int32)
+        self.over = torch.zeros(m, dtype=torch.bool)
+
+    def reaching(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of the listed pairs scoring at least their row's ``floor``, rows that
+        are over left out."""
+        slot = torch.arange(self.cap)
+        keep = (slot < self.counts[:, None]) & (self.vals >= floor[:, None]) & ~self.over[:, None]
+        rows, at = keep.nonzero().unbind(1)
+        return rows, self.cols[rows, at]
+
+
+def merge(
+    s: torch.Tensor,
+    offset: int,
+    best_v: torch.Tensor,
+    best_i: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    listed: Candidates | None = None,
+) -> None:
+    """Merge the score tile ``s`` (m, n; columns ``offset`` onwards; higher is better) into the
+    running top-k ``best_v`` / ``best_i`` (m, k, contiguous; best first, -inf / -1 when empty),
+    equal scores to the lower column. With ``margin`` (m,) and ``listed``, also list every pair
+    reaching its row's k-th best minus the margin (see native.c). On this thread."""
+    lib = library()
+    assert lib is not None and s.dtype == best_v.dtype and best_v.is_contiguous() and best_i.is_contiguous()
+    s = _unit_rows(s)
+    m, n = s.shape
+    if m * n == 0:
+        return
+    null = None
+    if margin is not None:
+        assert listed is not None and margin.dtype == s.dtype
+        margin = margin.contiguous()
+    getattr(lib, f"dm_merge_{_SUFFIX[s.dtype]}")(
+        s.data_ptr(), s.stride(0), m, n, offset, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
+        null if margin is None else margin.data_ptr(),
+        0 if listed is None else listed.cap,
+        null if listed is None else listed.cols.data_ptr(),
+        null if listed is None else listed.vals.data_ptr(),
+        null if listed is None else listed.counts.data_ptr(),
+        null if listed is None else listed.over.data_ptr(),
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(build())

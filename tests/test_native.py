@@ -1,0 +1,265 @@
+"""The C kernels of densematch.kernels.native against float64 references, and the fallback to
+torch's kernels where they cannot run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import densematch
+from densematch.kernels import native
+
+# where no compiler exists the kernels cannot be built; TestBuild and TestCallers still run there
+needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+
+
+def minkowski_reference(y: torch.Tensor, x: torch.Tensor, linf: bool) -> torch.Tensor:
+    """(F, P) distances of the rows of y (F, D) to the columns of x (D, P), in float64."""
+    diff = (y.double()[:, :, None] - x.double()[None]).abs()
+    return diff.amax(1) if linf else diff.sum(1)
+
+
+def assert_sums_close(got: torch.Tensor, want: torch.Tensor, terms: int, dtype: torch.dtype) -> None:
+    """``got`` (computed in ``dtype``) equals the float64 ``want`` within the rounding of a sum of
+    ``terms`` non-negative terms in ``dtype``, whatever their order."""
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), want, rtol=terms * eps, atol=terms * eps * want.abs().max().item())
+
+
+@needs_library
+class TestMinkowski:
+    @settings(max_examples=60, deadline=None)
+    @given(
+        f=st.integers(1, 11),
+        d=st.integers(1, 40),
+        p=st.integers(1, 50),
+        linf=st.booleans(),
+        dtype=st.sampled_from([torch.float32, torch.float64]),
+        seed=st.integers(0, 2**16),
+    )
+    def test_equals_float64_reference(self, f, d, p, linf, dtype, seed):
+        # sizes around the register blocks (4 rows, 16 or 8 columns) and their tails
+        g = torch.Generator().manual_seed(seed)
+        y = torch.randn(f, d, generator=g, dtype=dtype)
+        x = torch.randn(d, p, generator=g, dtype=dtype)
+        out = torch.full((f, p), float("nan"), dtype=dtype)
+        native.minkowski(y, x, out, linf=linf)
+        assert_sums_close(out, minkowski_reference(y, x, linf), d, dtype)
+
+    def test_strided_operands_and_scale(self):
+        g = torch.Generator().manual_seed(1)
+        y = torch.randn(7, 30, generator=g)[:, ::2]  # (7, 15), row stride 30
+        big = torch.randn(15, 70, generator=g)
+        x = big[:, 3:40]  # (15, 37), row stride 70
+        out = torch.zeros(37, 7).T  # (7, 37) written through strides (1, 7)
+        native.minkowski(y, x, out, linf=False, scale=-1.0)
+        assert_sums_close(-out, minkowski_reference(y, x, False), 15, torch.float32)
+        xt = big.T[3:40].T  # unit stride along the rows missing: copied inside
+        native.minkowski(y, xt, out, linf=True)
+        assert_sums_close(out, minkowski_reference(y, x, True), 15, torch.float32)
+
+    def test_nan_propagates(self):
+        y = torch.randn(5, 6)
+        x = torch.randn(6, 20)
+        x[2, 3] = float("nan")
+        for linf in (False, True):
+            out = torch.empty(5, 20)
+            native.minkowski(y, x, out, linf=linf)
+            assert out[:, 3].isnan().all() and not out[:, :3].isnan().any()
+
+    @pytest.mark.parametrize("linf", [False, True])
+    def test_gradient_equals_autograd_of_the_reference(self, linf):
+        g = torch.Generator().manual_seed(2)
+        y = torch.randn(9, 13, dtype=torch.float64, generator=g)
+        x = torch.randn(13, 35, dtype=torch.float64, generator=g)
+        x[:, 5] = y[1]  # a zero distance: sign 0 everywhere, as torch.cdist's gradient
+        x[4, 6] = y[2, 4]  # one zero difference
+        w = torch.randn(9, 35, dtype=torch.float64, generator=g)
+        dist = torch.empty(9, 35, dtype=torch.float64)
+        native.minkowski(y, x, dist, linf=linf)
+        gx, gy = native.minkowski_grad(y, x, w, dist, linf=linf)
+        yr, xr = y.clone().requires_grad_(), x.clone().requires_grad_()
+        ref = torch.cdist(yr, xr.T, p=float("inf") if linf else 1.0)
+        want_y, want_x = torch.autograd.grad((ref * w).sum(), (yr, xr))
+        torch.testing.assert_close(gx, want_x)
+        torch.testing.assert_close(gy, want_y)
+
+
+@needs_library
+class TestL2Passes:
+    def test_finish_sqnorms_and_weights(self):
+        g = torch.Generator().manual_seed(3)
+        body = torch.randn(21, 8, generator=g, dtype=torch.float64)
+        xc = torch.randn(8, 45, generator=g, dtype=torch.float64)
+        xc[:, 7] = body[4]  # a zero distance
+        xx = native.sqnorms(xc)
+        torch.testing.assert_close(xx, xc.square().sum(0))
+        want = torch.cdist(body, xc.T)
+        for root in (True, False):
+            out = torch.empty(45, 21, dtype=torch.float64).T  # strided output
+            smallest = native.l2_finish(body @ xc, body.square().sum(1), xx, out, root=root)
+            torch.testing.assert_close(out, want if root else want.square())
+            assert (out >= 0).all() and smallest[7] < 1e-12
+            gout = torch.randn(21, 45, generator=g, dtype=torch.float64)
+            w, per_col, per_row = native.l2_weights(gout, out, torch.empty(21, 45, dtype=torch.float64), root=root)
+            expect = torch.where(out == 0, 0.0, gout / out) if root else gout
+            torch.testing.assert_close(w, expect)
+            torch.testing.assert_close(per_col, expect.sum(0))
+            torch.testing.assert_close(per_row, expect.sum(1))
+        # an expanded gradient (stride 0), as a sum's backward passes
+        ones = torch.ones(()).expand(21, 45).double()
+        w, per_col, _ = native.l2_weights(ones, out, torch.empty(21, 45, dtype=torch.float64), root=False)
+        assert (w == 1).all() and (per_col == 21).all()
+
+    def test_finish_keeps_nan(self):
+        t = torch.tensor([[float("nan"), 1.0]])
+        out = torch.empty(1, 2)
+        native.l2_finish(t, torch.zeros(1), torch.full((2,), 5.0), out, root=True)
+        assert out[0, 0].isnan() and out[0, 1] == pytest.approx(3**0.5)
+
+
+class TestCallers:
+    @pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "l1", "linf"])
+    @pytest.mark.parametrize("channels_last", [False, True])
+    def test_distances_and_gradients_equal_torch_kernels(self, metric, channels_last):
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(2, 10, 13, 7, generator=g)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        p = torch.randn(11, 10, generator=g, requires_grad=True)
+        w = torch.randn(2, 11, 13, 7, generator=g)
+        results = []
+        for kernel in ("auto", "torch"):
+            with densematch.config_context(kernel=kernel):
+                d = densematch.pairwise_distance(x, p, metric, memory="64KiB")
+                results.append((d, *torch.autograd.grad((d * w).sum(), (x, p))))
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("metric", ["l1", "linf"])
+    def test_match_and_nearest_prototype_search_with_them(self, metric):
+        from ._reference import assert_topk_exact
+
+        g = torch.Generator().manual_seed(5)
+        a = torch.randn(300, 12, generator=g)
+        b = torch.randn(350, 12, generator=g)
+        m = densematch.match(a.reshape(15, 20, 12), b.reshape(14, 25, 12), metric=metric, k=3, memory="256KiB")
+        assert_topk_exact(a, b, m.index.reshape(300, 3), metric, 3)
+        d, i = densematch.nearest_prototype(a.T.reshape(1, 12, 15, 20), b, metric, k=2)
+        index = i.reshape(2, 300).T
+        assert_topk_exact(a, b, index, metric, 2)
+        want = minkowski_reference(a, b.T, metric == "linf").gather(1, index)
+        assert_sums_close(d.reshape(2, 300).T, want, 12, torch.float32)
+
+    def test_tiles_and_threads_do_not_change_a_distance(self):
+        # every distance sums its features in one order, whatever tile or worker computed it
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(3, 20, 17, 19, generator=g)
+        p = torch.randn(40, 20, generator=g)
+        whole = densematch.pairwise_distance(x, p, "l1")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            tiled = densematch.pairwise_distance(x, p, "l1", memory="16KiB")
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(whole, tiled)
+
+
+class TestBuild:
+    def test_a_failed_build_raises_and_leaves_nothing(self, tmp_path, monkeypatch):
+        monkeypatch.setenv("DENSEMATCH_CACHE", str(tmp_path))
+        monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+        with pytest.raises(RuntimeError, match=r"failed on native\.c"):
+            native.build()
+        assert list(tmp_path.iterdir()) == []
+
+    @needs_library
+    def test_builds_once_into_the_cache(self, tmp_path, monkeypatch):
+        monkeypatch.setenv("DENSEMATCH_CACHE", str(tmp_path))
+        path = native.build()
+        assert path.parent == tmp_path and path.exists()
+        stamp = path.stat().st_mtime_ns
+        assert native.build() == path and path.stat().st_mtime_ns == stamp
+        assert [q.name for q in tmp_path.iterdir()] == [path.name]
+
+    def test_switched_off_falls_back_to_torch(self):
+        code = (
+            "import torch, densematch\n"
+            "from densematch.kernels import native\n"
+            "assert native.library() is None and not native.usable(torch.device('cpu'), torch.float32)\n"
+            "x, p = torch.randn(1, 4, 3, 3), torch.randn(5, 4)\n"
+            "d = densematch.pairwise_distance(x, p, 'l1')\n"
+            "ref = torch.cdist(x.flatten(2)[0].T, p, p=1.0).T.reshape(5, 3, 3)\n"
+            "torch.testing.assert_close(d[0], ref)\n"
+        )
+        env = {**os.environ, "DENSEMATCH_NATIVE": "0"}
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+@needs_library
+class TestMerge:
+    @settings(max_examples=60, deadline=None)
+    @given(
+        m=st.integers(1, 6),
+        widths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+        k=st.integers(1, 5),
+        levels=st.integers(2, 50),
+        reverse=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def test_equals_the_torch_merge(self, m, widths, k, levels, reverse, seed):
+        # few distinct values, so exact ties everywhere; tiles in either order
+        from densematch.engine.merge import merge_best, merge_topk
+
+        g = torch.Generator().manual_seed(seed)
+        scores = torch.randint(0, levels, (m, sum(widths)), generator=g).double()
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        tiles = list(zip(starts, widths, strict=True))[:: -1 if reverse else 1]
+        kk = min(k, scores.shape[1])
+        got_v, got_i = torch.full((m, kk), float("-inf"), dtype=torch.float64), torch.full((m, kk), -1)
+        want_v, want_i = got_v.clone(), got_i.clone()
+        for start, width in tiles:
+            tile = scores[:, start : start + width]
+            native.merge(tile, start, got_v, got_i)
+            (merge_best if kk == 1 else merge_topk)(tile.contiguous(), start, want_v, want_i)
+        if not reverse:  # the engine's order; torch's k=1 merge assumes it
+            assert torch.equal(got_v, want_v) and torch.equal(got_i, want_i)
+        # the definition, in any order: best scores first, equal scores by lowest column
+        for r in range(m):
+            order = sorted(range(scores.shape[1]), key=lambda c: (-scores[r, c].item(), c))[:kk]
+            assert got_i[r].tolist() == order
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        m=st.integers(1, 5),
+        n=st.integers(1, 90),
+        k=st.integers(1, 4),
+        cap=st.integers(1, 12),
+        slack=st.floats(0, 3),
+        seed=st.integers(0, 2**16),
+    )
+    def test_lists_every_pair_reaching_the_final_floor(self, m, n, k, cap, slack, seed):
+        g = torch.Generator().manual_seed(seed)
+        scores = torch.randn(m, n, generator=g, dtype=torch.float64)
+        k = min(k, n)
+        best_v, best_i = torch.full((m, k), float("-inf"), dtype=torch.float64), torch.full((m, k), -1)
+        margin = torch.full((m,), slack, dtype=torch.float64)
+        listed = native.Candidates(m, cap, torch.float64)
+        for start in range(0, n, 16):
+            native.merge(scores[:, start : start + 16], start, best_v, best_i, margin, listed)
+        floor = best_v[:, -1] - margin
+        rows, cols = listed.reaching(floor)
+        got = set(zip(rows.tolist(), cols.tolist(), strict=True))
+        for r in range(m):
+            want = {(r, c) for c in range(n) if scores[r, c] >= floor[r]}
+            mine = {pair for pair in got if pair[0] == r}
+            if listed.over[r]:
+                assert not mine and len(want) > 0  # an over row is listed again by the caller
+            else:
+                assert mine == want and len(want) <= cap
