@@ -4,6 +4,7 @@ torch's kernels where they cannot run."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -169,6 +170,30 @@ class TestCallers:
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(whole, tiled)
+
+
+def test_prototype_gradient_does_not_depend_on_which_worker_finishes_first(monkeypatch):
+    # the tiles' parts of the prototypes' gradient are added in tile order, whatever the timing
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 16, 30, 30, generator=g, requires_grad=True)
+    p = torch.randn(24, 16, generator=g, requires_grad=True)
+    w = torch.randn(2, 24, 30, 30, generator=g)
+    original = densematch.metrics.Minkowski.bank_grads
+    calls = []
+
+    def late_every_third(self, bank, xt, gt, dt):
+        calls.append(None)
+        if len(calls) % 3 == 1:
+            time.sleep(0.003)
+        return original(self, bank, xt, gt, dt)
+
+    grads = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(densematch.metrics.Minkowski, "bank_grads", late_every_third)
+        d = densematch.pairwise_distance(x, p, "l1", memory="96KiB")
+        grads.append(torch.autograd.grad((d * w).sum(), p)[0])
+    assert len(calls) > 3 and torch.equal(grads[0], grads[1])
 
 
 class TestBuild:

@@ -86,7 +86,9 @@ def _column_tile(budget: int, f: int, d: int, item: int, minkowski: bool) -> int
     ``minkowski=True`` for it); the rest hold a few (F, pixels) blocks and copies of the
     pixels' features."""
     per_col = f * 4 * item + 4 * d * item + (f * d * item if minkowski else 0)
-    fixed = 4 * f * d * item  # the prepared bank, its centred or unit copy, the bank's gradient
+    # the prepared bank, its centred or unit copy, the bank's gradient, and per worker the part
+    # of it a tile computed plus one waiting to be added in order
+    fixed = 6 * f * d * item
     return chunk_rows(budget, per_col, f"one tile of F={f}, D={d}", fixed=fixed)
 
 
@@ -155,11 +157,14 @@ class _PairwiseDistance(torch.autograd.Function):
         gx = torch.empty((n, d, h * w), dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
         gp = torch.zeros(p.shape, dtype=dtype, device=p.device)
         tiles = _tiles(n, h * w, cols)
+        workers = workers_for(x.device)
         # the prototypes' gradient adds the tiles' parts in the order of the tiles, whichever
-        # worker finishes first, so that it does not depend on the threads' timing
+        # worker finishes first, so that it does not depend on the threads' timing; a worker
+        # ahead of the oldest unfinished tile by more than the workers waits, so that at most
+        # that many parts are held (tiles are taken in order: the oldest one's worker never waits)
         done: dict[int, torch.Tensor] = {}
         added = 0
-        lock = threading.Lock()
+        turn = threading.Condition()
 
         def tile(number: int) -> None:
             nonlocal added
@@ -170,13 +175,15 @@ class _PairwiseDistance(torch.autograd.Function):
             )
             if gx is not None:
                 gx[i, :, part] = tx
-            with lock:
+            with turn:
+                turn.wait_for(lambda: number - added <= workers)
                 done[number] = tp
                 while added in done:
                     gp.add_(done.pop(added))
                     added += 1
+                turn.notify_all()
 
-        share_out(range(len(tiles)), tile, workers_for(x.device), name="densematch-distance")
+        share_out(range(len(tiles)), tile, workers, name="densematch-distance")
         grad_x = None if gx is None else gx.view(n, d, h, w)
         grad_p = metric.bank_grad_finish(bank, gp).to(p.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_p, None, None, None, None, None
