@@ -166,7 +166,7 @@ class TestCallers:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            tiled = densematch.pairwise_distance(x, p, "l1", memory="16KiB")
+            tiled = densematch.pairwise_distance(x, p, "l1", memory="40KiB")
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(whole, tiled)
