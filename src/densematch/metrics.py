@@ -308,6 +308,7 @@ class Euclidean(Metric):
     name = "l2"
     extra_columns = 1
     centred = True
+    root = True  # the distance is the square root of the expansion
 
     def prepare(
         self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None
@@ -342,8 +343,6 @@ class Euclidean(Metric):
         centre = rows.mean(0)
         body = rows - centre
         return Bank(rows, body, body.square().sum(1), centre)
-
-    root = True  # the distance is the square root of the expansion
 
     def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
         if native.usable(xt.device, xt.dtype):

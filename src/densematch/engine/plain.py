@@ -89,27 +89,27 @@ class PlainSearch(Strategy):
         twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        if self._native(best_v, best_i):
-            # one C call per tile merges and lists (native.merge): no reductions, no gathers
-            listed = native.Candidates(m, self.cap_rows, self.dtype)
-            for j in range(0, self.nb, self.tile_b):
-                n = min(self.tile_b, self.nb - j)
-                s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
+        # on a CPU one C call per tile merges and lists (native.merge); else the torch merge
+        # finds the rows that reach their floor and the pool lists them
+        listed = native.Candidates(m, self.cap_rows, self.dtype) if self._native(best_v, best_i) else None
+        pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True) if listed is None else None
+        for j in range(0, self.nb, self.tile_b):
+            n = min(self.tile_b, self.nb - j)
+            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
+            if pool is None:
                 native.merge(s, j, best_v, best_i, twice, listed)
-            floor = best_v[:, -1] - twice
-            rows, cols = listed.reaching(floor)
-            over = listed.over
-        else:
-            pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
-            for j in range(0, self.nb, self.tile_b):
-                n = min(self.tile_b, self.nb - j)
-                s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
-                hot, sub = self.merge(s, j, best_v, best_i, twice)
-                if hot.numel():
-                    pool.add(sub, j, best_v[:, -1] - twice, hot)
-            floor = best_v[:, -1] - twice
+                continue
+            hot, sub = self.merge(s, j, best_v, best_i, twice)
+            if hot.numel():
+                pool.add(sub, j, best_v[:, -1] - twice, hot)
+        floor = best_v[:, -1] - twice
+        if pool is not None:
             rows, cols = pool.finish(floor)
             over = pool.over
+        else:
+            assert listed is not None
+            rows, cols = listed.reaching(floor)
+            over = listed.over
         redo = over.nonzero().squeeze(1)
         if redo.numel():
             more_rows, more_cols = self._listed(q.index_select(0, redo), floor[redo], buf)
