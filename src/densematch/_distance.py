@@ -22,7 +22,7 @@ from .budget import chunk_rows
 from .checks import as_tensor, check_choice, check_finite, check_int
 from .config import resolve_memory
 from .kernels import native
-from .metrics import Euclidean, Metric, Minkowski, get_metric
+from .metrics import Metric, Minkowski, get_metric
 from .precision import RANKINGS, Precision, resolve_precision
 from .threads import share_out, share_size, workers_for
 
@@ -128,8 +128,8 @@ class _PairwiseDistance(torch.autograd.Function):
             # the output is laid out like x: NCHW, or channels_last as a (N, HW, F) buffer
             buf = torch.empty((n, hw, f) if channels_last else (n, f, hw), dtype=x.dtype, device=x.device)
             out = buf.transpose(1, 2) if channels_last else buf
-            # the C kernels write any strides; the others write a contiguous tile of their own
-            strided = isinstance(metric, (Minkowski, Euclidean)) and native.usable(x.device, dtype)
+            # a metric that cannot write x's strides gets a contiguous tile of its own
+            strided = metric.bank_writes_strided(x.device, dtype)
 
             def tile(item: tuple[int, int]) -> None:
                 i, s = item

@@ -215,8 +215,14 @@ class Metric:
         return Bank(rows, rows, rows.new_empty(0), rows.new_zeros(rows.shape[1]))
 
     def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
-        """Distances (F, m) of the columns of ``xt`` (D, m) to the prototypes, into ``out``."""
+        """Distances (F, m) of the columns of ``xt`` (D, m) to the prototypes, into ``out``
+        (contiguous, unless :meth:`bank_writes_strided`)."""
         raise NotImplementedError
+
+    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether :meth:`bank_distances` writes an ``out`` of any strides itself (the C kernels
+        do), so that the caller needs no contiguous tile of its own."""
+        return False
 
     def bank_grads(
         self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
@@ -344,6 +350,9 @@ class Euclidean(Metric):
         body = rows - centre
         return Bank(rows, body, body.square().sum(1), centre)
 
+    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return native.usable(device, dtype)
+
     def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
         if native.usable(xt.device, xt.dtype):
             # tiles of this thread's own for the centred columns and the products, then one pass
@@ -444,6 +453,9 @@ class Minkowski(Metric):
     def reduce_abs(self, diff: torch.Tensor, dim: int) -> torch.Tensor:
         """The distance from absolute differences along ``dim``: their sum (l1) or maximum."""
         return diff.sum(dim) if self.order == 1.0 else diff.amax(dim)
+
+    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return native.usable(device, dtype)
 
     def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
         if native.usable(xt.device, xt.dtype):
