@@ -123,6 +123,88 @@ class TestL2Passes:
         assert out[0, 0].isnan() and out[0, 1] == pytest.approx(3**0.5)
 
 
+def pair_reference(q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, k) values of the pairs (q[i], r[idx[i, j]]) in float64, and the sums of their terms'
+    magnitudes (what a float rounding error is relative to)."""
+    a, b = q.double()[:, None, :], r.double()[idx]
+    if kind in ("dot", "cosine"):
+        if kind == "cosine":
+            a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b, dim=-1)
+        return (a * b).sum(-1), (a * b).abs().sum(-1)
+    d = (a - b).abs()
+    want = d.amax(-1) if kind == "maxabs" else d.square().sum(-1) if kind == "sqdiff" else d.sum(-1)
+    return want, want
+
+
+@needs_library
+class TestPairValues:
+    @settings(max_examples=80, deadline=None)
+    @given(
+        m=st.integers(1, 6),
+        k=st.integers(1, 5),
+        c=st.integers(1, 41),
+        kind=st.sampled_from(sorted(native.PAIR_KINDS)),
+        dtype=st.sampled_from([torch.float32, torch.float64]),
+        seed=st.integers(0, 2**16),
+    )
+    def test_equals_float64_reference(self, m, k, c, kind, dtype, seed):
+        # lengths around the vectors (16 float32 or 8 float64 values per step) and their tails
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(m, c, generator=g, dtype=dtype)
+        r = torch.randn(9, c, generator=g, dtype=dtype)
+        idx = torch.randint(0, 9, (m, k), generator=g)
+        if kind == "cosine":
+            q = torch.nn.functional.normalize(q, dim=1)
+        got = native.pair_values(q, r, idx, kind)
+        want, size = pair_reference(q, r, idx, kind)
+        assert ((got.double() - want).abs() <= (c + 4) * torch.finfo(dtype).eps * size).all()
+
+    def test_equal_rows_give_equal_values_wherever_they_sit(self):
+        g = torch.Generator().manual_seed(7)
+        q = torch.randn(3, 37, generator=g)
+        r = torch.randn(6, 37, generator=g)
+        r[4] = r[1]
+        strided = torch.randn(6, 74, generator=g)[:, ::2]  # rows not unit-stride: gathered inside
+        strided[2] = r[1]
+        idx = torch.tensor([[1, 4, 1], [4, 0, 1], [5, 4, 1]])
+        same = (idx == 1) | (idx == 4)
+        for kind in native.PAIR_KINDS:
+            rows = torch.nn.functional.normalize(q, dim=1) if kind == "cosine" else q
+            v = native.pair_values(rows, r, idx, kind)
+            w = native.pair_values(rows, strided, torch.full((3, 1), 2), kind)
+            for i in range(3):
+                assert (v[i][same[i]] == w[i, 0]).all(), kind
+
+    def test_nan_zero_and_extreme_rows(self):
+        q = torch.nn.functional.normalize(torch.ones(1, 20), dim=1)
+        r = torch.ones(5, 20)
+        r[0, 17] = float("nan")  # in the tail of float32's 16-value steps
+        r[1, 3] = float("nan")
+        r[2] = 0.0
+        r[3] = 1e-42  # subnormal: scaled into range exactly
+        r[4] = 3e38  # near float32's largest: squares would overflow unscaled
+        idx = torch.arange(5)[None]
+        cos = native.pair_values(q, r, idx, "cosine")[0]
+        assert cos[:2].isnan().all() and cos[2] == 0.0
+        torch.testing.assert_close(cos[3:], torch.ones(2))
+        for kind in ("dot", "sqdiff", "absdiff", "maxabs"):
+            v = native.pair_values(q, r[:2], idx[:, :2], kind)
+            assert v.isnan().all(), kind
+
+    @pytest.mark.parametrize("metric", ["cosine", "dot", "l2", "sqeuclidean", "l1", "linf"])
+    def test_metric_pair_values_match_the_direct_form(self, metric):
+        m = densematch.metrics.get_metric(metric)
+        g = torch.Generator().manual_seed(8)
+        q, r = torch.randn(7, 50, generator=g), torch.randn(11, 50, generator=g)
+        idx = torch.randint(0, 11, (7, 4), generator=g)
+        got = m.pair_values(q, r, idx)
+        with densematch.config_context(kernel="torch"):
+            torch_path = m.pair_values(q, r, idx)
+        torch.testing.assert_close(got, torch_path, rtol=1e-5, atol=1e-5)
+        want = m.pair_value(q.double()[:, None, :], r.double()[idx])
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 class TestCallers:
     @pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "l1", "linf"])
     @pytest.mark.parametrize("channels_last", [False, True])

@@ -191,6 +191,33 @@ class Metric:
         """
         raise NotImplementedError
 
+    pair_kind: str | None = None  # pair_value's reduction in the C kernel (native.pair_values)
+
+    def pair_values(self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """:meth:`pair_value` of the pairs (q[i], r[idx[i, j]]), through the C kernel where it
+        runs (no gathered copy, one pass per pair), for the engine's last step (no gradient).
+
+        Parameters
+        ----------
+        q : Tensor of shape (m, C)
+        r : Tensor of shape (n, C)
+            Raw rows in the compute dtype, any strides.
+        idx : Tensor of int64, shape (m, k)
+            Rows of ``r``, in [0, n).
+
+        Returns
+        -------
+        Tensor of shape (m, k)
+        """
+        if self.pair_kind is not None and r.dtype == q.dtype and native.usable(q.device, q.dtype):
+            return self._pair_kernel(q, r, idx)
+        m, k = idx.shape
+        return self.pair_value(q[:, None, :], r.index_select(0, idx.reshape(-1)).view(m, k, -1))
+
+    def _pair_kernel(self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        assert self.pair_kind is not None
+        return native.pair_values(q, r, idx, self.pair_kind)
+
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Scores of row pairs (n, C) from raw rows in the compute dtype, higher is better,
         computed directly (no expansion, no centring): equal rows give equal scores, and for l2
@@ -248,6 +275,8 @@ class Dot(Metric):
     def has_ratio(self) -> bool:
         return False
 
+    pair_kind = "dot"
+
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (a * b).sum(-1)
 
@@ -278,6 +307,11 @@ class Cosine(Metric):
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (unit_rows(a) * unit_rows(b)).sum(-1)
+
+    pair_kind = "cosine"
+
+    def _pair_kernel(self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return native.pair_values(unit_rows(q), r, idx, "cosine")
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vecdot(unit_rows(a), unit_rows(b))
@@ -337,6 +371,11 @@ class Euclidean(Metric):
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(a - b, dim=-1)
+
+    pair_kind = "sqdiff"
+
+    def _pair_kernel(self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self._finish(super()._pair_kernel(q, r, idx))
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         d = a - b
@@ -443,6 +482,10 @@ class Minkowski(Metric):
         # torch.cdist has no out=; its kernel does, and writing into the caller's reused buffer
         # keeps the allocator from churning one fresh block per tile
         return torch.ops.aten._cdist_forward.out(q, r, self.order, None, out=out).neg_()
+
+    @property
+    def pair_kind(self) -> str:  # type: ignore[override]
+        return "maxabs" if self.linf else "absdiff"
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(a - b, ord=self.order, dim=-1)

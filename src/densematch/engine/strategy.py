@@ -251,8 +251,11 @@ class Strategy:
             best_i.copy_(torch.where(found, self.rows_b[local], best_i))
             local = best_i.clamp_min(0)
         q = self._scaled(rows_of(self.a, self.rows_a, start, start + best_i.shape[0])).to(self.dtype)
-        r = self._scaled(self.b.index_select(0, local.reshape(-1))).to(self.dtype)
-        v = self.metric.pair_value(q[:, None, :], r.view(-1, k, r.shape[-1]))
+        if self.scale == 1.0 and self.b.dtype == self.dtype:
+            v = self.metric.pair_values(q, self.b, local)
+        else:
+            r = self._scaled(self.b.index_select(0, local.reshape(-1))).to(self.dtype)
+            v = self.metric.pair_values(q, r, torch.arange(r.shape[0], device=r.device).view(-1, k))
         missing = math.inf if self.metric.higher_is_better else -math.inf
         v, i = order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
         if self.scale != 1.0 and self.metric.degree:

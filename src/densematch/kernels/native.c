@@ -308,3 +308,129 @@ DEFINE_L2(double, f64, sqrt)
 
 DEFINE_MERGE(float, f32)
 DEFINE_MERGE(double, f64)
+
+/* Values of row pairs for the engine's last step: out[i * k + j] for the query row q[i] and the
+ * reference row r[idx[i * k + j]] (r[i * k + j] when idx is NULL), rows of C values with row
+ * strides ldq / ldr:
+ *   kind 0: the dot product; 1: the sum of squared differences; 2: the sum of absolute
+ *   differences; 3: the largest absolute difference; 4: cosine, for a unit query row: the
+ *   reference row is scaled by 2^-e, e its largest magnitude's exponent (exact; no square can
+ *   overflow or underflow), then dot / norm (0 for a zero row).
+ * A NaN anywhere in a pair gives NaN. Every pair is reduced in one order (two vectors of lanes
+ * over c, then the lanes in order, then the tail), so equal rows give equal values wherever they
+ * are, on any CPU.
+ *
+ * The lanes are GCC / Clang vector extensions of 32 bytes (one AVX2 register, two SSE or NEON
+ * ones): the compiler's own vectoriser leaves the max-and-sum loops scalar.
+ */
+#define STEP(T) (2 * (long)(32 / sizeof(T))) /* values per step: two vectors */
+
+#define DEFINE_PAIRS(T, I, SUF, ABS, SQRT, FREXP, LDEXP)                                           \
+    typedef T vec_##SUF __attribute__((vector_size(32)));                                          \
+    typedef I mask_##SUF __attribute__((vector_size(32)));                                         \
+    static inline vec_##SUF load_##SUF(const T *p) {                                               \
+        vec_##SUF v;                                                                               \
+        memcpy(&v, p, sizeof v);                                                                   \
+        return v;                                                                                  \
+    }                                                                                              \
+    static inline vec_##SUF pick_##SUF(mask_##SUF m, vec_##SUF a, vec_##SUF b) {                   \
+        return (vec_##SUF)(((mask_##SUF)a & m) | ((mask_##SUF)b & ~m));                            \
+    }                                                                                              \
+    static inline vec_##SUF vabs_##SUF(vec_##SUF v) { return pick_##SUF(v < 0, -v, v); }           \
+    static inline T lanes_##SUF(const vec_##SUF acc[2]) {                                          \
+        T sum = 0;                                                                                 \
+        for (int h = 0; h < 2; h++)                                                                \
+            for (unsigned j = 0; j < 32 / sizeof(T); j++) sum += acc[h][j];                        \
+        return sum;                                                                                \
+    }                                                                                              \
+                                                                                                   \
+    PAIR_SUM(T, SUF, dot_##SUF, x * y, x * y)                                                      \
+    PAIR_SUM(T, SUF, sqdiff_##SUF, (x - y) * (x - y), (x - y) * (x - y))                           \
+    PAIR_SUM(T, SUF, absdiff_##SUF, vabs_##SUF(x - y), ABS(x - y))                                 \
+    PAIR_MAX(T, SUF, maxabs_##SUF, vabs_##SUF(x - y), ABS(x - y))                                  \
+    PAIR_MAX(T, SUF, peak_##SUF, vabs_##SUF(y), ABS(y)) /* of b alone: called with a = b */        \
+                                                                                                   \
+    static inline T cosine_##SUF(const T *a, const T *b, long C) {                                 \
+        const T peak = peak_##SUF(b, b, C);                                                        \
+        if (peak != peak) return peak;                                                             \
+        if (peak == 0) return 0;                                                                   \
+        int e; /* 2^-e in two factors, each in range even for a subnormal peak */                  \
+        (void)FREXP(peak, &e);                                                                     \
+        const T s1 = LDEXP((T)1, -e / 2), s2 = LDEXP((T)1, -e - (-e / 2));                         \
+        const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
+        vec_##SUF dots[2] = {{0}, {0}}, squares[2] = {{0}, {0}};                                   \
+        for (long c = 0; c < full; c += STEP(T))                                                   \
+            for (int h = 0; h < 2; h++) {                                                          \
+                const vec_##SUF v = load_##SUF(b + c + h * half) * s1 * s2;                        \
+                dots[h] += load_##SUF(a + c + h * half) * v;                                       \
+                squares[h] += v * v;                                                               \
+            }                                                                                      \
+        T dot = lanes_##SUF(dots), norm = lanes_##SUF(squares);                                    \
+        for (long c = full; c < C; c++) {                                                          \
+            const T v = b[c] * s1 * s2;                                                            \
+            dot += a[c] * v;                                                                       \
+            norm += v * v;                                                                         \
+        }                                                                                          \
+        return dot / SQRT(norm);                                                                   \
+    }                                                                                              \
+                                                                                                   \
+    void dm_pair_values_##SUF(const T *q, long ldq, const T *r, long ldr, const int64_t *idx,      \
+                              long m, long k, long C, int kind, T *out) {                          \
+        T (*const pair)(const T *, const T *, long) = kind == 0   ? dot_##SUF                      \
+                                                      : kind == 1 ? sqdiff_##SUF                   \
+                                                      : kind == 2 ? absdiff_##SUF                  \
+                                                      : kind == 3 ? maxabs_##SUF                   \
+                                                                  : cosine_##SUF;                  \
+        for (long i = 0; i < m; i++)                                                               \
+            for (long j = 0; j < k; j++) {                                                         \
+                const long t = i * k + j;                                                          \
+                out[t] = pair(q + i * ldq, r + (idx ? idx[t] : t) * ldr, C);                       \
+            }                                                                                      \
+    }
+
+/* the sum over c of EXPR (VEXPR on vectors) of x = a[c], y = b[c] */
+#define PAIR_SUM(T, SUF, NAME, VEXPR, EXPR)                                                        \
+    static inline T NAME(const T *a, const T *b, long C) {                                         \
+        const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
+        vec_##SUF acc[2] = {{0}, {0}};                                                             \
+        for (long c = 0; c < full; c += STEP(T))                                                   \
+            for (int h = 0; h < 2; h++) {                                                          \
+                const vec_##SUF x = load_##SUF(a + c + h * half), y = load_##SUF(b + c + h * half); \
+                acc[h] += VEXPR;                                                                   \
+            }                                                                                      \
+        T sum = lanes_##SUF(acc);                                                                  \
+        for (long c = full; c < C; c++) {                                                          \
+            const T x = a[c], y = b[c];                                                            \
+            sum += EXPR;                                                                           \
+        }                                                                                          \
+        return sum;                                                                                \
+    }
+
+/* the largest of the non-negative EXPR, NaN if any is NaN: the vectors' maximum drops NaNs, so a
+ * sum of the same values (NaN exactly when one is) says whether there was one */
+#define PAIR_MAX(T, SUF, NAME, VEXPR, EXPR)                                                        \
+    static inline T NAME(const T *a, const T *b, long C) {                                         \
+        const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
+        vec_##SUF top[2] = {{0}, {0}}, all[2] = {{0}, {0}};                                        \
+        for (long c = 0; c < full; c += STEP(T))                                                   \
+            for (int h = 0; h < 2; h++) {                                                          \
+                const vec_##SUF x = load_##SUF(a + c + h * half), y = load_##SUF(b + c + h * half); \
+                const vec_##SUF v = VEXPR;                                                         \
+                (void)x;                                                                           \
+                top[h] = pick_##SUF(top[h] > v, top[h], v);                                        \
+                all[h] += v;                                                                       \
+            }                                                                                      \
+        T most = 0, sum = lanes_##SUF(all);                                                        \
+        for (int h = 0; h < 2; h++)                                                                \
+            for (unsigned j = 0; j < 32 / sizeof(T); j++) most = most > top[h][j] ? most : top[h][j]; \
+        for (long c = full; c < C; c++) {                                                          \
+            const T x = a[c], y = b[c], v = EXPR;                                                  \
+            (void)x;                                                                               \
+            most = most > v ? most : v;                                                            \
+            sum += v;                                                                              \
+        }                                                                                          \
+        return sum != sum ? sum : most;                                                            \
+    }
+
+DEFINE_PAIRS(float, int32_t, f32, fabsf, sqrtf, frexpf, ldexpf)
+DEFINE_PAIRS(double, int64_t, f64, fabs, sqrt, frexp, ldexp)

@@ -41,6 +41,7 @@ __all__ = [
     "merge",
     "minkowski",
     "minkowski_grad",
+    "pair_values",
     "sqnorms",
     "usable",
 ]
@@ -126,6 +127,7 @@ def library() -> ctypes.CDLL | None:
         "dm_sqnorms": ([ptr, n, ptr, n, n], None),
         "dm_l2_weights": ([ptr, n, n, ptr, n, n, ptr, ptr, ptr, n, n, flag], None),
         "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
+        "dm_pair_values": ([ptr, n, ptr, n, ptr, n, n, n, flag, ptr], None),
     }
     for name, (args, result) in signatures.items():
         for suffix in _SUFFIX.values():
@@ -289,6 +291,32 @@ def merge(
         null if listed is None else listed.counts.data_ptr(),
         null if listed is None else listed.over.data_ptr(),
     )  # fmt: skip
+
+
+PAIR_KINDS = {"dot": 0, "sqdiff": 1, "absdiff": 2, "maxabs": 3, "cosine": 4}
+
+
+def pair_values(q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, kind: str) -> torch.Tensor:
+    """Values (m, k) of the row pairs (q[i], r[idx[i, j]]): "dot", "sqdiff" (sum of squared
+    differences), "absdiff", "maxabs", or "cosine" (q's rows of unit length; r's scaled as
+    :func:`densematch.metrics.unit_rows` does). q (m, C) and r (n, C) of one dtype, any strides
+    (r is gathered first when its rows are not unit-stride); idx (m, k) int64 in [0, n). Each
+    pair is reduced in one order, so equal rows give equal values. On this thread."""
+    lib = library()
+    assert lib is not None and q.dtype == r.dtype and idx.dtype == torch.int64
+    m, k = idx.shape
+    out = torch.empty((m, k), dtype=q.dtype)
+    if m * k == 0:
+        return out
+    q, idx = _unit_rows(q), idx.contiguous()
+    gathered = r.stride(1) != 1 and r.shape[1] > 1
+    if gathered:  # strided rows: one gather beats a cache line per value
+        r = r.index_select(0, idx.view(-1))
+    getattr(lib, f"dm_pair_values_{_SUFFIX[q.dtype]}")(
+        q.data_ptr(), q.stride(0), r.data_ptr(), r.stride(0), None if gathered else idx.data_ptr(),
+        m, k, q.shape[1], PAIR_KINDS[kind], out.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":
