@@ -153,11 +153,13 @@ class TestPairValues:
         q = torch.randn(m, c, generator=g, dtype=dtype)
         r = torch.randn(9, c, generator=g, dtype=dtype)
         idx = torch.randint(0, 9, (m, k), generator=g)
-        if kind == "cosine":
-            q = torch.nn.functional.normalize(q, dim=1)
         got = native.pair_values(q, r, idx, kind)
         want, size = pair_reference(q, r, idx, kind)
         assert ((got.double() - want).abs() <= (c + 4) * torch.finfo(dtype).eps * size).all()
+        # the same pairs with their query rows named, from a matrix of other rows too
+        more = torch.cat([torch.randn(4, c, generator=g, dtype=dtype), q])
+        named = native.pair_values(more, r, idx, kind, q_rows=torch.arange(4, 4 + m))
+        assert torch.equal(named, got)
 
     def test_equal_rows_give_equal_values_wherever_they_sit(self):
         g = torch.Generator().manual_seed(7)
@@ -166,29 +168,32 @@ class TestPairValues:
         r[4] = r[1]
         strided = torch.randn(6, 74, generator=g)[:, ::2]  # rows not unit-stride: gathered inside
         strided[2] = r[1]
+        queries = torch.randn(74, 3, generator=g)[::2].T  # (3, 37), column-major
+        queries.copy_(q)
         idx = torch.tensor([[1, 4, 1], [4, 0, 1], [5, 4, 1]])
         same = (idx == 1) | (idx == 4)
         for kind in native.PAIR_KINDS:
-            rows = torch.nn.functional.normalize(q, dim=1) if kind == "cosine" else q
-            v = native.pair_values(rows, r, idx, kind)
-            w = native.pair_values(rows, strided, torch.full((3, 1), 2), kind)
+            v = native.pair_values(q, r, idx, kind)
+            w = native.pair_values(queries, strided, torch.full((3, 1), 2), kind, q_rows=torch.arange(3))
             for i in range(3):
                 assert (v[i][same[i]] == w[i, 0]).all(), kind
 
     def test_nan_zero_and_extreme_rows(self):
-        q = torch.nn.functional.normalize(torch.ones(1, 20), dim=1)
         r = torch.ones(5, 20)
         r[0, 17] = float("nan")  # in the tail of float32's 16-value steps
         r[1, 3] = float("nan")
         r[2] = 0.0
         r[3] = 1e-42  # subnormal: scaled into range exactly
         r[4] = 3e38  # near float32's largest: squares would overflow unscaled
-        idx = torch.arange(5)[None]
-        cos = native.pair_values(q, r, idx, "cosine")[0]
-        assert cos[:2].isnan().all() and cos[2] == 0.0
-        torch.testing.assert_close(cos[3:], torch.ones(2))
+        q = r[2:].clone()  # zero, subnormal and huge query rows too
+        idx = torch.arange(5).expand(3, 5)
+        cos = native.pair_values(q, r, idx, "cosine")
+        assert cos[:, :2].isnan().all() and (cos[0, 2:] == 0).all() and (cos[:, 2] == 0).all()
+        torch.testing.assert_close(cos[1:, 3:], torch.ones(2, 2))
+        nan_query = torch.full((1, 20), float("nan"))
+        assert native.pair_values(nan_query, r, idx[:1], "cosine").isnan().all()
         for kind in ("dot", "sqdiff", "absdiff", "maxabs"):
-            v = native.pair_values(q, r[:2], idx[:, :2], kind)
+            v = native.pair_values(q[:1], r[:2], idx[:1, :2], kind)
             assert v.isnan().all(), kind
 
     @pytest.mark.parametrize("metric", ["cosine", "dot", "l2", "sqeuclidean", "l1", "linf"])
@@ -203,6 +208,13 @@ class TestPairValues:
         torch.testing.assert_close(got, torch_path, rtol=1e-5, atol=1e-5)
         want = m.pair_value(q.double()[:, None, :], r.double()[idx])
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        # the scores that settle near-ties, higher is better, query rows named
+        rows = torch.tensor([6, 0, 0, 3, 6, 1, 2])
+        scores = m.direct_scores(q, r, idx, q_rows=rows)
+        want = m.direct_score(q.double()[rows][:, None, :], r.double()[idx])
+        torch.testing.assert_close(scores.double(), want, rtol=1e-5, atol=1e-4)
+        with densematch.config_context(kernel="torch"):
+            torch.testing.assert_close(m.direct_scores(q, r, idx, q_rows=rows), scores, rtol=1e-5, atol=1e-4)
 
 
 class TestCallers:

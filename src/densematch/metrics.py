@@ -191,32 +191,62 @@ class Metric:
         """
         raise NotImplementedError
 
-    pair_kind: str | None = None  # pair_value's reduction in the C kernel (native.pair_values)
+    pair_kind: str | None = None  # the reduction of the C kernel of pairs (native.pair_values)
 
-    def pair_values(self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """:meth:`pair_value` of the pairs (q[i], r[idx[i, j]]), through the C kernel where it
-        runs (no gathered copy, one pass per pair), for the engine's last step (no gradient).
+    def pair_values(
+        self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, *, q_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`pair_value` of the pairs (q[q_rows[i]], r[idx[i, j]]), for the engine's last
+        step (no gradient): through the C kernel where it runs, with no gathered copy and one
+        pass per pair.
 
         Parameters
         ----------
-        q : Tensor of shape (m, C)
+        q : Tensor of shape (mq, C)
         r : Tensor of shape (n, C)
             Raw rows in the compute dtype, any strides.
         idx : Tensor of int64, shape (m, k)
-            Rows of ``r``, in [0, n).
+            Rows of ``r``.
+        q_rows : Tensor of int64, shape (m,), optional
+            Rows of ``q`` (default: row i for row i of ``idx``).
 
         Returns
         -------
         Tensor of shape (m, k)
         """
-        if self.pair_kind is not None and r.dtype == q.dtype and native.usable(q.device, q.dtype):
-            return self._pair_kernel(q, r, idx)
-        m, k = idx.shape
-        return self.pair_value(q[:, None, :], r.index_select(0, idx.reshape(-1)).view(m, k, -1))
+        v = self._pair_kernel(q, r, idx, q_rows)
+        return self._kernel_value(v) if v is not None else self.pair_value(*self._pairs(q, r, idx, q_rows))
 
-    def _pair_kernel(self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        assert self.pair_kind is not None
-        return native.pair_values(q, r, idx, self.pair_kind)
+    def direct_scores(
+        self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, *, q_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`direct_score` of the pairs (q[q_rows[i]], r[idx[i, j]]), arguments as in
+        :meth:`pair_values`, through the C kernel where it runs."""
+        v = self._pair_kernel(q, r, idx, q_rows)
+        if v is not None:
+            return v if self.higher_is_better else v.neg_()
+        return self.direct_score(*self._pairs(q, r, idx, q_rows))
+
+    @staticmethod
+    def _pairs(
+        q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, q_rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs' rows gathered, (m, 1, C) and (m, k, C), for torch's kernels."""
+        m, k = idx.shape
+        q = q if q_rows is None else q.index_select(0, q_rows)
+        return q[:, None, :], r.index_select(0, idx.reshape(-1)).view(m, k, -1)
+
+    def _pair_kernel(
+        self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, q_rows: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The C kernel's reduction of the pairs, or None where it does not run."""
+        if self.pair_kind is None or r.dtype != q.dtype or not native.usable(q.device, q.dtype):
+            return None
+        return native.pair_values(q, r, idx, self.pair_kind, q_rows=q_rows)
+
+    def _kernel_value(self, v: torch.Tensor) -> torch.Tensor:
+        """The reported value from the kernel's reduction (in place)."""
+        return v
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Scores of row pairs (n, C) from raw rows in the compute dtype, higher is better,
@@ -310,9 +340,6 @@ class Cosine(Metric):
 
     pair_kind = "cosine"
 
-    def _pair_kernel(self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return native.pair_values(unit_rows(q), r, idx, "cosine")
-
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vecdot(unit_rows(a), unit_rows(b))
 
@@ -374,8 +401,8 @@ class Euclidean(Metric):
 
     pair_kind = "sqdiff"
 
-    def _pair_kernel(self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return self._finish(super()._pair_kernel(q, r, idx))
+    def _kernel_value(self, v: torch.Tensor) -> torch.Tensor:
+        return self._finish(v)
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         d = a - b

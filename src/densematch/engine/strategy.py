@@ -232,30 +232,34 @@ class Strategy:
         score = torch.empty(rows.numel(), dtype=self.dtype, device=rows.device)
         step = max(1, buf.numel() * buf.element_size() // rescore_bytes(self.a.shape[1]))
         queries = start + rows if self.rows_a is None else self.rows_a[start + rows]
+        refs = cols if self.rows_b is None else self.rows_b[cols]
         for s in range(0, rows.numel(), step):
-            a = self._scaled(self.a.index_select(0, queries[s : s + step]))
-            r = self._scaled(self._gather_refs(cols[s : s + step]))
-            score[s : s + step] = self.metric.direct_score(a.to(self.dtype), r.to(self.dtype))
+            q, q_rows = self._pair_rows(self.a, queries[s : s + step])
+            r, idx = self._pair_rows(self.b, refs[s : s + step, None])
+            score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows)[:, 0]
         return score
 
-    def _gather_refs(self, cols: torch.Tensor) -> torch.Tensor:
-        """Raw rows of b at reference positions ``cols`` (positions among the allowed rows)."""
-        return self.b.index_select(0, cols if self.rows_b is None else self.rows_b[cols])
+    def _pair_rows(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw rows of ``x`` (a or b) in the compute dtype for the metric's pairs, and where
+        ``rows`` (any shape) of x are in them: x itself when it is in the compute dtype and
+        unscaled (the C kernel reads it in place), else those rows gathered, scaled and cast."""
+        if self.scale == 1.0 and x.dtype == self.dtype:
+            return x, rows
+        g = self._scaled(x.index_select(0, rows.reshape(-1))).to(self.dtype)
+        return g, torch.arange(g.shape[0], device=g.device).view(rows.shape)
 
     def finalise(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int) -> None:
         """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""
-        k = best_i.shape[1]
         found = best_i >= 0
         local = best_i.clamp_min(0)
         if self.rows_b is not None:
             best_i.copy_(torch.where(found, self.rows_b[local], best_i))
             local = best_i.clamp_min(0)
-        q = self._scaled(rows_of(self.a, self.rows_a, start, start + best_i.shape[0])).to(self.dtype)
-        if self.scale == 1.0 and self.b.dtype == self.dtype:
-            v = self.metric.pair_values(q, self.b, local)
-        else:
-            r = self._scaled(self.b.index_select(0, local.reshape(-1))).to(self.dtype)
-            v = self.metric.pair_values(q, r, torch.arange(r.shape[0], device=r.device).view(-1, k))
+        queries = torch.arange(start, start + best_i.shape[0], device=best_i.device)
+        if self.rows_a is not None:
+            queries = self.rows_a[queries]
+        q, q_rows = self._pair_rows(self.a, queries)
+        v = self.metric.pair_values(q, *self._pair_rows(self.b, local), q_rows=q_rows)
         missing = math.inf if self.metric.higher_is_better else -math.inf
         v, i = order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
         if self.scale != 1.0 and self.metric.degree:

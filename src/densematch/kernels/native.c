@@ -309,13 +309,13 @@ DEFINE_L2(double, f64, sqrt)
 DEFINE_MERGE(float, f32)
 DEFINE_MERGE(double, f64)
 
-/* Values of row pairs for the engine's last step: out[i * k + j] for the query row q[i] and the
- * reference row r[idx[i * k + j]] (r[i * k + j] when idx is NULL), rows of C values with row
- * strides ldq / ldr:
+/* Values of row pairs for the engine's last step and its re-scoring: out[i * k + j] for the
+ * query row q[qidx[i]] (q[i] when qidx is NULL) and the reference row r[idx[i * k + j]]
+ * (r[i * k + j] when idx is NULL), rows of C values with row strides ldq / ldr:
  *   kind 0: the dot product; 1: the sum of squared differences; 2: the sum of absolute
- *   differences; 3: the largest absolute difference; 4: cosine, for a unit query row: the
- *   reference row is scaled by 2^-e, e its largest magnitude's exponent (exact; no square can
- *   overflow or underflow), then dot / norm (0 for a zero row).
+ *   differences; 3: the largest absolute difference; 4: cosine: each row scaled by 2^-e, e its
+ *   largest magnitude's exponent (exact; no square can overflow or underflow), then dot over
+ *   the norms (0 for a zero row).
  * A NaN anywhere in a pair gives NaN. Every pair is reduced in one order (two vectors of lanes
  * over c, then the lanes in order, then the tail), so equal rows give equal values wherever they
  * are, on any CPU.
@@ -350,42 +350,86 @@ DEFINE_MERGE(double, f64)
     PAIR_MAX(T, SUF, maxabs_##SUF, vabs_##SUF(x - y), ABS(x - y))                                  \
     PAIR_MAX(T, SUF, peak_##SUF, vabs_##SUF(y), ABS(y)) /* of b alone: called with a = b */        \
                                                                                                    \
-    static inline T cosine_##SUF(const T *a, const T *b, long C) {                                 \
+    /* 2^-e, e the exponent of peak (> 0, finite), as two factors each in range even for a      \
+     * subnormal peak: scaling by it is exact and brings the row's largest magnitude to [0.5, 1) */ \
+    static inline void unit_scale_##SUF(T peak, T s[2]) {                                          \
+        int e;                                                                                     \
+        (void)FREXP(peak, &e);                                                                     \
+        s[0] = LDEXP((T)1, -e / 2);                                                                \
+        s[1] = LDEXP((T)1, -e - (-e / 2));                                                         \
+    }                                                                                              \
+                                                                                                   \
+    /* the norm of a * sa */                                                                       \
+    static inline T scaled_norm_##SUF(const T *a, const T sa[2], long C) {                         \
+        const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
+        vec_##SUF squares[2] = {{0}, {0}};                                                         \
+        for (long c = 0; c < full; c += STEP(T))                                                   \
+            for (int h = 0; h < 2; h++) {                                                          \
+                const vec_##SUF x = load_##SUF(a + c + h * half) * sa[0] * sa[1];                  \
+                squares[h] += x * x;                                                               \
+            }                                                                                      \
+        T norm = lanes_##SUF(squares);                                                             \
+        for (long c = full; c < C; c++) {                                                          \
+            const T x = a[c] * sa[0] * sa[1];                                                      \
+            norm += x * x;                                                                         \
+        }                                                                                          \
+        return SQRT(norm);                                                                         \
+    }                                                                                              \
+                                                                                                   \
+    /* cos(a, b) for a scaled by sa with norm anorm after it (sa 0 and anorm 1 for a zero row) */  \
+    static inline T cosine_##SUF(const T *a, const T sa[2], T anorm, const T *b, long C) {         \
         const T peak = peak_##SUF(b, b, C);                                                        \
         if (peak != peak) return peak;                                                             \
         if (peak == 0) return 0;                                                                   \
-        int e; /* 2^-e in two factors, each in range even for a subnormal peak */                  \
-        (void)FREXP(peak, &e);                                                                     \
-        const T s1 = LDEXP((T)1, -e / 2), s2 = LDEXP((T)1, -e - (-e / 2));                         \
+        T sb[2];                                                                                   \
+        unit_scale_##SUF(peak, sb);                                                                \
         const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
         vec_##SUF dots[2] = {{0}, {0}}, squares[2] = {{0}, {0}};                                   \
         for (long c = 0; c < full; c += STEP(T))                                                   \
             for (int h = 0; h < 2; h++) {                                                          \
-                const vec_##SUF v = load_##SUF(b + c + h * half) * s1 * s2;                        \
-                dots[h] += load_##SUF(a + c + h * half) * v;                                       \
-                squares[h] += v * v;                                                               \
+                const vec_##SUF x = load_##SUF(a + c + h * half) * sa[0] * sa[1];                  \
+                const vec_##SUF y = load_##SUF(b + c + h * half) * sb[0] * sb[1];                  \
+                dots[h] += x * y;                                                                  \
+                squares[h] += y * y;                                                               \
             }                                                                                      \
         T dot = lanes_##SUF(dots), norm = lanes_##SUF(squares);                                    \
         for (long c = full; c < C; c++) {                                                          \
-            const T v = b[c] * s1 * s2;                                                            \
-            dot += a[c] * v;                                                                       \
-            norm += v * v;                                                                         \
+            const T x = a[c] * sa[0] * sa[1], y = b[c] * sb[0] * sb[1];                            \
+            dot += x * y;                                                                          \
+            norm += y * y;                                                                         \
         }                                                                                          \
-        return dot / SQRT(norm);                                                                   \
+        return dot / (anorm * SQRT(norm));                                                         \
     }                                                                                              \
                                                                                                    \
-    void dm_pair_values_##SUF(const T *q, long ldq, const T *r, long ldr, const int64_t *idx,      \
-                              long m, long k, long C, int kind, T *out) {                          \
+    void dm_pair_values_##SUF(const T *q, long ldq, const int64_t *qidx, const T *r, long ldr,     \
+                              const int64_t *idx, long m, long k, long C, int kind, T *out) {      \
         T (*const pair)(const T *, const T *, long) = kind == 0   ? dot_##SUF                      \
                                                       : kind == 1 ? sqdiff_##SUF                   \
                                                       : kind == 2 ? absdiff_##SUF                  \
-                                                      : kind == 3 ? maxabs_##SUF                   \
-                                                                  : cosine_##SUF;                  \
-        for (long i = 0; i < m; i++)                                                               \
+                                                                  : maxabs_##SUF;                  \
+        const T *last = NULL; /* cosine: the query row whose scale and norm are known */          \
+        T qpeak = 0, sa[2] = {0, 0}, anorm = 1;                                                    \
+        for (long i = 0; i < m; i++) {                                                             \
+            const T *a = q + (qidx ? qidx[i] : i) * ldq;                                           \
+            if (kind == 4 && a != last) {                                                          \
+                last = a;                                                                          \
+                qpeak = peak_##SUF(a, a, C);                                                       \
+                sa[0] = sa[1] = 0;                                                                 \
+                anorm = 1;                                                                         \
+                if (qpeak == qpeak && qpeak != 0) {                                                \
+                    unit_scale_##SUF(qpeak, sa);                                                   \
+                    anorm = scaled_norm_##SUF(a, sa, C);                                           \
+                }                                                                                  \
+            }                                                                                      \
             for (long j = 0; j < k; j++) {                                                         \
                 const long t = i * k + j;                                                          \
-                out[t] = pair(q + i * ldq, r + (idx ? idx[t] : t) * ldr, C);                       \
+                const T *b = r + (idx ? idx[t] : t) * ldr;                                         \
+                if (kind != 4)                                                                     \
+                    out[t] = pair(a, b, C);                                                        \
+                else                                                                               \
+                    out[t] = qpeak != qpeak ? qpeak : cosine_##SUF(a, sa, anorm, b, C);            \
             }                                                                                      \
+        }                                                                                          \
     }
 
 /* the sum over c of EXPR (VEXPR on vectors) of x = a[c], y = b[c] */

@@ -127,7 +127,7 @@ def library() -> ctypes.CDLL | None:
         "dm_sqnorms": ([ptr, n, ptr, n, n], None),
         "dm_l2_weights": ([ptr, n, n, ptr, n, n, ptr, ptr, ptr, n, n, flag], None),
         "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
-        "dm_pair_values": ([ptr, n, ptr, n, ptr, n, n, n, flag, ptr], None),
+        "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr], None),
     }
     for name, (args, result) in signatures.items():
         for suffix in _SUFFIX.values():
@@ -296,24 +296,31 @@ def merge(
 PAIR_KINDS = {"dot": 0, "sqdiff": 1, "absdiff": 2, "maxabs": 3, "cosine": 4}
 
 
-def pair_values(q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, kind: str) -> torch.Tensor:
-    """Values (m, k) of the row pairs (q[i], r[idx[i, j]]): "dot", "sqdiff" (sum of squared
-    differences), "absdiff", "maxabs", or "cosine" (q's rows of unit length; r's scaled as
-    :func:`densematch.metrics.unit_rows` does). q (m, C) and r (n, C) of one dtype, any strides
-    (r is gathered first when its rows are not unit-stride); idx (m, k) int64 in [0, n). Each
-    pair is reduced in one order, so equal rows give equal values. On this thread."""
+def pair_values(
+    q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, kind: str, *, q_rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Values (m, k) of the row pairs (q[q_rows[i]], r[idx[i, j]]) (q[i] without ``q_rows``):
+    "dot", "sqdiff" (sum of squared differences), "absdiff", "maxabs" or "cosine". q (mq, C)
+    and r (n, C) of one dtype, any strides (rows that are not unit-stride are gathered first);
+    idx (m, k) and q_rows (m,) int64. Each pair is reduced in one order, so equal rows give
+    equal values. On this thread."""
     lib = library()
     assert lib is not None and q.dtype == r.dtype and idx.dtype == torch.int64
     m, k = idx.shape
     out = torch.empty((m, k), dtype=q.dtype)
     if m * k == 0:
         return out
-    q, idx = _unit_rows(q), idx.contiguous()
-    gathered = r.stride(1) != 1 and r.shape[1] > 1
-    if gathered:  # strided rows: one gather beats a cache line per value
-        r = r.index_select(0, idx.view(-1))
+    # rows that are not unit-stride are gathered: one copy beats a cache line per value
+    if q.stride(1) != 1 and q.shape[1] > 1:
+        q, q_rows = q.index_select(0, q_rows) if q_rows is not None else q.contiguous(), None
+    ridx: torch.Tensor | None = idx.contiguous()
+    if r.stride(1) != 1 and r.shape[1] > 1:
+        r, ridx = r.index_select(0, idx.reshape(-1)), None
+    if q_rows is not None:
+        q_rows = q_rows.contiguous()
     getattr(lib, f"dm_pair_values_{_SUFFIX[q.dtype]}")(
-        q.data_ptr(), q.stride(0), r.data_ptr(), r.stride(0), None if gathered else idx.data_ptr(),
+        q.data_ptr(), q.stride(0), None if q_rows is None else q_rows.data_ptr(),
+        r.data_ptr(), r.stride(0), None if ridx is None else ridx.data_ptr(),
         m, k, q.shape[1], PAIR_KINDS[kind], out.data_ptr(),
     )  # fmt: skip
     return out
