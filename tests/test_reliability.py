@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import contextvars
+import multiprocessing
 import threading
 
 import numpy as np
@@ -113,6 +114,37 @@ class TestNoProcessWideState:
         with densematch.config_context(memory="5MiB", kernel="torch"):
             densematch.threads.share_out(range(6), lambda _: seen.append(densematch.get_config()), 2)
         assert len(seen) == 6 and all(c["memory"] == "5MiB" and c["kernel"] == "torch" for c in seen)
+
+    def test_workers_are_kept_between_calls_and_run_again_in_a_forked_child(self):
+        share_out = densematch.threads.share_out
+        share_out(range(4), lambda _: None, 2)
+        before = threading.active_count()
+        names: list[str] = []
+        for _ in range(5):
+            share_out(range(4), lambda _: names.append(threading.current_thread().name), 2)
+        assert threading.active_count() == before  # no thread started, none left behind
+        assert set(names) <= {"densematch-0", "densematch-1"}
+        # a forked child (data loaders, Ray) has none of the parent's threads: it starts its own
+        if "fork" in multiprocessing.get_all_start_methods():
+            with multiprocessing.get_context("fork").Pool(1) as pool:
+                assert pool.apply_async(_match_in_a_child).get(timeout=120)
+
+    def test_scratch_buffers_do_not_outlive_a_call(self):
+        def hold(_: int) -> None:
+            densematch.threads.scratch("test", (1000,), torch.float32, torch.device("cpu"))
+            kept.append(densematch.threads._buffers.__dict__.get("store"))
+
+        kept: list[dict | None] = []
+        densematch.threads.share_out(range(4), hold, 2)
+        seen: list[dict | None] = []
+        buffers = densematch.threads._buffers
+        densematch.threads.share_out(range(4), lambda _: seen.append(buffers.__dict__.get("store")), 2)
+        assert all(k for k in kept) and seen == [None] * 4
+
+
+def _match_in_a_child() -> bool:
+    a = torch.arange(3 * 2500, dtype=torch.float32).reshape(2500, 3)  # long enough to share out
+    return bool((densematch.match(a, a, metric="l2", layout="flat").index == torch.arange(2500)).all())
 
 
 class TestWarpChecks:

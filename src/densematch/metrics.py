@@ -150,7 +150,13 @@ class Metric:
     # -- the search engine's rows, scores and values ------------------------------------------
 
     def prepare(
-        self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        role: str,
+        dtype: torch.dtype,
+        centre: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows ready for :meth:`score_tile`.
 
@@ -164,12 +170,16 @@ class Metric:
             The compute dtype (float32 or float64).
         centre : Tensor of shape (C,), optional
             Subtracted from every row when the metric is centred.
+        out : Tensor of shape (n, C + extra_columns), optional
+            Written and returned (contiguous rows, of ``dtype``).
 
         Returns
         -------
         Tensor of shape (n, C + extra_columns), contiguous, of ``dtype``.
         """
-        return x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+        if out is None:
+            return x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+        return out.copy_(x)
 
     def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of shape (len(q), len(r)), higher is better, of prepared rows."""
@@ -331,9 +341,15 @@ class Cosine(Metric):
     unit = True
 
     def prepare(
-        self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        role: str,
+        dtype: torch.dtype,
+        centre: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return unit_rows(super().prepare(x, role, dtype), inplace=True)
+        return unit_rows(super().prepare(x, role, dtype, out=out), inplace=True)
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (unit_rows(a) * unit_rows(b)).sum(-1)
@@ -378,10 +394,16 @@ class Euclidean(Metric):
     root = True  # the distance is the square root of the expansion
 
     def prepare(
-        self, x: torch.Tensor, role: str, dtype: torch.dtype, centre: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        role: str,
+        dtype: torch.dtype,
+        centre: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n, c = x.shape
-        out = torch.empty(n, c + 1, dtype=dtype, device=x.device)
+        out = torch.empty(n, c + 1, dtype=dtype, device=x.device) if out is None else out
         body = out[:, :c]
         body.copy_(x)
         if centre is not None:

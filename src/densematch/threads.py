@@ -5,13 +5,17 @@ few thousand small ones per call, and on a busy machine every barrier waits for 
 scheduler took away. Here work is cut into items taken by worker threads in turn, each worker
 running its operators on itself alone: no barrier inside an item, and a worker that is slowed
 down only takes fewer items. ``torch.set_num_threads`` called in a thread sets that thread's
-own OpenMP and MKL counts (and the default of threads started later, put back on exit).
+own OpenMP and MKL counts (and the default of threads started later, put back on exit). The
+threads are kept between calls (forgotten in a forked child, where they do not exist).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import os
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
@@ -74,9 +78,50 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     return held[:size].view(shape)
 
 
+class _Worker:
+    """A thread kept between calls, running the jobs put on its queue in turn."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="densematch-worker", daemon=True).start()
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job()
+
+
+# Idle workers: starting two threads took about a millisecond here, once per shared-out step
+# (a search shares out four), so they are kept between calls
+_idle: list[_Worker] = []
+_idle_lock = threading.Lock()
+
+
+def _take(n: int) -> list[_Worker]:
+    with _idle_lock:
+        taken = [_idle.pop() for _ in range(min(n, len(_idle)))]
+    return taken + [_Worker() for _ in range(n - len(taken))]
+
+
+def _give_back(workers: list[_Worker]) -> None:
+    with _idle_lock:
+        _idle.extend(workers)
+
+
+def _forget_workers() -> None:
+    """In a forked child: the parent's threads do not exist there."""
+    global _idle_lock
+    _idle.clear()
+    _idle_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_workers)
+
+
 def share_out(items: Sequence[T], work: Callable[[T], None], workers: int, *, name: str = "densematch") -> None:
-    """Call ``work(item)`` for every item, on ``workers`` threads that each take the next item
-    when done and run on themselves alone (:func:`own_thread`). The caller's grad and inference
+    """Call ``work(item)`` for every item, on ``workers`` threads (kept between calls) that each
+    take the next item when done and run on themselves alone (:func:`own_thread`); their
+    :func:`scratch` buffers are let go at the end. The caller's grad and inference
     modes and its context variables (:func:`densematch.config_context`) hold in the workers.
     The first error is raised here, once every worker has stopped (the others take no new item
     after it). With one worker the items run here, in order, with the caller's threads; a single
@@ -91,31 +136,34 @@ def share_out(items: Sequence[T], work: Callable[[T], None], workers: int, *, na
                 work(item)
         return
     lock = threading.Lock()
-    queue = iter(items)
+    pending = iter(items)
     errors: list[BaseException] = []
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    pool = _take(min(workers, len(items)))
+    finished = threading.Semaphore(0)
 
-    def run() -> None:
+    def run(i: int) -> None:
+        threading.current_thread().name = f"{name}-{i}"
         try:
             with own_thread(), torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 while not errors:
                     with lock:
-                        item = next(queue, _DONE)
+                        item = next(pending, _DONE)
                     if item is _DONE:
                         return
                     work(item)  # type: ignore[arg-type]
         except BaseException as e:  # handed to the caller below
             errors.append(e)
+        finally:
+            _buffers.__dict__.pop("store", None)  # scratch tiles live for one call, as its threads did
+            finished.release()
 
     # each worker runs in a copy of the caller's context: scoped settings (config_context) hold
-    pool = [
-        threading.Thread(target=contextvars.copy_context().run, args=(run,), name=f"{name}-{i}")
-        for i in range(min(workers, len(items)))
-    ]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    for i, worker in enumerate(pool):
+        worker.jobs.put(functools.partial(contextvars.copy_context().run, run, i))
+    for _ in pool:
+        finished.acquire()
+    _give_back(pool)
     if errors:
         raise errors[0]
 

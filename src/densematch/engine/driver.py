@@ -117,14 +117,19 @@ def plan_tiles(
     return plan
 
 
-def peak(x: torch.Tensor, rows: torch.Tensor | None, step: int) -> float:
-    """The largest magnitude of the rows searched, read ``step`` rows at a time."""
-    top = 0.0
+def peak(x: torch.Tensor, rows: torch.Tensor | None, step: int, workers: int = 1) -> float:
+    """The largest magnitude of the rows searched, read at most ``step`` rows at a time, shared
+    out over ``workers`` threads."""
     n = x.shape[0] if rows is None else rows.numel()
-    for start in range(0, n, max(1, step)):
+    step = max(1, min(step, share_size(n, workers)))
+    tops = [0.0]
+
+    def tile(start: int) -> None:
         low, high = torch.aminmax(rows_of(x, rows, start, start + step))
-        top = max(top, -float(low), float(high))
-    return top
+        tops.append(max(-float(low), float(high)))
+
+    share_out(range(0, n, step), tile, workers, name="densematch-peak")
+    return max(tops)
 
 
 def common_scale(top: float) -> float:
@@ -251,14 +256,14 @@ def topk(
         reserved=reserved,
     )
     with torch.inference_mode(), strict_products(device):
-        top_a = peak(a, rows_a, plan.tile_a)
+        top_a = peak(a, rows_a, plan.tile_a, workers)
         if prepared is not None:
             scale = common_scale(max(top_a, prepared.peak))
             if prepared.strategy is not strategy or scale != prepared.scale:
                 prepared = None
         if prepared is None:
-            scale = common_scale(max(top_a, peak(b, rows_b, plan.tile_a)))
-        inputs = Inputs(a, b, rows_a, rows_b, metric, precision, k, scale, dims.cap, stats, prepared)
+            scale = common_scale(max(top_a, peak(b, rows_b, plan.tile_a, workers)))
+        inputs = Inputs(a, b, rows_a, rows_b, metric, precision, k, scale, dims.cap, stats, prepared, workers)
         search = strategy(inputs, plan)
         if workers > 1:
             # tiles small enough that a worker slowed by other processes leaves little behind

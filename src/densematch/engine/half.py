@@ -77,8 +77,8 @@ class HalfSearch(Strategy):
     def _state(self) -> dict[str, Any]:
         return {"shift": self.shift, "whole_h": self.whole_h, "whole_t": self.whole_t}
 
-    def _prepare_refs(self, start: int, stop: int) -> torch.Tensor:
-        refs = super()._prepare_refs(start, stop)
+    def _prepare_refs(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        refs = super()._prepare_refs(start, stop, out)
         return refs if self.whole is not None or self.shift is None else refs.sub_(self.shift)
 
     def _half_refs(self, start: int, stop: int) -> torch.Tensor:

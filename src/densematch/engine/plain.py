@@ -50,11 +50,16 @@ class PlainSearch(Strategy):
             # column): with a query's own, they bound how far the compute dtype's product can be
             # from the exact one for every pair of the row
             c = self.a.shape[1]
-            for j in range(0, self.nb, self.tile_b):
-                r = self._prepare_refs(j, j + self.tile_b)
+            norms: list[tuple[float, float]] = [self.ref_norms]
+
+            def tile(start: int, stop: int) -> None:
+                r = self._prepare_refs(start, stop)
                 body = float(torch.linalg.vector_norm(r[:, :c], dim=1).amax())
                 extra = float(torch.linalg.vector_norm(r[:, c:], dim=1).amax()) if r.shape[1] > c else 0.0
-                self.ref_norms = (max(self.ref_norms[0], body), max(self.ref_norms[1], extra))
+                norms.append((body, extra))
+
+            self._each_ref_tile(tile)
+            self.ref_norms = (max(n[0] for n in norms), max(n[1] for n in norms))
 
     def _listed(self, q: torch.Tensor, floor: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidates (rows of ``q``, columns) scoring at least ``floor``, one tile at a time

@@ -20,6 +20,7 @@ import torch
 from ..kernels import native
 from ..metrics import Metric
 from ..precision import Precision
+from ..threads import share_out
 from .merge import merge_best, merge_topk, order
 from .plan import Dims, TilePlan, device_caps
 
@@ -88,6 +89,8 @@ class Inputs:
         Counts of the certified search, filled by the strategies that certify.
     prepared : Prepared, optional
         The references already prepared (by this strategy, at this scale).
+    workers : int
+        Threads the call's work is shared out over (:func:`densematch.threads.share_out`).
     """
 
     a: torch.Tensor
@@ -101,6 +104,7 @@ class Inputs:
     cap: int = 0
     stats: dict[str, int] | None = None
     prepared: Prepared | None = None
+    workers: int = 1
 
     @property
     def nb(self) -> int:
@@ -160,7 +164,10 @@ class Strategy:
         self.centre = self._reference_mean() if self.metric.centred else None
         # references prepared once when the plan allows, else tile by tile
         if plan.whole_b:
-            self.whole = self._prepare_refs(0, self.nb)
+            cp = self.b.shape[1] + self.metric.extra_columns
+            whole = torch.empty((self.nb, cp), dtype=self.dtype, device=self.b.device)
+            self._each_ref_tile(lambda start, stop: self._prepare_refs(start, stop, out=whole[start:stop]))
+            self.whole = whole
 
     def prepared(self, peak: float) -> Prepared:
         """The references as this search prepared them (``peak``: their largest magnitude)."""
@@ -179,17 +186,33 @@ class Strategy:
         """Raw rows times the common scale (a power of two: exact), in their own dtype."""
         return x if self.scale == 1.0 else x * self.scale
 
+    def _each_ref_tile(self, work: Callable[[int, int], object]) -> None:
+        """``work(start, stop)`` for every reference tile, shared out over the call's workers (so
+        no operator inside waits on an OpenMP barrier)."""
+
+        def tile(j: int) -> None:
+            work(j, min(j + self.tile_b, self.nb))
+
+        share_out(range(0, self.nb, self.tile_b), tile, self.inputs.workers, name="densematch-refs")
+
     def _reference_mean(self) -> torch.Tensor:
+        parts: dict[int, torch.Tensor] = {}
+
+        def tile(start: int, stop: int) -> None:
+            parts[start] = self._scaled(rows_of(self.b, self.rows_b, start, stop)).sum(0, dtype=self.dtype)
+
+        self._each_ref_tile(tile)
         total = torch.zeros(self.b.shape[1], dtype=self.dtype, device=self.b.device)
-        for j in range(0, self.nb, self.tile_b):
-            total += self._scaled(rows_of(self.b, self.rows_b, j, j + self.tile_b)).sum(0, dtype=self.dtype)
+        for start in sorted(parts):  # in tile order, whichever worker finished first
+            total += parts[start]
         return total / self.nb
 
-    def _prepare_refs(self, start: int, stop: int) -> torch.Tensor:
+    def _prepare_refs(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Prepared reference rows ``start:stop`` (into ``out`` if given)."""
         if self.whole is not None:
             return self.whole[start:stop]
         rows = self._scaled(rows_of(self.b, self.rows_b, start, stop))
-        return self.metric.prepare(rows, "ref", self.dtype, self.centre)
+        return self.metric.prepare(rows, "ref", self.dtype, self.centre, out=out)
 
     def _prepare_queries(self, start: int, m: int) -> torch.Tensor:
         rows = self._scaled(rows_of(self.a, self.rows_a, start, start + m))
