@@ -2,7 +2,10 @@
 FAISS, the blockwise loop and torch.cdist, every method in its own process.
 
 Run: python benchmarks/bench_load.py [--sizes 160x160x64 80x80x384] [--metrics cosine l2 l1]
-     [--ks 1 8] [--loads quiet torch busy] [--rounds 3] [--repeats 3]
+     [--ks 1 8] [--features noise photo] [--loads quiet torch busy] [--rounds 3] [--repeats 3]
+
+Features: Gaussian noise, or real ones ("photo": grey patches of scikit-image's astronaut against
+a shifted noisy crop, projected to C channels; benchmarks/_common.photo_features).
 
 Loads, started before the timings of their block and stopped after:
 - quiet: nothing else runs;
@@ -22,6 +25,7 @@ synchronisation points a busy machine makes expensive. align (one 100x100 templa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -29,8 +33,10 @@ import subprocess
 import sys
 import textwrap
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import LOADS, machine, save, under_load
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 CHILD = textwrap.dedent(
     """
@@ -44,6 +50,10 @@ CHILD = textwrap.dedent(
 
     def inputs():
         h, w, c = spec["size"]
+        if spec["features"] == "photo":
+            sys.path.insert(0, spec["bench_dir"])
+            from _common import photo_features
+            return tuple(x.reshape(h * w, c).contiguous() for x in photo_features(h, w, c))
         g = torch.Generator().manual_seed(0)
         return torch.randn(h * w, c, generator=g), torch.randn(h * w, c, generator=g)
 
@@ -129,6 +139,7 @@ def main() -> None:
     p.add_argument("--sizes", nargs="+", default=["160x160x64", "80x80x384"])
     p.add_argument("--metrics", nargs="+", default=["cosine", "l2"])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--features", nargs="+", default=["noise"], choices=["noise", "photo"])
     p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     p.add_argument("--no-align", action="store_true")
@@ -140,13 +151,11 @@ def main() -> None:
     cases = []
     for size in [] if args.align_only else args.sizes:
         dims = tuple(int(v) for v in size.split("x"))
-        for metric in args.metrics:
-            for k in args.ks:
-                for method in args.methods:
-                    if method != "torch.cdist" or cdist_fits(dims):
-                        cases.append({"size": dims, "metric": metric, "k": k, "method": method})
+        for features, metric, k, method in itertools.product(args.features, args.metrics, args.ks, args.methods):
+            if method != "torch.cdist" or cdist_fits(dims):
+                cases.append({"size": dims, "features": features, "metric": metric, "k": k, "method": method})
     if not args.no_align:
-        cases.append({"size": (100, 100, 1), "metric": "-", "k": 1, "method": "align"})
+        cases.append({"size": (100, 100, 1), "features": "-", "metric": "-", "k": 1, "method": "align"})
     rows = []
     for load in args.loads:
         results: dict[int, list[dict]] = {i: [] for i in range(len(cases))}
@@ -154,7 +163,8 @@ def main() -> None:
             for r in range(args.rounds):
                 for i, case in enumerate(cases):
                     count = load == "quiet" and r == 0 and case["method"].startswith(("densematch", "align"))
-                    results[i].append(run_child({**case, "repeats": args.repeats, "count_ops": count}))
+                    spec = {**case, "repeats": args.repeats, "count_ops": count, "bench_dir": HERE}
+                    results[i].append(run_child(spec))
                     print(load, r, case, results[i][-1], flush=True)
         for i, case in enumerate(cases):
             runs = results[i]
@@ -179,13 +189,13 @@ def main() -> None:
 
 def print_table(rows: list[dict], loads: list[str]) -> None:
     """One line per case: each method's median under each load, and densematch's ratio to FAISS."""
-    cases = sorted({(r["size"], r["metric"], r["k"]) for r in rows}, key=lambda c: (c[0], c[1], c[2]))
+    cases = sorted({(r["size"], r["features"], r["metric"], r["k"]) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    head = ["size", "metric", "k", "method", *[f"{ld} s" for ld in loads], "ops/call"]
+    head = ["size", "features", "metric", "k", "method", *[f"{ld} s" for ld in loads], "ops/call"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for case in cases:
         for method in methods:
-            mine = [r for r in rows if (r["size"], r["metric"], r["k"], r["method"]) == (*case, method)]
+            mine = [r for r in rows if (r["size"], r["features"], r["metric"], r["k"], r["method"]) == (*case, method)]
             if not mine:
                 continue
             cells = []
@@ -193,7 +203,7 @@ def print_table(rows: list[dict], loads: list[str]) -> None:
                 r = next((x for x in mine if x["load"] == load), None)
                 cells.append("" if r is None or r["median_s"] is None else f"{r['median_s']:.3f}")
             ops = next((x["ops"] for x in mine if x["ops"] is not None), None)
-            print(f"| {case[0]} | {case[1]} | {case[2]} | {method} | " + " | ".join(cells) + f" | {ops or ''} |")
+            print(f"| {' | '.join(map(str, case))} | {method} | " + " | ".join(cells) + f" | {ops or ''} |")
 
 
 if __name__ == "__main__":
