@@ -129,6 +129,20 @@ class TestNoProcessWideState:
             with multiprocessing.get_context("fork").Pool(1) as pool:
                 assert pool.apply_async(_match_in_a_child).get(timeout=120)
 
+    def test_a_failing_item_raises_once_and_keeps_every_worker(self):
+        share_out = densematch.threads.share_out
+
+        def fail(i: int) -> None:
+            if i == 3:
+                raise ValueError("item 3")
+
+        share_out(range(8), lambda _: None, 2)
+        before = threading.active_count()
+        for _ in range(4):
+            with pytest.raises(ValueError, match="item 3"):
+                share_out(range(8), fail, 2)
+        assert threading.active_count() == before
+
     def test_scratch_buffers_do_not_outlive_a_call(self):
         def hold(_: int) -> None:
             densematch.threads.scratch("test", (1000,), torch.float32, torch.device("cpu"))

@@ -142,7 +142,7 @@ def share_out(items: Sequence[T], work: Callable[[T], None], workers: int, *, na
     pool = _take(min(workers, len(items)))
     finished = threading.Semaphore(0)
 
-    def run(i: int) -> None:
+    def run(i: int, worker: _Worker) -> None:
         threading.current_thread().name = f"{name}-{i}"
         try:
             with own_thread(), torch.inference_mode(inference), torch.set_grad_enabled(grad):
@@ -156,14 +156,18 @@ def share_out(items: Sequence[T], work: Callable[[T], None], workers: int, *, na
             errors.append(e)
         finally:
             _buffers.__dict__.pop("store", None)  # scratch tiles live for one call, as its threads did
+            _give_back([worker])  # by the worker itself: even a caller interrupted meanwhile loses none
             finished.release()
 
     # each worker runs in a copy of the caller's context: scoped settings (config_context) hold
     for i, worker in enumerate(pool):
-        worker.jobs.put(functools.partial(contextvars.copy_context().run, run, i))
-    for _ in pool:
-        finished.acquire()
-    _give_back(pool)
+        worker.jobs.put(functools.partial(contextvars.copy_context().run, run, i, worker))
+    try:
+        for _ in pool:
+            finished.acquire()
+    except BaseException as e:  # interrupted: the workers take no new item
+        errors.append(e)
+        raise
     if errors:
         raise errors[0]
 
