@@ -121,7 +121,9 @@ def peak(x: torch.Tensor, rows: torch.Tensor | None, step: int, workers: int = 1
     """The largest magnitude of the rows searched, read at most ``step`` rows at a time, shared
     out over ``workers`` threads."""
     n = x.shape[0] if rows is None else rows.numel()
-    step = max(1, min(step, share_size(n, workers)))
+    if workers > 1:  # one worker reads whole tiles (on a GPU, each tile's read is a sync)
+        step = min(step, share_size(n, workers))
+    step = max(1, step)
     tops = [0.0]
 
     def tile(start: int) -> None:

@@ -142,9 +142,14 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _SUFFIX and kernel_setting() != "torch" and library() is not None
 
 
+def _unit_stride(t: torch.Tensor) -> bool:
+    """Whether the rows of ``t`` (2-D) are unit-stride, as the kernels read them."""
+    return t.stride(1) == 1 or t.shape[1] <= 1
+
+
 def _unit_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (2-D) with unit stride along its rows, copied only if it has none."""
-    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+    return t if _unit_stride(t) else t.contiguous()
 
 
 def minkowski(y: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, linf: bool, scale: float = 1.0) -> torch.Tensor:
@@ -311,10 +316,10 @@ def pair_values(
     if m * k == 0:
         return out
     # rows that are not unit-stride are gathered: one copy beats a cache line per value
-    if q.stride(1) != 1 and q.shape[1] > 1:
+    if not _unit_stride(q):
         q, q_rows = q.index_select(0, q_rows) if q_rows is not None else q.contiguous(), None
     ridx: torch.Tensor | None = idx.contiguous()
-    if r.stride(1) != 1 and r.shape[1] > 1:
+    if not _unit_stride(r):
         r, ridx = r.index_select(0, idx.reshape(-1)), None
     if q_rows is not None:
         q_rows = q_rows.contiguous()
