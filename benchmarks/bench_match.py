@@ -1,6 +1,7 @@
 """Dense matching: densematch.match against the usual recipes, side by side on the same inputs.
 
 Run: python benchmarks/bench_match.py [--sizes 160x160x64 80x80x384] [--repeats 5] [--device cpu]
+     python benchmarks/bench_match.py --sweep-tiles [--rounds 5]   (the engine over tile shapes)
 
 Methods (cosine similarity, k=1):
 - densematch.match, precision "exact" (the default), "float32", "fast", and "exact" with the
@@ -47,21 +48,48 @@ def faiss_flat_ip(a: torch.Tensor, b: torch.Tensor):
 
 
 def sweep_tiles(args: argparse.Namespace) -> None:
-    from densematch import engine
+    """The engine alone over tile shapes, cosine k=1 and l2 k=8: ``--rounds`` rounds alternating
+    over shapes, each a mean of two calls after a warm-up, and the median over rounds. The query
+    tile that runs is also capped by each worker thread's share (``threads.share_size``)."""
+    import statistics
 
+    from densematch import engine
+    from densematch.engine.driver import tile_workers
+    from densematch.precision import resolve_precision
+    from densematch.threads import share_size
+
+    shapes = [(1024, 512), (2048, 256), (2048, 512), (4096, 256), (4096, 512), (2048, 1024), (1024, 2048)]
     rows = []
     for size in args.sizes:
         h, w, c = map(int, size.split("x"))
-        a = torch.randn(h * w, c, device=args.device)
-        b = torch.randn(h * w, c, device=args.device)
-        for tiles in [(1024, 2048), (2048, 2048), (4096, 1024), (4096, 512), (8192, 512), (4096, 256)]:
-            t = timeit(
-                lambda a=a, b=b, tiles=tiles: engine.topk(a, b, metric="cosine", k=1, budget=2**31, tiles=tiles),
-                repeats=args.repeats,
-            )
-            rows.append({"size": size, "tile_a": tiles[0], "tile_b": tiles[1], "median_s": round(t["median"], 4)})
-            print(rows[-1], flush=True)
-    print(table(rows, ["size", "tile_a", "tile_b", "median_s"]))
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(h * w, c, generator=g).to(args.device)
+        b = torch.randn(h * w, c, generator=g).to(args.device)
+        share = share_size(h * w, tile_workers(a.device, h * w))
+        for metric, k in [("cosine", 1), ("l2", 8)]:
+            precision = resolve_precision("exact", a.device, metric)
+            times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+            for _ in range(args.rounds):
+                for tiles in shapes:
+
+                    def run(a=a, b=b, tiles=tiles, metric=metric, k=k, precision=precision):
+                        engine.topk(a, b, metric=metric, k=k, budget=2**31, tiles=tiles, precision=precision)
+
+                    times[tiles].append(timeit(run, repeats=2)["median"])
+            for (ta, tb), t in times.items():
+                rows.append(
+                    {
+                        "size": size,
+                        "metric": metric,
+                        "k": k,
+                        "tiles": f"{ta}x{tb}",
+                        "ran": f"{min(ta, share, h * w)}x{tb}",
+                        "median_s": round(statistics.median(t), 4),
+                    }
+                )
+                print(rows[-1], flush=True)
+    print(table(rows, ["size", "metric", "k", "tiles", "ran", "median_s"]))
+    save(args.name + "-tiles", {"machine": machine(), "rows": rows})
 
 
 def time_methods(a: torch.Tensor, b: torch.Tensor, size: str, features: str, args, faiss) -> list[dict]:
@@ -143,6 +171,7 @@ def main() -> None:
     p.add_argument("--name", default="match")
     p.add_argument("--features", nargs="+", default=["noise", "photo"], choices=["noise", "photo"])
     p.add_argument("--sweep-tiles", action="store_true", help="time the engine over tile shapes instead")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the tile sweep, alternating shapes")
     args = p.parse_args()
     if args.sweep_tiles:
         sweep_tiles(args)

@@ -12,9 +12,10 @@ from ..budget import chunk_rows
 
 __all__ = ["MAX_TILES", "Dims", "TilePlan", "fit_tiles"]
 
-# Tile caps (query rows, reference rows). On a CPU, tall and narrow blocks won: 4096 x 512 ran
-# 1.3x faster than 1024 x 2048 at C=64 (benchmarks/bench_match.py --sweep-tiles, BENCHMARKS.md).
-MAX_TILES = {"cpu": (4096, 512), "cuda": (8192, 16384)}
+# Tile caps (query rows, reference rows). On a CPU a block of about 2 MB won: with the C merge
+# and two workers, 1024 x 512 ran 1.25-1.34x faster than 4096 x 512 at C=64, and level at C=384
+# (benchmarks/bench_match.py --sweep-tiles, BENCHMARKS.md).
+MAX_TILES = {"cpu": (1024, 512), "cuda": (8192, 16384)}
 
 
 @dataclass(frozen=True)
