@@ -68,12 +68,16 @@ MATCH = [
     ("match", (160, 160, 64, "l2", 4, False)),
     ("match", (128, 128, 64, "cosine", 1, True)),
     ("match", (96, 96, 32, "l1", 1, False)),
+    ("match", (160, 160, 64, "l1", 1, False)),
 ]
 DISTANCE = [
     ("distance", (4, 64, 96, 96, 256, "l2", "fwd")),
     ("distance", (4, 64, 96, 96, 256, "l2", "fwd+bwd")),
     ("distance", (4, 64, 96, 96, 256, "cosine", "fwd+bwd")),
     ("distance", (4, 64, 96, 96, 256, "l1", "fwd")),
+    ("distance", (4, 64, 96, 96, 256, "l1", "fwd+bwd")),
+    ("distance", (4, 64, 96, 96, 256, "linf", "fwd")),
+    ("distance", (4, 64, 96, 96, 256, "linf", "fwd+bwd")),
     ("distance", (4, 64, 96, 96, 256, "l2", "nearest k=1")),
     ("distance", (4, 64, 96, 96, 256, "cosine", "nearest k=4")),
 ]

@@ -18,33 +18,61 @@
 
 #define FB 4
 
+/* Lanes of 32 bytes (one AVX2 register, two SSE or NEON ones) as GCC / Clang vector extensions,
+ * for the loops the compiler's own vectoriser leaves scalar or keeps in memory. */
+#define DEFINE_VECTORS(T, I, SUF)                                                                  \
+    typedef T vec_##SUF __attribute__((vector_size(32)));                                          \
+    typedef I mask_##SUF __attribute__((vector_size(32)));                                         \
+    static inline vec_##SUF load_##SUF(const T *p) {                                               \
+        vec_##SUF v;                                                                               \
+        memcpy(&v, p, sizeof v);                                                                   \
+        return v;                                                                                  \
+    }                                                                                              \
+    static inline void store_##SUF(T *p, vec_##SUF v) { memcpy(p, &v, sizeof v); }                 \
+    static inline vec_##SUF pick_##SUF(mask_##SUF m, vec_##SUF a, vec_##SUF b) {                   \
+        return (vec_##SUF)(((mask_##SUF)a & m) | ((mask_##SUF)b & ~m));                            \
+    }                                                                                              \
+    /* the sign bit cleared, as fabs does (one AND) */                                             \
+    static inline vec_##SUF vabs_##SUF(vec_##SUF v) {                                              \
+        const I body = (I)(~0ULL >> (65 - 8 * sizeof(T)));                                         \
+        return (vec_##SUF)((mask_##SUF)v & body);                                                  \
+    }
+
+DEFINE_VECTORS(float, int32_t, f32)
+DEFINE_VECTORS(double, int64_t, f64)
+
 #define DEFINE_KERNELS(T, SUF, PB, ABS)                                                            \
-    /* acc[i][j] over d for rows y0..y0+FB-1 and the PB columns at x (row stride ldx) */           \
+    /* acc[i][j] over d for rows y0..y0+FB-1 and the PB columns at x (row stride ldx): PB is two  \
+     * vectors, so the FB x 2 accumulators stay in registers (GCC kept the scalar form's in       \
+     * memory, a load and a store per step) */                                                     \
     static inline __attribute__((always_inline)) void block_##SUF(                                 \
         const T *y, long ldy, int nf, const T *x, long ldx, long D, int linf, T acc[FB][PB]) {     \
+        enum { HALF = PB / 2 };                                                                    \
         const T *yr[FB];                                                                           \
         for (int i = 0; i < FB; i++) yr[i] = y + (i < nf ? i : nf - 1) * ldy;                      \
-        for (int i = 0; i < FB; i++)                                                               \
-            for (int j = 0; j < PB; j++) acc[i][j] = 0;                                            \
+        vec_##SUF v[FB][2];                                                                        \
+        for (int i = 0; i < FB; i++) v[i][0] = v[i][1] = (vec_##SUF){};                            \
         if (linf) {                                                                                \
             for (long d = 0; d < D; d++) {                                                         \
-                const T *xr = x + d * ldx;                                                         \
+                const vec_##SUF x0 = load_##SUF(x + d * ldx), x1 = load_##SUF(x + d * ldx + HALF); \
                 for (int i = 0; i < FB; i++) {                                                     \
-                    const T yv = yr[i][d];                                                         \
-                    for (int j = 0; j < PB; j++) {                                                 \
-                        const T a = ABS(xr[j] - yv);                                               \
-                        acc[i][j] = (a > acc[i][j] || a != a) ? a : acc[i][j];                     \
-                    }                                                                              \
+                    const vec_##SUF a0 = vabs_##SUF(x0 - yr[i][d]), a1 = vabs_##SUF(x1 - yr[i][d]); \
+                    v[i][0] = pick_##SUF((a0 > v[i][0]) | (a0 != a0), a0, v[i][0]);                \
+                    v[i][1] = pick_##SUF((a1 > v[i][1]) | (a1 != a1), a1, v[i][1]);                \
                 }                                                                                  \
             }                                                                                      \
         } else {                                                                                   \
             for (long d = 0; d < D; d++) {                                                         \
-                const T *xr = x + d * ldx;                                                         \
+                const vec_##SUF x0 = load_##SUF(x + d * ldx), x1 = load_##SUF(x + d * ldx + HALF); \
                 for (int i = 0; i < FB; i++) {                                                     \
-                    const T yv = yr[i][d];                                                         \
-                    for (int j = 0; j < PB; j++) acc[i][j] += ABS(xr[j] - yv);                     \
+                    v[i][0] += vabs_##SUF(x0 - yr[i][d]);                                          \
+                    v[i][1] += vabs_##SUF(x1 - yr[i][d]);                                          \
                 }                                                                                  \
             }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < FB; i++) {                                                             \
+            store_##SUF(acc[i], v[i][0]);                                                          \
+            store_##SUF(acc[i] + HALF, v[i][1]);                                                   \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
@@ -78,9 +106,18 @@
         return 0;                                                                                  \
     }                                                                                              \
                                                                                                    \
+    /* g with the sign of diff (0 where diff is 0 or NaN); for linf only where |diff| reaches     \
+     * the distance dv */                                                                          \
     static inline __attribute__((always_inline)) T weight_##SUF(T diff, T gv, T dv, int linf) {    \
         const T s = diff > 0 ? gv : (diff < 0 ? -gv : 0);                                          \
         return linf ? (ABS(diff) == dv ? s : 0) : s;                                               \
+    }                                                                                              \
+    static inline __attribute__((always_inline)) vec_##SUF weights_##SUF(                          \
+        vec_##SUF diff, vec_##SUF gv, vec_##SUF dv, int linf) {                                    \
+        const mask_##SUF sign = (mask_##SUF)diff ^ (mask_##SUF)vabs_##SUF(diff);                   \
+        mask_##SUF keep = (diff > 0) | (diff < 0);                                                 \
+        if (linf) keep &= vabs_##SUF(diff) == dv;                                                  \
+        return (vec_##SUF)(((mask_##SUF)gv ^ sign) & keep);                                        \
     }                                                                                              \
                                                                                                    \
     /* The gradients of sum_{f,p} g[f, p] * dist(f, p), with dist from the forward:                \
@@ -88,18 +125,21 @@
      *   gy[f * ldgy + d] -= sum_p g[f, p] * w(f, d, p)  (accumulated)                             \
      * where w = sign(x - y) for l1, and for linf sign(x - y) where |x - y| equals the distance    \
      * (every such d, as torch.cdist's gradient does), else 0. g and dist: (F, P), row stride ldg. \
+     * Sums run in one order: gx over f, gy over p in lanes of PB then the lanes in order.         \
      */                                                                                            \
     void dm_minkowski_grad_##SUF(const T *y, long ldy, const T *x, long ldx, const T *g,           \
                                  const T *dist, long ldg, T *gx, long ldgx, T *gy, long ldgy,      \
                                  long F, long D, long P, int linf) {                               \
+        enum { HALF = PB / 2 };                                                                    \
         const long full = P - P % PB;                                                              \
+        const vec_##SUF zero = {};                                                                 \
         for (long d = 0; d < D; d++) {                                                             \
             const T *xr = x + d * ldx;                                                             \
             T *gxr = gx + d * ldgx;                                                                \
             for (long p = 0; p < P; p++) gxr[p] = 0;                                               \
             for (long f0 = 0; f0 < F; f0 += FB) {                                                  \
                 const int nf = F - f0 < FB ? (int)(F - f0) : FB;                                   \
-                T part[FB][PB];                                                                    \
+                vec_##SUF part[FB][2];                                                             \
                 T yv[FB];                                                                          \
                 const T *gr[FB], *dr[FB];                                                          \
                 for (int i = 0; i < FB; i++) {                                                     \
@@ -107,25 +147,30 @@
                     yv[i] = y[f * ldy + d];                                                        \
                     gr[i] = g + f * ldg;                                                           \
                     dr[i] = dist + f * ldg;                                                        \
-                    for (int j = 0; j < PB; j++) part[i][j] = 0;                                   \
+                    part[i][0] = part[i][1] = zero;                                                \
                 }                                                                                  \
                 for (long p0 = 0; p0 < full; p0 += PB) {                                           \
-                    T acc[PB];                                                                     \
-                    for (int j = 0; j < PB; j++) acc[j] = gxr[p0 + j];                             \
-                    for (int i = 0; i < FB; i++) {                                                 \
+                    const vec_##SUF x0 = load_##SUF(xr + p0), x1 = load_##SUF(xr + p0 + HALF);     \
+                    vec_##SUF acc0 = load_##SUF(gxr + p0), acc1 = load_##SUF(gxr + p0 + HALF);     \
+                    _Pragma("GCC unroll 4") for (int i = 0; i < FB; i++) {                         \
                         if (i >= nf) break;                                                        \
-                        for (int j = 0; j < PB; j++) {                                             \
-                            const T s = weight_##SUF(xr[p0 + j] - yv[i], gr[i][p0 + j],            \
-                                                     linf ? dr[i][p0 + j] : 0, linf);              \
-                            part[i][j] += s;                                                       \
-                            acc[j] += s;                                                           \
-                        }                                                                          \
+                        const T *gi = gr[i] + p0, *di = dr[i] + p0;                                \
+                        const vec_##SUF s0 = weights_##SUF(x0 - yv[i], load_##SUF(gi),             \
+                                                           linf ? load_##SUF(di) : zero, linf);    \
+                        const vec_##SUF s1 = weights_##SUF(x1 - yv[i], load_##SUF(gi + HALF),      \
+                                                           linf ? load_##SUF(di + HALF) : zero, linf); \
+                        part[i][0] += s0;                                                          \
+                        part[i][1] += s1;                                                          \
+                        acc0 += s0;                                                                \
+                        acc1 += s1;                                                                \
                     }                                                                              \
-                    for (int j = 0; j < PB; j++) gxr[p0 + j] = acc[j];                             \
+                    store_##SUF(gxr + p0, acc0);                                                   \
+                    store_##SUF(gxr + p0 + HALF, acc1);                                            \
                 }                                                                                  \
                 for (int i = 0; i < nf; i++) {                                                     \
                     T sum = 0;                                                                     \
-                    for (int j = 0; j < PB; j++) sum += part[i][j];                                \
+                    for (int h = 0; h < 2; h++)                                                    \
+                        for (int j = 0; j < HALF; j++) sum += part[i][h][j];                       \
                     for (long p = full; p < P; p++) {                                              \
                         const T s = weight_##SUF(xr[p] - yv[i], gr[i][p], linf ? dr[i][p] : 0, linf); \
                         gxr[p] += s;                                                               \
@@ -320,23 +365,12 @@ DEFINE_MERGE(double, f64)
  * over c, then the lanes in order, then the tail), so equal rows give equal values wherever they
  * are, on any CPU.
  *
- * The lanes are GCC / Clang vector extensions of 32 bytes (one AVX2 register, two SSE or NEON
- * ones): the compiler's own vectoriser leaves the max-and-sum loops scalar.
+ * The lanes are the vectors of DEFINE_VECTORS: the compiler's own vectoriser leaves the
+ * max-and-sum loops scalar.
  */
 #define STEP(T) (2 * (long)(32 / sizeof(T))) /* values per step: two vectors */
 
-#define DEFINE_PAIRS(T, I, SUF, ABS, SQRT, FREXP, LDEXP)                                           \
-    typedef T vec_##SUF __attribute__((vector_size(32)));                                          \
-    typedef I mask_##SUF __attribute__((vector_size(32)));                                         \
-    static inline vec_##SUF load_##SUF(const T *p) {                                               \
-        vec_##SUF v;                                                                               \
-        memcpy(&v, p, sizeof v);                                                                   \
-        return v;                                                                                  \
-    }                                                                                              \
-    static inline vec_##SUF pick_##SUF(mask_##SUF m, vec_##SUF a, vec_##SUF b) {                   \
-        return (vec_##SUF)(((mask_##SUF)a & m) | ((mask_##SUF)b & ~m));                            \
-    }                                                                                              \
-    static inline vec_##SUF vabs_##SUF(vec_##SUF v) { return pick_##SUF(v < 0, -v, v); }           \
+#define DEFINE_PAIRS(T, SUF, ABS, SQRT, FREXP, LDEXP)                                              \
     static inline T lanes_##SUF(const vec_##SUF acc[2]) {                                          \
         T sum = 0;                                                                                 \
         for (int h = 0; h < 2; h++)                                                                \
@@ -476,5 +510,5 @@ DEFINE_MERGE(double, f64)
         return sum != sum ? sum : most;                                                            \
     }
 
-DEFINE_PAIRS(float, int32_t, f32, fabsf, sqrtf, frexpf, ldexpf)
-DEFINE_PAIRS(double, int64_t, f64, fabs, sqrt, frexp, ldexp)
+DEFINE_PAIRS(float, f32, fabsf, sqrtf, frexpf, ldexpf)
+DEFINE_PAIRS(double, f64, fabs, sqrt, frexp, ldexp)
