@@ -326,22 +326,24 @@ class TestMerge:
     @settings(max_examples=60, deadline=None)
     @given(
         m=st.integers(1, 6),
-        widths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+        widths=st.lists(st.integers(1, 100), min_size=1, max_size=4),
         k=st.integers(1, 5),
         levels=st.integers(2, 50),
         reverse=st.booleans(),
+        dtype=st.sampled_from([torch.float32, torch.float64]),
         seed=st.integers(0, 2**16),
     )
-    def test_equals_the_torch_merge(self, m, widths, k, levels, reverse, seed):
-        # few distinct values, so exact ties everywhere; tiles in either order
+    def test_equals_the_torch_merge(self, m, widths, k, levels, reverse, dtype, seed):
+        # few distinct values, so exact ties everywhere; tiles in either order, wide enough for
+        # several of the kernel's chunks (32 floats, 16 doubles) and their tails
         from densematch.engine.merge import merge_best, merge_topk
 
         g = torch.Generator().manual_seed(seed)
-        scores = torch.randint(0, levels, (m, sum(widths)), generator=g).double()
+        scores = torch.randint(0, levels, (m, sum(widths)), generator=g).to(dtype)
         starts = [sum(widths[:i]) for i in range(len(widths))]
         tiles = list(zip(starts, widths, strict=True))[:: -1 if reverse else 1]
         kk = min(k, scores.shape[1])
-        got_v, got_i = torch.full((m, kk), float("-inf"), dtype=torch.float64), torch.full((m, kk), -1)
+        got_v, got_i = torch.full((m, kk), float("-inf"), dtype=dtype), torch.full((m, kk), -1)
         want_v, want_i = got_v.clone(), got_i.clone()
         for start, width in tiles:
             tile = scores[:, start : start + width]
@@ -357,21 +359,23 @@ class TestMerge:
     @settings(max_examples=40, deadline=None)
     @given(
         m=st.integers(1, 5),
-        n=st.integers(1, 90),
+        n=st.integers(1, 160),
+        width=st.integers(1, 70),
         k=st.integers(1, 4),
         cap=st.integers(1, 12),
         slack=st.floats(0, 3),
+        dtype=st.sampled_from([torch.float32, torch.float64]),
         seed=st.integers(0, 2**16),
     )
-    def test_lists_every_pair_reaching_the_final_floor(self, m, n, k, cap, slack, seed):
+    def test_lists_every_pair_reaching_the_final_floor(self, m, n, width, k, cap, slack, dtype, seed):
         g = torch.Generator().manual_seed(seed)
-        scores = torch.randn(m, n, generator=g, dtype=torch.float64)
+        scores = torch.randn(m, n, generator=g, dtype=dtype)
         k = min(k, n)
-        best_v, best_i = torch.full((m, k), float("-inf"), dtype=torch.float64), torch.full((m, k), -1)
-        margin = torch.full((m,), slack, dtype=torch.float64)
-        listed = native.Candidates(m, cap, torch.float64)
-        for start in range(0, n, 16):
-            native.merge(scores[:, start : start + 16], start, best_v, best_i, margin, listed)
+        best_v, best_i = torch.full((m, k), float("-inf"), dtype=dtype), torch.full((m, k), -1)
+        margin = torch.full((m,), slack, dtype=dtype)
+        listed = native.Candidates(m, cap, dtype)
+        for start in range(0, n, width):
+            native.merge(scores[:, start : start + width], start, best_v, best_i, margin, listed)
         floor = best_v[:, -1] - margin
         rows, cols = listed.reaching(floor)
         got = set(zip(rows.tolist(), cols.tolist(), strict=True))

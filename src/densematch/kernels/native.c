@@ -42,8 +42,8 @@ DEFINE_VECTORS(float, int32_t, f32)
 DEFINE_VECTORS(double, int64_t, f64)
 
 #define DEFINE_KERNELS(T, SUF, PB, ABS)                                                            \
-    /* acc[i][j] over d for rows y0..y0+FB-1 and the PB columns at x (row stride ldx): PB is two  \
-     * vectors, so the FB x 2 accumulators stay in registers (GCC kept the scalar form's in       \
+    /* acc[i][j] over d for rows y0..y0+FB-1 and the PB columns at x (row stride ldx): PB is two   \
+     * vectors, so the FB x 2 accumulators stay in registers (GCC kept the scalar form's in        \
      * memory, a load and a store per step) */                                                     \
     static inline __attribute__((always_inline)) void block_##SUF(                                 \
         const T *y, long ldy, int nf, const T *x, long ldx, long D, int linf, T acc[FB][PB]) {     \
@@ -106,7 +106,7 @@ DEFINE_VECTORS(double, int64_t, f64)
         return 0;                                                                                  \
     }                                                                                              \
                                                                                                    \
-    /* g with the sign of diff (0 where diff is 0 or NaN); for linf only where |diff| reaches     \
+    /* g with the sign of diff (0 where diff is 0 or NaN); for linf only where |diff| reaches      \
      * the distance dv */                                                                          \
     static inline __attribute__((always_inline)) T weight_##SUF(T diff, T gv, T dv, int linf) {    \
         const T s = diff > 0 ? gv : (diff < 0 ? -gv : 0);                                          \
@@ -279,8 +279,9 @@ DEFINE_L2(double, f64, sqrt)
  *
  * s: (m, n) scores, higher is better, row stride lds, columns offset + 0 .. n-1. best_v / best_i:
  * (m, k) contiguous, each row's best first; empty slots hold -inf and -1. Equal scores go to the
- * lower column, whatever order the tiles come in. A chunk of 16 scores is looked at one by one
- * only when one of them reaches the row's k-th best, which after the first tiles is rare.
+ * lower column, whatever order the tiles come in. A chunk of four vectors of scores (32 floats, 16
+ * doubles) is tested with vector compares and looked at one by one only when one of them reaches
+ * the row's k-th best, which after the first tiles is rare.
  *
  * With a margin (m,), the certified search's candidates are listed too: every (column, score)
  * reaching the row's running floor, its k-th best minus the margin, goes to the row's cap slots
@@ -289,7 +290,17 @@ DEFINE_L2(double, f64, sqrt)
  * floor only rises, so every pair reaching the final floor is listed, unless its row is over.
  */
 #define DEFINE_MERGE(T, SUF)                                                                       \
+    enum { CHUNK_##SUF = 4 * (int)(32 / sizeof(T)) }; /* values per chunk: four vectors */         \
     static inline int better_##SUF(T v, long i, T w, long j) { return v > w || (v == w && i < j); } \
+    /* whether any of the chunk's values at p is >= floor (NaN never is) */                        \
+    static inline int reaches_##SUF(const T *p, T floor) {                                         \
+        const vec_##SUF f = (vec_##SUF){} + floor;                                                 \
+        const int q = CHUNK_##SUF / 4;                                                             \
+        const mask_##SUF hit = (load_##SUF(p) >= f) | (load_##SUF(p + q) >= f) |                   \
+                               (load_##SUF(p + 2 * q) >= f) | (load_##SUF(p + 3 * q) >= f);        \
+        const lanes64 w = (lanes64)hit;                                                            \
+        return (w[0] | w[1] | w[2] | w[3]) != 0;                                                   \
+    }                                                                                              \
                                                                                                    \
     void dm_merge_##SUF(const T *s, long lds, long m, long n, long offset, T *best_v, int64_t *best_i, \
                         long k, const T *margin, long cap, int64_t *cand_cols, T *cand_vals,       \
@@ -303,13 +314,9 @@ DEFINE_L2(double, f64, sqrt)
             int listing = margin != NULL && !over[r];                                              \
             int64_t *cc = listing ? cand_cols + r * cap : NULL;                                    \
             T *cv = listing ? cand_vals + r * cap : NULL;                                          \
-            for (long c = 0; c < n; c += 16) {                                                     \
-                const long end = c + 16 < n ? c + 16 : n;                                          \
-                if (end - c == 16) {                                                               \
-                    int any = 0;                                                                   \
-                    for (int j = 0; j < 16; j++) any |= row[c + j] >= floor;                       \
-                    if (!any) continue;                                                            \
-                }                                                                                  \
+            for (long c = 0; c < n; c += CHUNK_##SUF) {                                            \
+                const long end = c + CHUNK_##SUF < n ? c + CHUNK_##SUF : n;                        \
+                if (end - c == CHUNK_##SUF && !reaches_##SUF(row + c, floor)) continue;            \
                 for (long q = c; q < end; q++) {                                                   \
                     const T v = row[q];                                                            \
                     if (!(v >= floor)) continue;                                                   \
@@ -351,6 +358,7 @@ DEFINE_L2(double, f64, sqrt)
         }                                                                                          \
     }
 
+typedef uint64_t lanes64 __attribute__((vector_size(32)));
 DEFINE_MERGE(float, f32)
 DEFINE_MERGE(double, f64)
 
@@ -384,7 +392,7 @@ DEFINE_MERGE(double, f64)
     PAIR_MAX(T, SUF, maxabs_##SUF, vabs_##SUF(x - y), ABS(x - y))                                  \
     PAIR_MAX(T, SUF, peak_##SUF, vabs_##SUF(y), ABS(y)) /* of b alone: called with a = b */        \
                                                                                                    \
-    /* 2^-e, e the exponent of peak (> 0, finite), as two factors each in range even for a      \
+    /* 2^-e, e the exponent of peak (> 0, finite), as two factors each in range even for a         \
      * subnormal peak: scaling by it is exact and brings the row's largest magnitude to [0.5, 1) */ \
     static inline void unit_scale_##SUF(T peak, T s[2]) {                                          \
         int e;                                                                                     \
@@ -441,7 +449,7 @@ DEFINE_MERGE(double, f64)
                                                       : kind == 1 ? sqdiff_##SUF                   \
                                                       : kind == 2 ? absdiff_##SUF                  \
                                                                   : maxabs_##SUF;                  \
-        const T *last = NULL; /* cosine: the query row whose scale and norm are known */          \
+        const T *last = NULL; /* cosine: the query row whose scale and norm are known */           \
         T qpeak = 0, sa[2] = {0, 0}, anorm = 1;                                                    \
         for (long i = 0; i < m; i++) {                                                             \
             const T *a = q + (qidx ? qidx[i] : i) * ldq;                                           \
