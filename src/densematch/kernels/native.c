@@ -40,6 +40,7 @@
 
 DEFINE_VECTORS(float, int32_t, f32)
 DEFINE_VECTORS(double, int64_t, f64)
+typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four words */
 
 #define DEFINE_KERNELS(T, SUF, PB, ABS)                                                            \
     /* acc[i][j] over d for rows y0..y0+FB-1 and the PB columns at x (row stride ldx): PB is two   \
@@ -358,7 +359,6 @@ DEFINE_L2(double, f64, sqrt)
         }                                                                                          \
     }
 
-typedef uint64_t lanes64 __attribute__((vector_size(32)));
 DEFINE_MERGE(float, f32)
 DEFINE_MERGE(double, f64)
 
