@@ -41,6 +41,7 @@
 DEFINE_VECTORS(float, int32_t, f32)
 DEFINE_VECTORS(double, int64_t, f64)
 typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four words */
+#define STEP(T) (2 * (long)(32 / sizeof(T))) /* values per step: two vectors */
 
 #define DEFINE_KERNELS(T, SUF, PB, ABS)                                                            \
     /* acc[i][j] over d for rows y0..y0+FB-1 and the PB columns at x (row stride ldx): PB is two   \
@@ -271,8 +272,8 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
         }                                                                                          \
     }
 
-DEFINE_KERNELS(float, f32, 16, fabsf)
-DEFINE_KERNELS(double, f64, 8, fabs)
+DEFINE_KERNELS(float, f32, STEP(float), fabsf)
+DEFINE_KERNELS(double, f64, STEP(double), fabs)
 DEFINE_L2(float, f32, sqrtf)
 DEFINE_L2(double, f64, sqrt)
 
@@ -291,7 +292,7 @@ DEFINE_L2(double, f64, sqrt)
  * floor only rises, so every pair reaching the final floor is listed, unless its row is over.
  */
 #define DEFINE_MERGE(T, SUF)                                                                       \
-    enum { CHUNK_##SUF = 4 * (int)(32 / sizeof(T)) }; /* values per chunk: four vectors */         \
+    enum { CHUNK_##SUF = (int)(2 * STEP(T)) }; /* values per chunk: four vectors */                \
     static inline int better_##SUF(T v, long i, T w, long j) { return v > w || (v == w && i < j); } \
     /* whether any of the chunk's values at p is >= floor (NaN never is) */                        \
     static inline int reaches_##SUF(const T *p, T floor) {                                         \
@@ -376,8 +377,6 @@ DEFINE_MERGE(double, f64)
  * The lanes are the vectors of DEFINE_VECTORS: the compiler's own vectoriser leaves the
  * max-and-sum loops scalar.
  */
-#define STEP(T) (2 * (long)(32 / sizeof(T))) /* values per step: two vectors */
-
 #define DEFINE_PAIRS(T, SUF, ABS, SQRT, FREXP, LDEXP)                                              \
     static inline T lanes_##SUF(const vec_##SUF acc[2]) {                                          \
         T sum = 0;                                                                                 \
