@@ -101,3 +101,46 @@ def assert_topk_exact(
     if k > 1:
         s = index.reshape(-1, k).sort(dim=1).values
         assert (s[:, 1:] != s[:, :-1]).all()
+
+
+def reference_scores_exact(a: torch.Tensor, b: torch.Tensor, metric: str) -> torch.Tensor:
+    """float64 scores by the direct form (no expansion): exact for integer rows of l2,
+    sqeuclidean, l1 and dot, where equal distances compare equal."""
+    a, b = a.double(), b.double()
+    if metric in ("l2", "sqeuclidean"):
+        sq = torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist").square()
+        return -sq if metric == "sqeuclidean" else -sq.sqrt()
+    if metric == "l1":
+        return -torch.cdist(a, b, p=1)
+    if metric == "linf":
+        return -torch.cdist(a, b, p=float("inf"))
+    dots = a @ b.T  # integer sums below 2^53: exact in any order
+    if metric == "cosine":
+        return dots / (a.norm(dim=1)[:, None] * b.norm(dim=1)[None, :]).clamp_min(1e-300)
+    return dots
+
+
+def lowest_index_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k best columns of exact ``scores``, equal scores to the lower column."""
+    return scores.sort(dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def assert_exact_ties_lowest(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, metric: str, k: int) -> None:
+    """For rows whose exact scores (:func:`reference_scores_exact`) have no near-tie, only exact
+    ties and clear gaps, ``index`` must be the lowest-index top k exactly; other rows are judged
+    by :func:`assert_same_up_to_ties`. Meant for integer rows, which make most rows sure."""
+    index = index.reshape(a.shape[0], k)
+    ref = reference_scores_exact(a, b, metric)
+    want = lowest_index_topk(ref, k)
+    tol = tolerance(a, b, metric)
+    kth = ref.gather(1, want[:, -1:])
+    # a row is sure when no score lies within float32's tolerance of its k-th best without
+    # equalling it (a tie float32 must keep exact) and the same holds for its better picks
+    near = ((ref - kth).abs() <= tol) & (ref != kth)
+    top = ref.gather(1, want)
+    for j in range(k - 1):
+        near |= ((ref - top[:, j : j + 1]).abs() <= tol) & (ref != top[:, j : j + 1])
+    sure = ~near.any(1)
+    bad = (index != want).any(1) & sure
+    assert not bad.any(), f"{int(bad.sum())} of {int(sure.sum())} sure rows break the lowest-index rule"
+    assert_same_up_to_ties(a, b, index, want, metric, tol=tol)

@@ -235,6 +235,30 @@ def _failure_cases(rank: int, report: list[str]) -> None:
             ValueError,
             "one width",
         ),
+        # ranks that disagree on what must be the same: one ValueError on every rank, before
+        # any exchange (these merged silently, or aborted one rank inside gloo)
+        ("a differs on rank 1", lambda: dm.match(a + 1e-7 * rank, b), ValueError, "same a (checksum)"),
+        ("mask_b differs", lambda: dm.match(a, b, mask_b=b[..., 0] > rank - 0.5), ValueError, "mask_b (checksum)"),
+        (
+            "metric differs",
+            lambda: dm.match(a, b[3 * rank : 3 * rank + 3], shard="references", metric=METRICS[rank]),
+            ValueError,
+            "metric",
+        ),
+        ("k differs", lambda: dm.match(a, b, k=1 + rank), ValueError, "same k"),
+        ("a's size differs", lambda: dm.match(a[: 5 + rank], b), ValueError, "a's grid"),
+        (
+            "x differs",
+            lambda: dm.nearest_prototype(a[None].permute(0, 3, 1, 2) * (1 + rank), b[0], shard="pixels"),
+            ValueError,
+            "x (checksum)",
+        ),
+        (
+            "k differs over a split bank",
+            lambda: dm.nearest_prototype(a[None].permute(0, 3, 1, 2), b[rank], k=1 + rank),
+            ValueError,
+            "same k",
+        ),
     ]
     for name, call, error, text in cases:
         try:

@@ -12,7 +12,7 @@ import torch
 import densematch
 from densematch.engine.strategy import Strategy
 
-from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores, reported, tolerance
+from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores, reported
 
 
 class TestInputs:
@@ -247,77 +247,6 @@ def test_align_on_integer_images_matches_float(camera_pair, objective):
         got = densematch.align(t255.to(dtype), img255.to(dtype), objective=objective)
         for f in FIELDS:
             assert abs(getattr(got, f) - getattr(want, f)) < 1e-4, (dtype, f)
-
-
-@pytest.fixture(scope="module")
-def quantised_sift():
-    """Dense SIFT of a real photo and of a shifted, noisier copy, quantised as SIFT files store
-    it (x 512, rounded): integer rows, whose squared distances float32 holds exactly."""
-    pytest.importorskip("kornia")
-    from skimage import data
-
-    from densematch.features import dense_features
-
-    img = data.camera().astype(np.float32) / 255
-    noisy = img + np.random.default_rng(0).normal(0, 0.02, img.shape).astype(np.float32)
-    one = dense_features(img[100:164, 100:164], "dsift").reshape(-1, 128)
-    two = dense_features(noisy[103:167, 98:162], "dsift").reshape(-1, 128)
-    return (one * 512).round().detach(), (two * 512).round().detach()
-
-
-@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "dot", "l1"])
-def test_exact_ties_go_to_the_lowest_index(quantised_sift, metric):
-    g = torch.Generator().manual_seed(0)
-    d, other = quantised_sift
-    # every reference twice, shuffled: each query's best has an exact duplicate elsewhere
-    b = torch.cat([d, d])[torch.randperm(2 * d.shape[0], generator=g)]
-    a = other[torch.randperm(other.shape[0], generator=g)[:500]]
-    # a small budget: many reference tiles, so duplicates meet in different products
-    r = densematch.match(a, b, metric=metric, layout="flat", k=2, memory="2MiB")
-    ref = reference_scores_exact(a, b, metric)
-    best = ref.max(1, keepdim=True).values
-    cols = torch.arange(b.shape[0])
-    lowest = torch.where(ref == best, cols, b.shape[0]).amin(1)
-    # and the second slot is the next lowest index at the same exact score (the duplicate)
-    second = torch.where((ref == best) & (cols > lowest[:, None]), cols, b.shape[0]).amin(1)
-    # integer distances and dot products are exact in float32; a cosine may also have other
-    # rows within float32's rounding of the best, which may go either way: such rows are
-    # judged as near-ties, the others must follow the tie rule exactly
-    close = (ref >= best - tolerance(a, b, metric)) & (ref != best)
-    sure = ~close.any(1)
-    assert sure.float().mean() > 0.9
-    assert torch.equal(r.index[sure, 0], lowest[sure]) and torch.equal(r.index[sure, 1], second[sure])
-    assert_same_up_to_ties(a, b, r.index, torch.stack([lowest, second], 1), metric)
-
-
-def reference_scores_exact(a: torch.Tensor, b: torch.Tensor, metric: str) -> torch.Tensor:
-    """float64 scores of integer rows, exact for the distances (no expansion)."""
-    a, b = a.double(), b.double()
-    if metric in ("l2", "sqeuclidean"):
-        return -torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist").square()
-    if metric == "l1":
-        return -torch.cdist(a, b, p=1)
-    dots = a @ b.T  # integer sums below 2^53: exact in any order
-    if metric == "cosine":
-        return dots / (a.norm(dim=1)[:, None] * b.norm(dim=1)[None, :])
-    return dots
-
-
-@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "l1"])
-def test_exact_ties_between_different_rows_go_to_the_lowest_index(quantised_sift, metric):
-    # each query's true nearest descriptor r and its mirror 2q - r are exactly as far from q:
-    # an expansion rounds the two distances differently, the direct form does not
-    d, other = quantised_sift
-    a = other[:400]
-    nearest = reference_scores_exact(a, d, metric).argmax(1)
-    b = torch.cat([d, 2 * a - d[nearest]])
-    b = b[torch.randperm(b.shape[0], generator=torch.Generator().manual_seed(1))]
-    r = densematch.match(a, b, metric=metric, layout="flat")
-    ref = reference_scores_exact(a, b, metric)
-    cols = torch.arange(b.shape[0])
-    lowest = torch.where(ref == ref.max(1, keepdim=True).values, cols, b.shape[0]).amin(1)
-    assert ((ref == ref.max(1, keepdim=True).values).sum(1) >= 2).float().mean() > 0.5  # most rows tie
-    assert torch.equal(r.index, lowest)  # integer distances: exact in float32 in any summation order
 
 
 @pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "dot", "cosine", "l1"])

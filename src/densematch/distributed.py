@@ -110,6 +110,22 @@ class _Group:
                 f"densematch.distributed: rank {self.rank} of {self.size} lost the other ranks: {err}"
             ) from err
 
+    def same(self, what: dict[str, Any]) -> None:
+        """Check that every rank called with the same ``what`` (settings, shapes, checksums of
+        the inputs that must be replicated), before any exchange: the same ValueError on every
+        rank, naming what differs and each rank's value, rather than a merge of different
+        searches or a collective that aborts on one rank."""
+        views = self.objects(what)
+        differ = [key for key in what if any(v.get(key) != views[0].get(key) for v in views)]
+        if differ:
+            detail = "; ".join(
+                f"{key}: " + ", ".join(f"rank {r} {v.get(key)!r}" for r, v in enumerate(views)) for key in differ
+            )
+            raise ValueError(
+                f"every rank must pass the same {', '.join(differ)} ({detail}); "
+                "pass the replicated inputs and the settings unchanged on every rank"
+            )
+
     def gather(self, t: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Every rank's ``t``, of ``sizes[r]`` rows on rank r (known to all), in rank order."""
         started = time.perf_counter()
@@ -130,6 +146,62 @@ class _Group:
 
     def share_sizes(self, n: int) -> list[int]:
         return [stop - start for start, stop in (self.share(n, r) for r in range(self.size))]
+
+
+def checksum(t: torch.Tensor | None, step: int = 1 << 20) -> tuple[int, int] | None:
+    """An exact, order-free checksum of a tensor's bits: the sum of its elements' bit patterns,
+    and of each pattern times its position + 1, both wrapping modulo 2^64 (integer additions,
+    so no thread count or kernel changes it). Read ``step`` elements at a time."""
+    if t is None:
+        return None
+    flat = t.detach().reshape(-1)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    plain = total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), step):
+        part = flat[start : start + step].contiguous().view(bits).to(torch.int64)
+        place = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.int64, device=flat.device)
+        plain = plain + part.sum()
+        total = total + (part * place).sum()
+    return int(plain), int(total)
+
+
+def _task_view(task: _match.Task, replicated: dict[str, torch.Tensor | None]) -> dict[str, Any]:
+    """What every rank of a sharded match must agree on (``replicated``: the inputs that are
+    the same on every rank, checksummed). ``memory`` is per rank and the half dtype follows the
+    rank's device: neither changes an exact result, so neither is compared."""
+    view: dict[str, Any] = {
+        "metric": task.metric.name,
+        "k": task.k,
+        "mutual": task.mutual,
+        "ratio": task.ratio,
+        "layout": task.layout,
+        "precision": task.precision.name,
+        "exclude_radius": task.exclude_radius,
+        "a's grid": (task.nbatch, *task.grid_a),
+        "b's grid": task.grid_b,
+        "channels": task.ra.shape[-1],
+        "dtype": str(task.ra.dtype),
+    }
+    view.update({f"{name} (checksum)": checksum(t) for name, t in replicated.items()})
+    return view
+
+
+def _nearest_view(
+    x: torch.Tensor, p: torch.Tensor, m: Any, prec: Any, k: int, replicated: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """What every rank of a sharded nearest_prototype must agree on (see :func:`_task_view`)."""
+    view: dict[str, Any] = {
+        "metric": m.name,
+        "k": k,
+        "precision": prec.name,
+        "x's shape": tuple(x.shape),
+        "prototype width": p.shape[1],
+        "dtype": str(x.dtype),
+    }
+    view.update({f"{name} (checksum)": checksum(t) for name, t in replicated.items()})
+    return view
 
 
 def _merge(
@@ -221,6 +293,7 @@ def match(
     settings = (metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
     if shard == "queries":
         task = g.agree(lambda: _match.validate(a, b, *settings))
+        g.same(_task_view(task, {"a": task.ra, "b": task.rb, "mask_a": task.masks[0], "mask_b": task.masks[1]}))
         total = task.nbatch * task.na * (2 if task.mutual else 1) // g.size
         with progress_bar(progress and g.rank == 0, total=total, unit="px", desc="match") as bar:
             return _match.solve(task, *_by_queries(g, task, bar.update))
@@ -235,6 +308,7 @@ def match(
         grid_b = (height * width,) if layout == "flat" else (height, width)
         total = height * width
         task = g.agree(lambda: _match.validate(a, b, *settings, nb=total, grid_b=grid_b, empty_b=True))
+        g.same(_task_view(task, {"a": task.ra, "mask_a": task.masks[0]}))
         forward, backward = _by_references(g, task, offsets, [rows * width for rows, _ in bands])
     return _match.solve(task, forward, backward)
 
@@ -345,6 +419,7 @@ def nearest_prototype(
         x, p, m, prec, k, budget = g.agree(
             lambda: _distance.nearest_task(x, prototypes, metric, k, memory, check_finite, precision)
         )
+        g.same(_nearest_view(x, p, m, prec, k, {"x": x, "prototypes": p}))
         n, _d, h, w = x.shape
         start, stop = g.share(n * h * w)
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -371,6 +446,7 @@ def nearest_prototype(
     x, p, m, prec, k, budget = g.agree(
         lambda: _distance.nearest_task(x, prototypes, metric, k, memory, check_finite, precision, bank=total)
     )
+    g.same(_nearest_view(x, p, m, prec, k, {"x": x}))
     n, _d, h, w = x.shape
 
     def search() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """The fused Triton kernel's search: the kernel multiplies and merges each score tile into a
 running top-k without writing it to memory (and, certified, lists the candidates inside the
-rounding bound); the re-scoring and the float32 fallback are :class:`HalfSearch`'s. With float32
-operands the kernel multiplies in IEEE arithmetic and its top-k is final."""
+rounding bound); the re-scoring and the resolution of rows over the cap are :class:`HalfSearch`'s.
+With float32 operands the kernel multiplies in IEEE arithmetic and certifies with float32's bound,
+so exact ties and near-ties are settled by the direct form as in the plain search."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from ..precision import query_terms
 from .half import HalfSearch
 from .plan import Dims
-from .strategy import rescore_bytes
+from .strategy import rescore_bytes, resolve_bytes
 
 __all__ = ["KernelSearch"]
 
@@ -23,6 +24,9 @@ class KernelSearch(HalfSearch):
 
     # narrower reference tiles only cost the kernel more launches: it holds no score block
     narrowest_b = 1024
+    # rows over the cap are resolved in torch (`_resolve`) in blocks of at most this many pairs
+    # and this many columns: the half scores, their bounds and the pass mask
+    RESOLVE_PAIRS, RESOLVE_COLUMNS, RESOLVE_PAIR_BYTES = 2**20, 4096, 16
 
     @classmethod
     def tile_caps(cls, device: torch.device, na: int, nb: int) -> tuple[int, int]:
@@ -36,7 +40,18 @@ class KernelSearch(HalfSearch):
         state = ta * 2 * max(2, d.k) * 8
         if not d.cap:
             return state
-        return state + ta * d.cap * 28 + ta * rescore_bytes(d.c) + d.ref_rows(tb, whole_b) * 3 * d.item
+        rows, cols = cls._resolve_block(ta, tb)
+        resolve = rows * cols * cls.RESOLVE_PAIR_BYTES + resolve_bytes(ta, cols, d.cap)
+        return state + ta * d.cap * 28 + ta * rescore_bytes(d.c) + d.ref_rows(tb, whole_b) * 3 * d.item + resolve
+
+    @classmethod
+    def _resolve_block(cls, ta: int, tb: int) -> tuple[int, int]:
+        # min(ta, ...) rows: concave in ta, so the planner's per-row cost never undercounts it
+        cols = max(1, min(tb, cls.RESOLVE_COLUMNS))
+        return min(ta, max(1, cls.RESOLVE_PAIRS // cols)), cols
+
+    def _resolve_shape(self, m: int) -> tuple[int, int]:
+        return self._resolve_block(m, self.tile_b)
 
     def block(self, ta: int) -> torch.Tensor:
         """The re-scoring chunk's bytes (the kernel needs no score block)."""
@@ -78,10 +93,5 @@ class KernelSearch(HalfSearch):
         over = cert["count"] > self.cap_rows
         listed = (cert["cand"] >= 0) & ~over[:, None]
         rows, slot = listed.nonzero().unbind(1)
-        self._settle(q, start, rows, cert["cand"][rows, slot].long(), over, best_v, best_i, buf)
-
-    def _search_float32(self, q: torch.Tensor, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The overflowing rows again, through the kernel in IEEE float32 (their order within
-        the k is settled by :meth:`finalise`)."""
-        val, idx = self._run(q, self._prepare_refs, k, {})
-        return val[:, :k], idx[:, :k].long()
+        floor = val[:, :k].amin(1).to(self.dtype)  # the k-th best lower bound, in any slot order
+        self._settle(q, start, rows, cert["cand"][rows, slot].long(), over, floor, best_v, best_i, buf)

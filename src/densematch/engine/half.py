@@ -4,7 +4,8 @@ the rounding certificate of :mod:`densematch.precision`.
 For each reference tile, ``e`` (the per-pair bound, one small product) turns half scores ``h``
 into lower bounds ``h - e``, whose running k-th best ``t`` the usual merge keeps; every pair with
 ``h + e >= t`` joins a pool of (row, column, h + e), pruned as ``t`` rises. A row whose pool
-outgrows the cap stops collecting and is searched again in float32 at the end; the others'
+outgrows the cap stops collecting and is resolved at the end without a cap (every pair whose
+bound reaches its final floor scored by the direct form, :meth:`Strategy._resolve`); the others'
 candidates are re-scored in float32 by the direct form. Without ``certify`` ("fast"), the half
 scores rank alone.
 """
@@ -21,7 +22,7 @@ from ..precision import Precision, query_terms, ref_terms, unit_roundoff
 from .merge import best_of_candidates
 from .plan import Dims, TilePlan
 from .pool import Pool
-from .strategy import Inputs, Strategy
+from .strategy import Inputs, Strategy, resolve_bytes
 
 __all__ = ["HalfSearch"]
 
@@ -40,12 +41,15 @@ class HalfSearch(Strategy):
             # per pair: the bound and lower-bound blocks (`bounds`), |h| and the hot rows' half
             # scores, and the pool's gathered upper bounds with their pass mask; per row: the
             # pool and the bound terms' float32 copies of the half rows (query tile and
-            # references: ref_terms, query_terms). The re-scoring chunk reuses the score block.
+            # references: ref_terms, query_terms). The re-scoring chunk reuses the score block;
+            # `_resolve` reuses the per-pair blocks (freed by then) and adds its candidates and
+            # its group's query rows with their half copies.
             held += (
                 Pool.bytes(ta, d.cap)
+                + resolve_bytes(ta, tb, d.cap)
                 + ta * tb * (3 * d.item + 2 * (d.half_item or d.item) + 1)
                 + d.ref_rows(tb, whole_b) * (3 * d.item + d.cp * d.item)
-                + ta * d.cp * d.item
+                + ta * d.cp * (2 * d.item + (d.half_item or d.item))
             )
         return held
 
@@ -54,6 +58,9 @@ class HalfSearch(Strategy):
         super().__init__(inputs, plan)
         self.half = inputs.precision.half or self.dtype
         self.stats = inputs.stats
+        # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
+        u = unit_roundoff(self.half)
+        self.rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
         if inputs.prepared is not None:
             state = inputs.prepared.state
             self.shift, self.whole_h, self.whole_t = state["shift"], state["whole_h"], state["whole_t"]
@@ -101,9 +108,7 @@ class HalfSearch(Strategy):
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         qt = query_terms(q, qh)
-        # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
-        u = unit_roundoff(self.half)
-        rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
+        rounding = self.rounding
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
         pool = Pool(m, self.cap_rows, q.device, self.dtype)
         bounds = torch.empty(2, m * min(self.tile_b, self.nb), dtype=self.dtype, device=q.device)
@@ -117,7 +122,8 @@ class HalfSearch(Strategy):
             # few do, and the others cost one row maximum, as in the float32 search
             top = terms.amax(0)
             reach = s.amax(1).to(self.dtype) + qt @ top + reach_rows * top[1]
-            hot = (reach >= best_v[:, -1]).nonzero().squeeze(1)
+            # (NaN, from products past float16's range, reaches: such pairs prove nothing)
+            hot = (~(reach < best_v[:, -1])).nonzero().squeeze(1)
             h = hot.numel()
             if h == 0:
                 continue
@@ -125,15 +131,30 @@ class HalfSearch(Strategy):
             sub = s if every else s.index_select(0, hot)
             e = torch.mm(qt if every else qt.index_select(0, hot), terms.T, out=bounds[0, : h * n].view(h, n))
             low = torch.sub(sub, e.add_(sub.abs(), alpha=rounding), out=bounds[1, : h * n].view(h, n))
+            low.nan_to_num_(nan=-math.inf)
             if every:
                 self.merge(low, j, best_v, best_i)
             else:
                 v, i = best_v[hot], best_i[hot]
                 self.merge(low, j, v, i)
                 best_v[hot], best_i[hot] = v, i
-            pool.add(e.add_(sub), j, best_v[:, -1], hot)
-        rows, cols = pool.finish(best_v[:, -1])
-        self._settle(q, start, rows, cols, pool.over, best_v, best_i, buf)
+            pool.add(e.add_(sub).nan_to_num_(nan=math.inf), j, best_v[:, -1], hot)
+        del bounds  # free before `_settle`, whose blocks take its place
+        floor = best_v[:, -1].clone()
+        rows, cols = pool.finish(floor)
+        self._settle(q, start, rows, cols, pool.over, floor, best_v, best_i, buf)
+
+    def _query_side(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qh = q.to(self.half)
+        return qh, query_terms(q, qh)
+
+    def _upper(self, side: tuple[torch.Tensor, torch.Tensor], j: int, n: int) -> torch.Tensor:
+        # h + e: the half score raised by its pair's bound, as the scan lists candidates
+        qh, qt = side
+        rh = self._half_refs(j, j + n)
+        h = qh @ rh.T
+        e = qt @ self._ref_terms(j, j + n, rh).T
+        return e.add_(h.abs(), alpha=self.rounding).add_(h).nan_to_num_(nan=math.inf)
 
     def _settle(
         self,
@@ -142,13 +163,14 @@ class HalfSearch(Strategy):
         rows: torch.Tensor,
         cols: torch.Tensor,
         over: torch.Tensor,
+        floor: torch.Tensor,
         best_v: torch.Tensor,
         best_i: torch.Tensor,
         buf: torch.Tensor,
     ) -> None:
         """Re-score the candidates (rows, cols) of the query tile at ``start`` by the metric's
-        direct form in the compute dtype into the running top-k, and search the ``over`` rows
-        (prepared rows of ``q``) again in the compute dtype, in the bytes of ``buf``."""
+        direct form in the compute dtype into the running top-k, and resolve the ``over`` rows
+        (prepared rows of ``q``) against their ``floor`` without a cap."""
         m, k = best_v.shape
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
@@ -156,24 +178,10 @@ class HalfSearch(Strategy):
         best_of_candidates(rows, cols, score, best_v, best_i)
         redo = over.nonzero().squeeze(1)
         if redo.numel():
-            v, i = self._search_float32(q.index_select(0, redo), k, buf)
-            best_v[redo], best_i[redo] = v, i
+            best_v[redo], best_i[redo] = self._resolve(q, redo, floor[redo], start, k, buf)
         if self.stats is not None:
             most = int(torch.bincount(rows, minlength=m).max()) if m else 0
             with self.lock:  # query tiles may run on several threads
                 self.stats["candidates"] += int(rows.numel())
                 self.stats["most"] = max(self.stats["most"], most)
                 self.stats["fallback"] += int(redo.numel())
-
-    def _search_float32(self, q: torch.Tensor, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plain float32 search of prepared rows ``q`` (the rows that overflowed), its score
-        blocks in the bytes of the half block ``buf``: half as many rows at a time."""
-        v = torch.empty(q.shape[0], k, dtype=self.dtype, device=q.device)
-        i = torch.empty(q.shape[0], k, dtype=torch.int64, device=q.device)
-        flat = buf[: buf.numel() // 2 * 2].view(self.dtype) if buf.dtype != self.dtype else buf
-        if flat.numel() < self.tile_b:
-            flat = torch.empty(self.tile_b, dtype=self.dtype, device=q.device)
-        step = flat.numel() // self.tile_b
-        for s in range(0, q.shape[0], step):
-            self._scan(q[s : s + step], v[s : s + step], i[s : s + step], flat)
-        return v, i

@@ -18,7 +18,7 @@ from ..precision import Precision, product_slack
 from .merge import best_of_candidates
 from .plan import Dims, TilePlan
 from .pool import Pool
-from .strategy import Inputs, Strategy, rescore_bytes
+from .strategy import Inputs, Strategy, rescore_bytes, resolve_bytes
 
 __all__ = ["PlainSearch"]
 
@@ -35,9 +35,16 @@ class PlainSearch(Strategy):
     def own_bytes(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:
         held = super().own_bytes(d, ta, tb, whole_b)
         if d.cap:
-            # the near-tie pool; a block's hot rows gathered, with their pass mask (`rank`); the
-            # gathered query rows of the rows listed again (`_listed`); the re-scoring chunk
-            held += Pool.bytes(ta, d.cap) + ta * tb * (d.item + 1) + ta * (d.cp * d.item + 8) + ta * rescore_bytes(d.c)
+            # the near-tie pool; a block's hot rows gathered, with their pass mask (`rank`; then
+            # `_resolve`'s block of scores and its mask); the gathered query rows of the rows
+            # resolved, and their candidates (`_resolve`); the re-scoring chunk
+            held += (
+                Pool.bytes(ta, d.cap)
+                + ta * tb * (d.item + 1)
+                + ta * (d.cp * d.item + 8)
+                + resolve_bytes(ta, tb, d.cap)
+                + ta * rescore_bytes(d.c)
+            )
         return held
 
     def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
@@ -61,18 +68,9 @@ class PlainSearch(Strategy):
             self._each_ref_tile(tile)
             self.ref_norms = (max(n[0] for n in norms), max(n[1] for n in norms))
 
-    def _listed(self, q: torch.Tensor, floor: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidates (rows of ``q``, columns) scoring at least ``floor``, one tile at a time
-        (the rows still over the cap are left out: kept as ranked)."""
-        r = q.shape[0]
-        pool = Pool(r, self.cap_rows, q.device, self.dtype, lazy=True)
-        for j in range(0, self.nb, self.tile_b):
-            n = min(self.tile_b, self.nb - j)
-            block = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: r * n].view(r, n))
-            hot = (block.amax(1) >= floor).nonzero().squeeze(1)
-            if hot.numel():
-                pool.add(block if hot.numel() == r else block.index_select(0, hot), j, floor, hot)
-        return pool.finish(floor)
+    def _upper(self, side: Any, j: int, n: int) -> torch.Tensor:
+        # the scores themselves: the floors already leave twice the products' slack
+        return self.metric.score_tile(side, self._prepare_refs(j, j + n))
 
     def _state(self) -> dict[str, Any]:
         return {"ref_norms": self.ref_norms} if self.cap_rows else {}
@@ -88,8 +86,8 @@ class PlainSearch(Strategy):
         # minus twice the slack, which only rises), from the rows whose tile maximum reaches
         # their floor before the tile (after the first tiles, few; the merge finds them), and
         # pruned as the floors rise: no tile is multiplied twice. A row that lists more than the
-        # cap in one tile is listed again at the end against its final floor. Rows with more
-        # than k candidates are settled by the direct form (more than the cap: kept as ranked).
+        # cap is resolved at the end against its final floor, without a cap (`_resolve`). Rows
+        # with more than k candidates are settled by the direct form.
         m, k = best_v.shape
         twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
         best_v.fill_(-math.inf)
@@ -115,10 +113,6 @@ class PlainSearch(Strategy):
             assert listed is not None
             rows, cols = listed.reaching(floor)
             over = listed.over
-        redo = over.nonzero().squeeze(1)
-        if redo.numel():
-            more_rows, more_cols = self._listed(q.index_select(0, redo), floor[redo], buf)
-            rows, cols = torch.cat([rows, redo[more_rows]]), torch.cat([cols, more_cols])
         crowded = torch.bincount(rows, minlength=m) > k
         keep = crowded[rows]
         if bool(keep.any()):
@@ -128,3 +122,6 @@ class PlainSearch(Strategy):
             local = torch.cumsum(crowded, 0)[rows] - 1  # rows renumbered among the crowded
             best_of_candidates(local, cols, score, v.fill_(-math.inf), i.fill_(-1))
             best_v[crowded], best_i[crowded] = v, i
+        redo = over.nonzero().squeeze(1)
+        if redo.numel():
+            best_v[redo], best_i[redo] = self._resolve(q, redo, floor[redo], start, k, buf)

@@ -9,6 +9,7 @@ running top-k of the tile) and ``finalise`` (rows of b, values recomputed, order
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections.abc import Callable
@@ -21,10 +22,15 @@ from ..kernels import native
 from ..metrics import Metric
 from ..precision import Precision
 from ..threads import share_out
-from .merge import merge_best, merge_topk, order
+from .merge import best_of_candidates, merge_best, merge_topk, order
 from .plan import Dims, TilePlan, device_caps
 
-__all__ = ["Inputs", "Prepared", "Strategy", "rescore_bytes", "rows_of"]
+__all__ = ["CANDIDATE_BYTES", "Inputs", "Prepared", "Strategy", "rescore_bytes", "resolve_bytes", "rows_of"]
+
+# Bytes per candidate while :meth:`Strategy._resolve` lists and ranks them: its (row, column)
+# from nonzero (16), the column and row gathered (16), its direct score, and the merge with the
+# running top-k, whose sorts hold about four copies of (row, column, score).
+CANDIDATE_BYTES = 128
 
 
 def rows_of(x: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
@@ -37,6 +43,13 @@ def rescore_bytes(c: int) -> int:
     gathered, their copies in the compute dtype, and their difference or unit copies (8-byte
     items at most), and its indices and score."""
     return 6 * 8 * c + 64
+
+
+def resolve_bytes(ta: int, tb: int, cap: int) -> int:
+    """Bytes :meth:`Strategy._resolve` holds beyond its block of upper bounds: the candidates of
+    one step (at most ``max(tb, ta * cap)``, see there; counted as their sum, which the planner
+    needs linear in ``ta``), :data:`CANDIDATE_BYTES` each."""
+    return (tb + ta * cap) * CANDIDATE_BYTES if cap else 0
 
 
 @dataclass(frozen=True)
@@ -247,6 +260,78 @@ class Strategy:
         float32 / float64 scores on a CPU, into a contiguous running top-k."""
         tiles = self.inputs.precision.half or self.dtype
         return native.usable(best_v.device, tiles) and best_v.is_contiguous() and best_i.is_contiguous()
+
+    def _query_side(self, q: torch.Tensor) -> Any:
+        """What :meth:`_upper` needs of prepared query rows ``q`` (derived once per group)."""
+        return q
+
+    def _upper(self, side: Any, j: int, n: int) -> torch.Tensor:
+        """Upper bounds (rows, n) on the exact scores of the query rows ``side`` (from
+        :meth:`_query_side`) against references ``j:j+n``, valid in any summation order: a
+        pair whose bound is below its row's floor cannot be in the row's top k."""
+        raise NotImplementedError
+
+    def _resolve_shape(self, m: int) -> tuple[int, int]:
+        """(rows, columns) of the blocks of upper bounds :meth:`_resolve` computes for a query
+        tile of ``m`` rows: by default the scan's own block, whose temporaries are free by then."""
+        return m, self.tile_b
+
+    def _resolve(
+        self, q: torch.Tensor, rows: torch.Tensor, floor: torch.Tensor, start: int, k: int, buf: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact top ``k`` (values, tile positions) of the rows ``rows`` of the query tile at
+        ``start`` (``q``: its prepared rows) whose candidates outgrew the cap: every pair whose
+        upper bound reaches its row's ``floor`` is scored by the metric's direct form, however
+        many there are, and equal scores go to the lower column. Rows are taken in groups and
+        references in blocks of :meth:`_resolve_shape`; the candidates of one step are at most
+        ``max(columns, tile rows x cap)`` (a row alone may bring a whole block's columns)."""
+        r, device = rows.numel(), q.device
+        v = torch.full((r, k), -math.inf, dtype=self.dtype, device=device)
+        i = torch.full((r, k), -1, dtype=torch.int64, device=device)
+        if r == 0:
+            return v, i
+        block_rows, block_cols = self._resolve_shape(q.shape[0])
+        width = min(block_cols, self.nb)
+        group = max(1, min(r, block_rows * block_cols // width))
+        limit = max(width, q.shape[0] * self.cap_rows)
+        for g in range(0, r, group):
+            sel, fg = rows[g : g + group], floor[g : g + group, None]
+            gv, gi = v[g : g + group], i[g : g + group]
+            side = self._query_side(q.index_select(0, sel))
+            for j in range(0, self.nb, width):
+                reach = self._upper(side, j, min(width, self.nb - j)) >= fg
+                total = torch.cumsum(reach.sum(1), 0).tolist()
+                first = 0
+                while first < len(total):  # rows of the group in steps of at most `limit` candidates
+                    base = total[first - 1] if first else 0
+                    last = max(first + 1, bisect.bisect_right(total, base + limit))
+                    if total[last - 1] > base:
+                        self._take(reach[first:last], first, j, sel, start, gv, gi, buf)
+                    first = last
+        return v, i
+
+    def _take(
+        self,
+        reach: torch.Tensor,
+        first: int,
+        j: int,
+        sel: torch.Tensor,
+        start: int,
+        gv: torch.Tensor,
+        gi: torch.Tensor,
+        buf: torch.Tensor,
+    ) -> None:
+        """Merge the pairs marked in ``reach`` (rows ``first`` onwards of the group ``sel``,
+        columns ``j`` onwards), scored by the direct form, into the group's running top k."""
+        lr, lc = reach.nonzero().unbind(1)
+        lr, lc = lr + first, lc + j
+        score = self._direct_scores(start, sel[lr], lc, buf)
+        last = first + reach.shape[0]
+        held = (gi[first:last] >= 0).nonzero()
+        hr, hs = held[:, 0] + first, held[:, 1]
+        cand = (torch.cat([hr, lr]), torch.cat([gi[hr, hs], lc]), torch.cat([gv[hr, hs], score]))
+        gv[first:last], gi[first:last] = -math.inf, -1
+        best_of_candidates(*cand, gv, gi)
 
     def _direct_scores(self, start: int, rows: torch.Tensor, cols: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """The metric's direct scores of candidates (rows of the query tile at ``start``,

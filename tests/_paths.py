@@ -1,0 +1,42 @@
+"""Every search path a device may choose, forced on whatever machine runs the tests.
+
+The device picks the path of ``precision="exact"`` (plain float32 on most CPUs, certified
+bfloat16 on CPUs with AMX, the fused Triton kernel on CUDA). Each path is forced here through
+``config_context``, so a CPU without AMX runs the AMX path's logic and every machine runs the
+kernel's (under Triton's interpreter, which the root conftest.py turns on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+
+import densematch
+
+# name: (precision=, config_context settings)
+PATHS: dict[str, tuple[str, dict[str, str]]] = {
+    "float32": ("float32", {"half": "off", "kernel": "torch"}),
+    "bfloat16": ("exact", {"half": "bfloat16", "kernel": "torch"}),
+    "float16": ("exact", {"half": "float16", "kernel": "torch"}),
+    "kernel-float32": ("float32", {"half": "off", "kernel": "triton"}),
+    "kernel-bfloat16": ("exact", {"half": "bfloat16", "kernel": "triton"}),
+}
+# the paths without the Triton interpreter (slow: for small inputs only)
+TORCH_PATHS = [p for p in PATHS if not p.startswith("kernel")]
+
+
+@contextlib.contextmanager
+def on_path(name: str, metric: str = "l2") -> Iterator[str]:
+    """Force the path ``name``; yields the ``precision=`` to pass. Kernel paths of metrics the
+    kernel does not take (l1, linf) run the torch engine, as ``kernel="auto"`` would."""
+    precision, settings = PATHS[name]
+    if settings["kernel"] == "triton":
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("Triton is not installed: the kernel path cannot run here")
+        if metric in ("l1", "linf"):
+            settings = {**settings, "kernel": "auto"}
+    with densematch.config_context(**settings):
+        yield precision

@@ -1,0 +1,200 @@
+"""Exact means exact: every search path (tests/_paths.py) against a float64 brute force, on the
+inputs that break caps and expansions: clusters far from the references' mean, more exact ties
+than any candidate list holds, duplicated and mirrored rows, quantised descriptors of a real
+photo, and drawn ones. Near-ties are judged by tests/_reference.py's one helper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import densematch
+from densematch import engine
+from densematch.precision import CANDIDATES, Precision
+
+from ._paths import PATHS, TORCH_PATHS, on_path
+from ._reference import (
+    assert_exact_ties_lowest,
+    assert_same_up_to_ties,
+    assert_topk_exact,
+    reference_scores_exact,
+)
+
+MATRIX = ["cosine", "dot", "l2", "sqeuclidean"]
+
+
+def flat_match(a, b, metric, k, path, **kw):
+    with on_path(path, metric) as precision:
+        return densematch.match(a, b, metric=metric, k=k, layout="flat", precision=precision, **kw)
+
+
+def clustered(na, nb, c, seed, spread=0.01, scale=10.0):
+    """Rows in four tight clusters far from the origin and from the references' mean: every
+    member of a cluster lies inside the expansion's rounding slack of every other."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(4, c, generator=g) * scale
+    b = centres[torch.randint(0, 4, (nb,), generator=g)] + spread * torch.randn(nb, c, generator=g)
+    a = centres[torch.randint(0, 4, (na,), generator=g)] + spread * torch.randn(na, c, generator=g)
+    return a, b
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("metric", "k"), [("l2", 1), ("sqeuclidean", 3), ("l2", 8)])
+def test_clustered_features_far_from_the_mean(path, metric, k):
+    # issue 27's reproduction (400 x 1500 there; fewer rows under the kernel's interpreter)
+    kernel = path.startswith("kernel")
+    a, b = clustered(60 if kernel else 400, 300 if kernel else 1500, 2, seed=0)
+    r = flat_match(a, b, metric, k, path)
+    assert_topk_exact(a, b, r.index, metric, k)
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+def test_clustered_wide_features(path):
+    a, b = clustered(200, 1200, 64, seed=1)
+    r = flat_match(a, b, "l2", 1, path)
+    assert_topk_exact(a, b, r.index, "l2", 1)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "dot"])
+def test_more_exact_ties_than_any_candidate_list(path, metric):
+    # small integers: dozens of references tie exactly at each row's 8th place, more than
+    # max(CANDIDATES, 4k) candidates; the ties go to the lowest indices
+    kernel = path.startswith("kernel")
+    most = 0
+    for seed in range(2 if kernel else 4):
+        g = torch.Generator().manual_seed(seed)
+        (na, nb, c) = (40, 200, 5) if kernel else (300, 700, 6)
+        a = torch.randint(0, 3, (na, c), generator=g).float()
+        b = torch.randint(0, 3, (nb, c), generator=g).float()
+        ref = reference_scores_exact(a, b, metric)
+        kth = ref.sort(dim=1, descending=True).values[:, 7:8]
+        most = max(most, int((ref >= kth).sum(1).max()))
+        r = flat_match(a, b, metric, 8, path)
+        assert_exact_ties_lowest(a, b, r.index, metric, 8)
+    assert most > CANDIDATES  # the cap was really exceeded
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("k", [1, 3])
+def test_duplicated_references(path, k):
+    # every reference twice: the best's duplicate ties it exactly and must follow it (k=3)
+    g = torch.Generator().manual_seed(0)
+    n = 80 if path.startswith("kernel") else 350
+    d = torch.randn(n, 1, generator=g)
+    b = torch.cat([d, d])[torch.randperm(2 * n, generator=g)]
+    a = d[torch.randint(0, n, (n,), generator=g)] + 0.3 * torch.randn(n, 1, generator=g)
+    r = flat_match(a, b, "l2", k, path)
+    assert_topk_exact(a, b, r.index, "l2", k)
+    assert_exact_ties_lowest(a, b, r.index, "l2", k)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean"])
+def test_mirrored_integer_rows(path, metric):
+    # each query q's near neighbour r and its mirror 2q - r are exactly as far from q
+    g = torch.Generator().manual_seed(2)
+    n, c = (30, 32) if path.startswith("kernel") else (200, 128)
+    q = torch.randint(-20, 21, (n, c), generator=g).float()
+    r = q + torch.randint(-1, 2, (n, c), generator=g).float()
+    b = torch.cat([r, 2 * q - r, torch.randint(-20, 21, (n, c), generator=g).float()])
+    b = b[torch.randperm(b.shape[0], generator=g)]
+    got = flat_match(q, b, metric, 1, path)
+    ref = reference_scores_exact(q, b, metric)
+    assert ((ref == ref.max(1, keepdim=True).values).sum(1) >= 2).float().mean() > 0.9  # rows tie
+    assert_exact_ties_lowest(q, b, got.index, metric, 1)
+
+
+@pytest.fixture(scope="module")
+def quantised_sift():
+    """Dense SIFT of a real photo and of a shifted, noisier copy, quantised as SIFT files store
+    it (x 512, rounded): integer rows, whose squared distances float32 holds exactly."""
+    pytest.importorskip("kornia")
+    from skimage import data
+
+    from densematch.features import dense_features
+
+    img = data.camera().astype(np.float32) / 255
+    noisy = img + np.random.default_rng(0).normal(0, 0.02, img.shape).astype(np.float32)
+    one = dense_features(img[100:164, 100:164], "dsift").reshape(-1, 128)
+    two = dense_features(noisy[103:167, 98:162], "dsift").reshape(-1, 128)
+    return (one * 512).round().detach(), (two * 512).round().detach()
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "dot", "l1"])
+def test_exact_ties_go_to_the_lowest_index(quantised_sift, path, metric):
+    g = torch.Generator().manual_seed(0)
+    d, other = quantised_sift
+    # every reference twice, shuffled: each query's best has an exact duplicate elsewhere
+    b = torch.cat([d, d])[torch.randperm(2 * d.shape[0], generator=g)]
+    a = other[torch.randperm(other.shape[0], generator=g)[:500]]
+    # a small budget: many reference tiles, so duplicates meet in different products
+    r = flat_match(a, b, metric, 2, path, memory="2MiB")
+    if metric == "cosine":  # a cosine of integer rows is not exact in float64: near-ties judge
+        ref = reference_scores_exact(a, b, metric)
+        assert_same_up_to_ties(a, b, r.index, ref.topk(2, dim=1).indices, metric)
+        return
+    assert_exact_ties_lowest(a, b, r.index, metric, 2)
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "l1"])
+def test_exact_ties_between_different_rows_go_to_the_lowest_index(quantised_sift, path, metric):
+    # each query's true nearest descriptor r and its mirror 2q - r are exactly as far from q:
+    # an expansion rounds the two distances differently, the direct form does not
+    d, other = quantised_sift
+    a = other[:400]
+    nearest = reference_scores_exact(a, d, metric).argmax(1)
+    b = torch.cat([d, 2 * a - d[nearest]])
+    b = b[torch.randperm(b.shape[0], generator=torch.Generator().manual_seed(1))]
+    r = flat_match(a, b, metric, 1, path)
+    ref = reference_scores_exact(a, b, metric)
+    assert ((ref == ref.max(1, keepdim=True).values).sum(1) >= 2).float().mean() > 0.5  # most rows tie
+    assert_exact_ties_lowest(a, b, r.index, metric, 1)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("metric", MATRIX)
+def test_real_photo_features(camera_small, path, metric):
+    from .conftest import patch_features
+
+    f = patch_features(camera_small)
+    n = 12 if path.startswith("kernel") else 40
+    a, b = f[:n, :n].reshape(-1, 25), f[2 : n + 2, 1 : n + 1].reshape(-1, 25)
+    r = flat_match(a, b, metric, 2, path)
+    assert_topk_exact(a, b, r.index, metric, 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    na=st.integers(1, 40),
+    nb=st.integers(1, 90),
+    c=st.integers(1, 9),
+    k=st.integers(1, 9),
+    levels=st.integers(1, 4),
+    offset=st.sampled_from([0.0, 50.0, 5000.0]),
+    metric=st.sampled_from(["l2", "sqeuclidean", "dot"]),
+    path=st.sampled_from(TORCH_PATHS),
+    candidates=st.sampled_from([1, 4, CANDIDATES]),
+    tile_b=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_integer_rows_on_every_path(na, nb, c, k, levels, offset, metric, path, candidates, tile_b, seed):
+    # integer rows of few levels, optionally far from the origin: ties everywhere, exact in
+    # float64; any cap, any tile, every path keeps them exact
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, levels + 1, (na, c), generator=g).double() + offset
+    b = torch.randint(0, levels + 1, (nb, c), generator=g).double() + offset
+    if metric == "dot":
+        a, b = a - offset, b - offset  # dot products of large rows leave float32's integers
+    a, b = a.float(), b.float()
+    k = min(k, nb)
+    _precision_name, config = PATHS[path]
+    half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config["half"])
+    precision = Precision(half=half, backend="torch", candidates=candidates)
+    _, got = engine.topk(a, b, metric=metric, k=k, budget=2**26, precision=precision, tiles=(None, tile_b))
+    assert_exact_ties_lowest(a, b, got, metric, k)
