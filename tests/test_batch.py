@@ -277,3 +277,95 @@ def test_ray_engine_matches_local(pairs, local_run, tmp_path):
         assert all(r["status"] == "ok" and (tmp_path / "m" / r["result"]["output"]).exists() for r in matched)
     finally:
         ray.shutdown()
+
+
+# -- no lost records (issue 28) ----------------------------------------------------------------
+
+
+def test_a_second_run_into_a_locked_folder_stops_naming_the_holder(pairs, tmp_path):
+    from densematch.batch import LOCK
+
+    out = tmp_path / "busy"
+    first = batch.run("match", read_manifest(pairs / "match.csv", "match"), out_dir=out)
+    next(first)  # the first run holds the folder while it works
+    with pytest.raises(ValueError, match=rf"in use by another batch run \(pid {os.getpid()} on "):
+        list(batch.run("match", read_manifest(pairs / "match.csv", "match"), out_dir=out))
+    code, _, stderr = in_process("batch", "match", str(pairs / "match.csv"), "-o", str(out))
+    assert code != 0 and "in use by another batch run" in stderr and len(stderr.strip().splitlines()) == 1
+    rest = list(first)
+    assert len(rest) == 5 and len(records(out)) == 6  # no record of the first run was lost
+    assert len(list(batch.run("match", read_manifest(pairs / "match.csv", "match"), out_dir=out))) == 0
+    assert (out / LOCK).exists()
+
+
+def test_two_processes_into_one_folder_lose_no_record(pairs, tmp_path):
+    # two manifests at once into one folder (the run that closed last used to rewrite the file
+    # from what it had loaded, dropping the other's records): every record of a run that
+    # finished stays; a run refused at start wrote nothing
+    out = tmp_path / "both"
+    halves = []
+    for half, ids in (("first", range(3)), ("second", range(3, 6))):
+        rows = [[f"{half}{n}", f"fa{n}.npy", f"fb{n}.npy"] for n in ids]
+        halves.append(write_manifest(pairs / f"{half}.csv", ["id", "a", "b"], rows))
+    command = [sys.executable, "-m", "densematch", "batch", "match"]
+    procs = [
+        subprocess.Popen([*command, str(m), "-o", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for m in halves
+    ]
+    codes = [p.wait(timeout=300) for p in procs]
+    errors = [p.stderr.read().decode() for p in procs]
+    assert sorted(codes) in ([0, 1], [0, 0]), errors
+    want = set()
+    for code, err, half in zip(codes, errors, ("first", "second"), strict=True):
+        if code == 0:
+            want |= {f"{half}{n}" for n in range(6) if f"{half}{n}" in (pairs / f"{half}.csv").read_text()}
+        else:
+            assert "in use by another batch run" in err
+    assert set(records(out)) == want
+
+
+def test_run_checks_ids_it_is_given(pairs, tmp_path):
+    inputs = {"a": str(pairs / "fa0.npy"), "b": str(pairs / "fb0.npy")}
+    for bad in ("../x", "/tmp/x", ""):
+        with pytest.raises(ValueError, match="must be 1-128 letters"):
+            list(batch.run("match", [batch.Pair(bad, inputs)], out_dir=tmp_path / "ids"))
+    assert not (tmp_path / "x.npz").exists() and not Path("/tmp/x.npz").exists()
+
+
+def test_manifest_with_a_byte_order_mark(pairs, tmp_path):
+    path = tmp_path / "excel.csv"
+    path.write_text("id,a,b\r\nfirst,fa0.npy,fb0.npy\r\n", encoding="utf-8-sig")
+    (tmp_path / "fa0.npy").write_bytes((pairs / "fa0.npy").read_bytes())
+    (tmp_path / "fb0.npy").write_bytes((pairs / "fb0.npy").read_bytes())
+    assert [p.id for p in read_manifest(path, "match")] == ["first"]
+    path.write_text("a,b\r\nfa0.npy,fb0.npy\r\n", encoding="utf-8-sig")
+    assert read_manifest(path, "match")[0].inputs["a"] == str(tmp_path / "fa0.npy")
+
+
+def test_a_complete_last_line_without_newline_is_kept(pairs, local_run, tmp_path):
+    out, *_ = local_run
+    lines = (out / RESULTS).read_text().splitlines()
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / RESULTS).write_text("\n".join(lines[:3]))  # a hand edit: no final newline
+    seen = []
+    list(batch.run("align", read_manifest(pairs / "align.csv", "align"), out_dir=edited, on_skip=seen.append))
+    assert [p.id for p in seen] == ["pair0", "pair1", "pair2"]
+    assert without_seconds(edited) == without_seconds(out)
+
+
+def test_a_record_holding_nan_is_named_before_any_work(pairs, tmp_path):
+    bad = tmp_path / "nan"
+    bad.mkdir()
+    record = {"id": "1", "inputs": {}, "status": "ok", "error": None, "result": {"mean": float("nan")}}
+    clean = {**record, "id": "0", "result": {"mean": 1.0}}
+    (bad / RESULTS).write_text(json.dumps(clean) + "\n" + json.dumps(record) + "\n")
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"{RESULTS} line 2 cannot be written back"):
+        list(batch.run("match", read_manifest(pairs / "match.csv", "match"), out_dir=bad))
+    assert time.perf_counter() - started < 60 and not list(bad.glob("*.npz"))
+    code, _, stderr = in_process("batch", "match", str(pairs / "match.csv"), "-o", str(bad))
+    assert code != 0 and "line 2" in stderr and len(stderr.strip().splitlines()) == 1
+    # the lock was let go: a fixed file runs
+    (bad / RESULTS).write_text(json.dumps(clean) + "\n")
+    assert len(list(batch.run("match", read_manifest(pairs / "match.csv", "match"), out_dir=bad))) == 6

@@ -308,3 +308,30 @@ def test_cosine_treats_only_exact_zeros_as_zero_vectors():
     direct = reference_scores(a, b, "cosine").gather(1, got.index[:, None])[:, 0]
     torch.testing.assert_close(got.score[rows].double(), direct[rows], rtol=0, atol=1e-6)
     assert got.score[1] == 0 and got.index[1] == 0  # a zero vector scores 0 everywhere: ties to 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (dict(stride=float("inf")), "stride must be a finite number"),
+        (dict(stride=(1.0, float("nan"))), "stride must be a finite number"),
+        (dict(offset=float("-inf")), "offset must be a finite number"),
+        (dict(ratio=0.9, exclude_radius=float("inf")), "exclude_radius must be a finite number"),
+        (dict(ratio=float("nan")), "ratio must be a finite number"),
+    ],
+)
+def test_infinite_placing_settings_are_refused(kwargs, pattern):
+    a, b = torch.randn(6, 7, 4), torch.randn(5, 8, 4)
+    with pytest.raises(ValueError, match=pattern):
+        densematch.match(a, b, **kwargs)
+    with pytest.raises(ValueError, match=pattern):
+        densematch.DenseMatcher(**kwargs)
+
+
+def test_an_exclude_radius_past_the_grid_means_no_runner_up():
+    a, b = torch.randn(6, 7, 4), torch.randn(5, 8, 4)
+    whole = densematch.match(a, b, ratio=0.9, exclude_radius=20.0)  # b's diagonal is 9.4
+    for radius in (1e6, 1e300):
+        r = densematch.match(a, b, ratio=0.9, exclude_radius=radius)
+        assert torch.equal(r.valid, whole.valid) and torch.equal(r.index, whole.index)
+    assert whole.valid.all()  # no runner-up farther than the radius: every pixel passes

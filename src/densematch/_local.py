@@ -354,7 +354,7 @@ def _check_fill(fill: Any) -> float:
     """Any real number, NaN and infinities included (a fill marks, it is never computed with)."""
     if isinstance(fill, float) and math.isnan(fill):
         return fill
-    return check_real(fill, "fill", -math.inf, math.inf)
+    return check_real(fill, "fill", -math.inf, math.inf, finite=False)
 
 
 def _pair_int(value: Any, name: str, low: int) -> Pair:

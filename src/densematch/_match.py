@@ -290,8 +290,13 @@ class Task:
             return self.k
         if self.exclude_radius is None:
             return max(self.k, 2)
-        side = 2 * math.floor(self.exclude_radius) + 1
+        side = 2 * math.floor(self.radius) + 1
         return min(max(self.k, side * side + 1), self.nb)
+
+    @property
+    def radius(self) -> float:
+        """``exclude_radius`` clamped to b's diagonal: beyond it, every pixel of b lies within."""
+        return min(self.exclude_radius or 0.0, math.hypot(*self.grid_b[-2:]))
 
     @property
     def reserved(self) -> int:
@@ -446,7 +451,7 @@ def _check_exclude(radius: Any, ratio: Any, layout: str, grid_b: tuple[int, ...]
 def _runner_up(v: torch.Tensor, idx: torch.Tensor, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, 2) values and indices of the best and of the best candidate farther than
     ``task.exclude_radius`` pixels (Euclidean, in b's grid) from it; index -1 where none is."""
-    width, radius = task.grid_b[1], task.exclude_radius or 0.0
+    width, radius = task.grid_b[1], task.radius
     rows, cols = idx.div(width, rounding_mode="floor"), idx.remainder(width)
     far = (rows - rows[:, :1]).square() + (cols - cols[:, :1]).square() > radius**2
     far &= idx >= 0

@@ -10,11 +10,11 @@ need to read the inputs, never to share the output folder.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import importlib
 import json
 import os
+import platform
 import re
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -78,7 +78,9 @@ def read_manifest(path: str | os.PathLike[str], task: str) -> list[Pair]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"MANIFEST {str(p)!r} does not exist or is not a file")
-    with open(p, newline="", encoding="utf-8") as fh:
+    # utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte-order mark, which must not join
+    # the first column's name
+    with open(p, newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         header = [name.strip() for name in reader.fieldnames or []]
         missing = [c for c in columns if c not in header]
@@ -229,25 +231,62 @@ def _ray_solve(
     return _solve(task, pairs, options, pictures)
 
 
+LOCK = ".densematch-batch.lock"
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """A line of results.jsonl as a record, or None when it is not one (half-written)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "id" in record else None
+
+
 class _Results:
-    """``results.jsonl``: the last record of each id, one line per record, appended; a line
-    left half-written by an interrupted run is cut off before the next is appended."""
+    """``results.jsonl``: the last record of each id, one line per record, appended; a last line
+    left half-written by an interrupted run is cut off before the next is appended (a last line
+    that parses is complete, final newline or not). The folder is locked for the run: a second
+    run into it stops at once, naming the process that holds it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.records: dict[str, dict[str, Any]] = {}
-        if path.exists():
-            data = path.read_bytes()
-            whole = data[: data.rfind(b"\n") + 1]
-            for line in whole.splitlines():
-                with contextlib.suppress(ValueError):
-                    record = json.loads(line)
-                    if isinstance(record, dict) and "id" in record:
-                        self.records[str(record["id"])] = record
-            if len(whole) != len(data):
-                with open(path, "r+b") as fh:
+        self.lock = _lock(path.parent / LOCK)
+        try:
+            self._load()
+            self.fh = open(path, "ab")
+        except BaseException:
+            self.lock.close()
+            raise
+
+    def _load(self) -> None:
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        tail = data[len(whole) :]
+        if tail.strip() and _parse(tail) is not None:
+            whole = data + b"\n"  # a complete last line without its newline (a hand edit)
+        for number, line in enumerate(whole.splitlines(), start=1):
+            record = _parse(line)
+            if record is None:
+                continue
+            try:
+                _line(record)
+            except ValueError as err:  # NaN or Infinity: json reads them, but never writes them
+                raise ValueError(
+                    f"{self.path} line {number} cannot be written back ({err}): "
+                    "remove that line or replace its NaN / Infinity with null, then run again"
+                ) from err
+            self.records[str(record["id"])] = record
+        if whole != data:
+            with open(self.path, "r+b") as fh:
+                if len(whole) < len(data):
                     fh.truncate(len(whole))
-        self.fh = open(path, "ab")
+                else:
+                    fh.seek(0, os.SEEK_END)
+                    fh.write(b"\n")
 
     def done(self, pair_id: str) -> bool:
         return self.records.get(pair_id, {}).get("status") == "ok"
@@ -260,14 +299,43 @@ class _Results:
     def close(self, order: Sequence[str] | None = None) -> None:
         """Close; given the manifest's ids, rewrite the file as the last record of each, in
         that order (then any other ids it holds), atomically: a run resumed after an
-        interruption ends with the same file as one that never stopped."""
-        self.fh.close()
-        if order is not None:
-            ids = [i for i in order if i in self.records]
-            known = set(ids)
-            ids += [i for i in self.records if i not in known]
-            with atomic_write(self.path) as fh:
-                fh.write("".join(_line(self.records[i]) for i in ids).encode())
+        interruption ends with the same file as one that never stopped. Then unlock."""
+        try:
+            self.fh.close()
+            if order is not None:
+                ids = [i for i in order if i in self.records]
+                known = set(ids)
+                ids += [i for i in self.records if i not in known]
+                with atomic_write(self.path) as fh:
+                    fh.write("".join(_line(self.records[i]) for i in ids).encode())
+        finally:
+            self.lock.close()
+
+
+def _lock(path: Path) -> Any:
+    """An exclusive lock on ``path`` (created) for as long as the returned file stays open,
+    holding this process's id and host; a ValueError naming the holder when another has it.
+    Where fcntl does not exist (Windows) the file is opened without a lock."""
+    fh = open(path, "a+")
+    try:
+        import fcntl
+    except ImportError:
+        return fh
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise ValueError(
+            f"out_dir {str(path.parent)!r} is in use by another batch run ({holder}); "
+            "wait for it to finish, or give another folder"
+        ) from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()} on {platform.node() or 'this host'}")
+    fh.flush()
+    return fh
 
 
 def _line(record: dict[str, Any]) -> str:
@@ -367,6 +435,8 @@ def run(
         p if isinstance(p, Pair) else Pair(str(n), dict(zip(columns, map(str, p), strict=True)))
         for n, p in enumerate(pairs, start=1)
     ]
+    for p in todo:  # ids name output files: the manifest's rule holds for any caller
+        _check_id(p.id, "pairs")
     if len({p.id for p in todo}) != len(todo):
         raise ValueError("pairs must have unique ids")
     order = [p.id for p in todo]

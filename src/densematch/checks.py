@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -63,11 +64,14 @@ def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
     return value
 
 
-def check_real(value: Any, name: str, low: float, high: float, *, low_open: bool = False) -> float:
-    """A real number (Python or numpy) in [low, high], or (low, high] with ``low_open``."""
+def check_real(value: Any, name: str, low: float, high: float, *, low_open: bool = False, finite: bool = True) -> float:
+    """A real number (Python or numpy) in [low, high], or (low, high] with ``low_open``; finite
+    unless ``finite=False`` (an infinite bound then admits that infinity)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
+    if finite and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if not (low < value if low_open else low <= value) or not value <= high:
         rule = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
         raise ValueError(f"{name} must be {rule}, got {value}")

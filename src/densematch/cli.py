@@ -24,6 +24,7 @@ from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, check_output, is_image, save_arrays
 from .metrics import METRICS
 from .precision import PRECISIONS, RANKINGS
+from .progress import say
 from .tasks import PairResult, align_pairs, distance_pair, match_pair
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
@@ -315,6 +316,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         counts["skipped"] += 1
 
     t0 = time.perf_counter()
+    bar = _progress(args)
     records = run(
         args.task,
         pairs,
@@ -323,14 +325,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
         out_dir=out,
         ray_address=args.ray_address,
         viz=getattr(args, "viz", False),
-        progress=_progress(args),
+        progress=bar,
         on_skip=skip,
         **task_options(args.task, args),
     )
     for record in records:
         counts[record["status"]] += 1
         if record["status"] == "error" and not args.quiet:
-            print(f"densematch batch: {record['id']}: {record['error']}", file=sys.stderr)
+            say(f"densematch batch: {record['id']}: {record['error']}", bar=bar)
     seconds = time.perf_counter() - t0
     if not args.quiet:
         done = counts["ok"] + counts["error"]

@@ -6,7 +6,8 @@
   precision faster than float32 (GPUs with tensor cores, CPUs with AMX: :func:`device_half`),
   candidates are searched in half precision, every candidate within a rigorous rounding bound
   of a row's k-th best is kept and re-scored in float32; a row with more candidates than fit is
-  searched again in float32. Elsewhere, plain float32.
+  resolved without a cap (every pair its bound admits, scored by the direct form). Elsewhere,
+  plain float32.
 - ``"fast"``: scores in the fastest operand dtype the device has, with no re-scoring of the
   ranking (reported values are still recomputed in float32). Approximate: see docs/precision.md
   for its measured disagreement rate.
@@ -52,9 +53,10 @@ __all__ = [
 RANKINGS = ("exact", "float32", "fast")
 PRECISIONS = (*RANKINGS, "float64")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# Candidates kept per row (at least 4 k) by the certified half-precision search and by the
-# float32 search's near-tie settling: enough for the near-ties of real features; a row with more
-# is searched again in float32 (half) or kept as ranked (float32). docs/precision.md.
+# Candidates listed per row during the scan (at least 4 k) by the certified half-precision search
+# and by the float32 search's near-tie settling: enough for the near-ties of real features. A row
+# with more is resolved after the scan without any cap (Strategy._resolve), so the cap changes
+# the cost, never the answer. docs/precision.md.
 CANDIDATES = 32
 
 # Unit roundoff of float32; gamma for n terms is n * u / (1 - n * u), doubled here because fused

@@ -24,3 +24,17 @@ def progress_bar(enabled: bool, **options: Any) -> Iterator[Any]:
         raise ImportError("progress=True needs tqdm; install it with pip install 'densematch[progress]'") from err
     with tqdm(**options) as bar:
         yield bar
+
+
+def say(message: str, *, bar: bool, file: Any = None) -> None:
+    """Print one line (to ``file``, default stderr) above a running tqdm bar when ``bar``, so
+    that it never lands inside the bar's line; plainly otherwise."""
+    import sys
+
+    file = sys.stderr if file is None else file
+    if bar:
+        from tqdm.auto import tqdm
+
+        tqdm.write(message, file=file)
+    else:
+        print(message, file=file)

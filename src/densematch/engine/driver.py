@@ -217,8 +217,10 @@ def topk(
     reserved : int, default=0
         Bytes of ``budget`` the caller already holds (they shrink the tiles).
     stats : dict, optional
-        Filled with counts of the certified search: ``rows``, ``candidates`` (kept in all),
-        ``most`` (the most for one row) and ``fallback`` (rows searched again in float32).
+        Filled with counts of the searches that list candidates (certified half precision, and
+        float32's near-tie settling): ``rows``, ``candidates`` (listed in all, rows over the cap
+        aside), ``most`` (the most for one row) and ``fallback`` (rows whose candidates outgrew
+        the cap, resolved without one).
     prepared : Prepared, optional
         ``b`` as :func:`prepare` made it ready (same ``b``, ``rows_b``, metric, k and
         precision): used when this search runs the same strategy at the same scale, else ignored.

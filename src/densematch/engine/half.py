@@ -57,7 +57,6 @@ class HalfSearch(Strategy):
         self.shift: torch.Tensor | None = None  # set below, once the references' mean is known
         super().__init__(inputs, plan)
         self.half = inputs.precision.half or self.dtype
-        self.stats = inputs.stats
         # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
         u = unit_roundoff(self.half)
         self.rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
@@ -179,9 +178,4 @@ class HalfSearch(Strategy):
         redo = over.nonzero().squeeze(1)
         if redo.numel():
             best_v[redo], best_i[redo] = self._resolve(q, redo, floor[redo], start, k, buf)
-        if self.stats is not None:
-            most = int(torch.bincount(rows, minlength=m).max()) if m else 0
-            with self.lock:  # query tiles may run on several threads
-                self.stats["candidates"] += int(rows.numel())
-                self.stats["most"] = max(self.stats["most"], most)
-                self.stats["fallback"] += int(redo.numel())
+        self._record(m, rows, redo)

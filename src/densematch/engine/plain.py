@@ -113,6 +113,7 @@ class PlainSearch(Strategy):
             assert listed is not None
             rows, cols = listed.reaching(floor)
             over = listed.over
+        self._record(m, rows, over.nonzero().squeeze(1))
         crowded = torch.bincount(rows, minlength=m) > k
         keep = crowded[rows]
         if bool(keep.any()):

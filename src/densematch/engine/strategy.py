@@ -333,6 +333,18 @@ class Strategy:
         gv[first:last], gi[first:last] = -math.inf, -1
         best_of_candidates(*cand, gv, gi)
 
+    def _record(self, m: int, rows: torch.Tensor, resolved: torch.Tensor) -> None:
+        """Add a query tile of ``m`` rows to the call's ``stats``: its listed candidates (their
+        rows), the most for one row, and the rows resolved without a cap."""
+        stats = self.inputs.stats
+        if stats is None:
+            return
+        most = int(torch.bincount(rows, minlength=m).max()) if m else 0
+        with self.lock:  # query tiles may run on several threads
+            stats["candidates"] += int(rows.numel())
+            stats["most"] = max(stats["most"], most)
+            stats["fallback"] += int(resolved.numel())
+
     def _direct_scores(self, start: int, rows: torch.Tensor, cols: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """The metric's direct scores of candidates (rows of the query tile at ``start``,
         reference positions ``cols``) in the compute dtype, in chunks within the bytes of

@@ -1,0 +1,111 @@
+"""What the certified half-precision search costs apart from its products, on any CPU.
+
+Run: python benchmarks/bench_certify.py [--sizes 96x96x64 ...] [--repeats 3]
+
+The device picks the certified bfloat16 search where it multiplies bfloat16 fast (AMX); this
+script forces it with ``config_context(half="bfloat16")`` on whatever CPU runs it and measures
+what does not depend on the product's speed: candidates listed per row, the rows whose
+candidates outgrew the cap (resolved without one), and the search's time beside the time of its
+bfloat16 products alone (``torch.mm`` of the prepared rows over the same tiles), so that
+"certified - products" is the certificate's own cost (bounds, merge, pool, re-scoring). On a CPU
+without AMX the products themselves are slower than float32's: compare the overhead, not the
+totals. float32's own search is timed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import machine, photo_features, save, table
+from densematch import engine
+from densematch.metrics import get_metric
+from densematch.precision import Precision
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def products_only(a: torch.Tensor, b: torch.Tensor, metric: str, tiles: tuple[int, int]) -> None:
+    """The bfloat16 products of a search over tiles of ``tiles`` rows, nothing else."""
+    m = get_metric(metric)
+    q = m.prepare(a, "query", torch.float32).to(torch.bfloat16)
+    r = m.prepare(b, "ref", torch.float32).to(torch.bfloat16)
+    ta, tb = tiles
+    out = torch.empty(ta, tb, dtype=torch.bfloat16)
+    for i in range(0, q.shape[0], ta):
+        for j in range(0, r.shape[0], tb):
+            qi, rj = q[i : i + ta], r[j : j + tb]
+            torch.mm(qi, rj.T, out=out[: qi.shape[0], : rj.shape[0]])
+
+
+def measure(a: torch.Tensor, b: torch.Tensor, metric: str, k: int, repeats: int) -> dict[str, float]:
+    """One case: the certified search's counts and times beside its products' and float32's."""
+    kw = dict(metric=metric, k=k, budget=2**28)
+    bf16 = Precision(half=torch.bfloat16)
+    plan = engine.plan_tiles(
+        a.shape[0], b.shape[0], a.shape[1], k, 2**28, metric=metric, device=a.device, precision=bf16
+    )
+    stats: dict[str, int] = {}
+    engine.topk(a, b, **kw, precision=bf16, stats=stats)
+    certified = median_time(lambda: engine.topk(a, b, **kw, precision=bf16), repeats)
+    products = median_time(lambda: products_only(a, b, metric, (plan.tile_a, plan.tile_b)), repeats)
+    plain = median_time(lambda: engine.topk(a, b, **kw), repeats)
+    return {
+        "candidates/row": round(stats["candidates"] / stats["rows"], 2),
+        "most": stats["most"],
+        "resolved %": round(100 * stats["fallback"] / stats["rows"], 2),
+        "certified ms": round(1e3 * certified, 1),
+        "bf16 products ms": round(1e3 * products, 1),
+        "overhead ms": round(1e3 * (certified - products), 1),
+        "float32 ms": round(1e3 * plain, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", default=["96x96x64", "96x96x128", "64x64x256", "48x48x384", "40x40x768"])
+    p.add_argument("--metrics", nargs="+", default=["cosine", "dot", "l2"])
+    p.add_argument("--ks", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--features", nargs="+", default=["noise", "photo"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--name", default="certify")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for size in args.sizes:
+        h, w, c = map(int, size.split("x"))
+        for features in args.features:
+            if features == "photo":
+                fa, fb = photo_features(h, w, c)
+            else:
+                g = torch.Generator().manual_seed(0)
+                fa, fb = torch.randn(h, w, c, generator=g), torch.randn(h, w, c, generator=g)
+            a, b = fa.reshape(-1, c).contiguous(), fb.reshape(-1, c).contiguous()
+            for metric in args.metrics:
+                for k in args.ks:
+                    row = {"size": size, "features": features, "metric": metric, "k": k}
+                    row.update(measure(a, b, metric, k, args.repeats))
+                    rows.append(row)
+                    print(row, flush=True)
+    info = machine()
+    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
+    print(f"\nmachine: {info}\nsaved {path}\n")
+    print(table(rows, list(rows[0])))
+
+
+if __name__ == "__main__":
+    main()
