@@ -421,3 +421,13 @@ def densematch_distance(x, p):
     return densematch.pairwise_distance(
         torch.from_numpy(np.load(x)).double(), torch.from_numpy(np.load(p)).double()
     ).numpy()
+
+
+def test_info_says_what_runs():
+    from densematch import __version__
+
+    code, out, _ = in_process("info")
+    lines = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in out.splitlines()}
+    assert code == 0 and lines["densematch"] == __version__
+    assert lines["kernels"] in ("in use", "off (DENSEMATCH_NATIVE=0)") or lines["kernels"].startswith("unavailable")
+    assert "cpu features" in lines and 'precision="exact" on the CPU' in lines

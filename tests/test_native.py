@@ -305,7 +305,44 @@ class TestBuild:
         assert path.parent == tmp_path and path.exists()
         stamp = path.stat().st_mtime_ns
         assert native.build() == path and path.stat().st_mtime_ns == stamp
-        assert [q.name for q in tmp_path.iterdir()] == [path.name]
+        assert sorted(q.name for q in tmp_path.iterdir()) == sorted([path.name, path.with_suffix(".sha256").name])
+
+    @needs_library
+    def test_a_library_cut_short_is_rebuilt_not_loaded(self, tmp_path):
+        # a truncated library used to be mapped by ctypes and kill every later process (SIGBUS)
+        env = {**os.environ, "DENSEMATCH_CACHE": str(tmp_path)}
+        code = (
+            "import torch, densematch\n"
+            "from densematch.kernels import native\n"
+            "assert native.library() is not None\n"
+            "x, p = torch.randn(1, 4, 3, 3), torch.randn(5, 4)\n"
+            "d = densematch.pairwise_distance(x, p, 'l1')\n"
+            "ref = torch.cdist(x.flatten(2)[0].T, p, p=1.0).T.reshape(5, 3, 3)\n"
+            "torch.testing.assert_close(d[0], ref)\n"
+        )
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+        [library] = tmp_path.glob("*.so")
+        whole = library.read_bytes()
+        library.write_bytes(whole[: len(whole) // 3])
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert library.read_bytes() == whole  # rebuilt in place
+
+    def test_without_a_compiler_a_warning_says_so_once(self, tmp_path):
+        env = {**os.environ, "DENSEMATCH_CACHE": str(tmp_path), "CC": "false"}
+        code = (
+            "import warnings, torch, densematch\n"
+            "from densematch.kernels import native\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    for _ in range(3):\n"
+            "        densematch.pairwise_distance(torch.randn(1, 4, 3, 3), torch.randn(5, 4), 'l1')\n"
+            "said = [w for w in caught if 'C kernels are unavailable' in str(w.message)]\n"
+            "assert len(said) == 1 and said[0].category is RuntimeWarning, [str(w.message) for w in caught]\n"
+            "assert 'failed on native.c' in native.status()['kernels'], native.status()\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
 
     def test_switched_off_falls_back_to_torch(self):
         code = (

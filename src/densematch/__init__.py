@@ -5,6 +5,7 @@ from typing import Any
 
 from ._align import Alignment, align, warp
 from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
+from ._info import show_config
 from ._knn import KNNIndex, knn
 from ._local import LocalMatcher, local_match
 from ._match import DenseMatcher, Matches, match
@@ -32,6 +33,7 @@ __all__ = [
     "nearest_prototype",
     "pairwise_distance",
     "parse_memory",
+    "show_config",
     "soft_match",
     "warp",
 ]

@@ -402,7 +402,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="smaller sizes")
     _common(b)
     b.set_defaults(run=cmd_bench)
+
+    i = sub.add_parser("info", help="versions, CPU features, the search paths taken, whether the C kernels run")
+    _common(i)
+    i.set_defaults(run=cmd_info)
     return p
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from ._info import show_config
+
+    show_config(file=sys.stdout)
+    return 0
 
 
 def _report(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> None:

@@ -9,9 +9,10 @@ The library is built with the system's C compiler (``$CC``, else ``cc``) the fir
 wanted on a machine, about a second, and kept in ``$DENSEMATCH_CACHE`` (default
 ``~/.cache/densematch``) under a name drawn from the source, the flags, the compiler and the CPU,
 so a shared home directory never hands one CPU's build to another. ``make`` builds it while
-setting up (``python -m densematch.kernels.native``). Without a compiler, with
-``DENSEMATCH_NATIVE=0``, or under ``config_context(kernel="torch")``, callers fall back to
-torch's kernels: :func:`usable` says which applies.
+setting up (``python -m densematch.kernels.native``). A library whose SHA-256 (written beside
+it by the build) no longer matches is rebuilt, never loaded. Without a compiler (a RuntimeWarning
+says so once), with ``DENSEMATCH_NATIVE=0``, or under ``config_context(kernel="torch")``, callers
+fall back to torch's kernels: :func:`usable` says which applies, :func:`status` why.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,13 +44,14 @@ __all__ = [
     "minkowski_grad",
     "pair_values",
     "sqnorms",
+    "status",
     "usable",
 ]
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11")
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_log = logging.getLogger(__name__)
+_status: dict[str, str] = {}  # why the library could not be loaded, once it was tried
 
 
 def cache_dir() -> Path:
@@ -84,24 +86,44 @@ def _library_path(compiler: str) -> Path:
     return cache_dir() / f"native-{key.hexdigest()[:16]}.so"
 
 
+def _digest(path: Path | str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _intact(path: Path) -> bool:
+    """Whether the library at ``path`` is whole: its SHA-256 equals the one the build wrote
+    beside it. A library cut short (a full disk, an interrupted copy) would otherwise be mapped
+    by ctypes and kill the process with SIGBUS at its first call."""
+    try:
+        return path.with_suffix(".sha256").read_text().strip() == _digest(path)
+    except OSError:
+        return False
+
+
 def build() -> Path:
-    """The library's path, compiling it first if this machine has none yet. Raises a RuntimeError
-    saying why when there is no compiler or the compilation fails."""
+    """The library's path, compiling it first if this machine has none yet, or none that is
+    whole (:func:`_intact`). Raises a RuntimeError saying why when there is no compiler or the
+    compilation fails."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
     path = _library_path(compiler)
-    if path.exists():
+    if path.exists() and _intact(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    # compiled beside its final name and renamed into it: a process that races this one, or
-    # one that dies half-way, never leaves a half-written library under the final name
+    # compiled beside its final name and renamed into it, its digest written first: a process
+    # that races this one, or one that dies half-way, never leaves a library that passes as whole
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
         done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        digest = _digest(tmp)
+        sidecar = path.with_suffix(".sha256")
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as fh:
+            fh.write(digest)
+        os.replace(fh.name, sidecar)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -117,7 +139,14 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as e:
-        _log.info("densematch's C kernels are unavailable, torch's run instead: %s", e)
+        _status["reason"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # once per process, where it costs speed: l1/linf distances and the CPU merge run ~4x slower
+        warnings.warn(
+            f"densematch's C kernels are unavailable ({_status['reason']}); torch's slower kernels run instead "
+            "(set DENSEMATCH_NATIVE=0 to choose that without this warning)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     n, ptr, flag = ctypes.c_long, ctypes.c_void_p, ctypes.c_int  # sizes and strides, data, switches
     signatures = {
@@ -134,6 +163,22 @@ def library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = args, result
     return lib
+
+
+def status() -> dict[str, str]:
+    """Whether the C kernels run in this process, and why not, with their library and flags
+    (for ``densematch info``); builds them if they are wanted and not yet built."""
+    if os.environ.get("DENSEMATCH_NATIVE", "1") in ("0", ""):
+        return {"kernels": "off (DENSEMATCH_NATIVE=0)"}
+    if library() is None:
+        return {"kernels": f"unavailable: {_status.get('reason', 'unknown')}"}
+    compiler = _compiler() or "?"
+    return {
+        "kernels": "in use",
+        "library": str(_library_path(compiler)),
+        "flags": " ".join(FLAGS),
+        "compiler": compiler,
+    }
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
