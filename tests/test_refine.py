@@ -173,3 +173,66 @@ def test_exclude_radius_needs_the_ratio_test_and_a_grid():
         match(x.reshape(-1, 4), x.reshape(-1, 4), layout="flat", ratio=0.8, exclude_radius=2)
     with pytest.raises(ValueError, match=r"exclude_radius must be in \[0, inf\]"):
         match(x, x, ratio=0.8, exclude_radius=-1)
+
+
+# -- the contract at the edges (issue 28): finite, within a pixel, masked pixels never read ----
+
+REFINE_MODES = ["parabola", "soft", "features"]
+
+
+def assert_near_integer(r, index_grid_width):
+    """Wherever index >= 0: finite coordinates within one pixel of the integer match."""
+    found = r.index >= 0
+    assert torch.isfinite(r.coords[found]).all(), "NaN or inf coordinates for a valid match"
+    integer = torch.stack((r.index // index_grid_width, r.index % index_grid_width), -1).to(r.coords.dtype)
+    assert ((r.coords - integer).abs()[found] <= 1 + 1e-6).all()
+
+
+@pytest.mark.parametrize("mode", REFINE_MODES)
+@pytest.mark.parametrize(("metric", "k"), [("l2", 1), ("cosine", 2), ("dot", 1), ("l1", 1)])
+def test_corners_and_edges_of_b(mode, metric, k):
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(12, 13, 6, generator=g), torch.randn(12, 13, 6, generator=g)
+    a[0, 0], a[-1, -1], a[0, -1] = b[0, 0], b[-1, -1], b[0, -1]  # matches at b's far corners
+    r = match(a, b, metric=metric, k=k, refine=mode)
+    assert_near_integer(r, 13)
+
+
+@pytest.mark.parametrize("mode", REFINE_MODES)
+@pytest.mark.parametrize(
+    "b", [torch.ones(7, 9, 4), torch.randn(1, 1, 4), torch.randn(1, 9, 4), torch.randn(7, 1, 4)], ids=str
+)
+def test_constant_and_one_pixel_maps(mode, b):
+    a = torch.randn(5, 6, 4, generator=torch.Generator().manual_seed(0))
+    r = match(a, b, metric="l2", refine=mode)
+    assert_near_integer(r, b.shape[1])
+
+
+@pytest.mark.parametrize("mode", REFINE_MODES)
+@pytest.mark.parametrize("magnitude", [2.0**100, 2.0**-100])
+def test_extreme_magnitudes_refine_as_unit_ones(shifted, mode, magnitude):
+    # powers of two (1.3e30, 7.9e-31): exact, so the refinement must give the very same positions
+    fa, fb, _, _ = shifted
+    fa, fb = fa[20:40, 20:40], fb[18:42, 18:42]
+    want = match(fa, fb, metric="l2", refine=mode)
+    got = match(fa * magnitude, fb * magnitude, metric="l2", refine=mode)
+    assert_near_integer(got, fb.shape[1])
+    assert torch.equal(got.index, want.index) and torch.equal(got.coords, want.coords)
+
+
+@pytest.mark.parametrize("mode", REFINE_MODES)
+def test_masked_out_pixels_of_b_are_never_read(shifted, mode):
+    fa, fb, _, _ = shifted
+    fa, fb = fa[20:44, 20:44].clone(), fb[20:44, 20:44].clone()
+    mask = torch.ones(fb.shape[:2], dtype=torch.bool)
+    mask[10:14, 6:18] = False
+    poisoned = fb.clone()
+    poisoned[~mask] = float("nan")
+    clean = match(fa, fb, metric="l2", refine=mode, mask_b=mask)
+    got = match(fa, poisoned, metric="l2", refine=mode, mask_b=mask)
+    assert_near_integer(got, fb.shape[1])
+    # what lies under the mask cannot change a coordinate: the same with other values there
+    other = fb.clone()
+    other[~mask] = 100.0
+    assert torch.equal(got.coords, clean.coords)
+    assert torch.equal(match(fa, other, metric="l2", refine=mode, mask_b=mask).coords, clean.coords)

@@ -18,12 +18,14 @@ def dense(a, b, temperature, mode, mask_b=None):
     s = q @ k.T / temperature
     if mask_b is not None:
         s[:, ~torch.as_tensor(mask_b).reshape(-1)] = -torch.inf
-    p = s.softmax(1)
+    # in the log domain: dual weights that underflow are still renormalised per row
+    logp = s.log_softmax(1)
     if mode == "dual_softmax":
-        p = torch.nan_to_num(p * s.softmax(0))
+        logp = torch.nan_to_num(logp + s.log_softmax(0), nan=-torch.inf)  # masked-out columns
+    p = logp.exp()
     hb, wb = b.shape[:2]
     pos = torch.stack(torch.meshgrid(torch.arange(hb), torch.arange(wb), indexing="ij"), -1).reshape(-1, 2).double()
-    w = p / p.sum(1, keepdim=True)
+    w = logp.softmax(1)
     mean = w @ pos
     var = w @ pos.square() - mean.square()
     grid = a.shape[:2]
@@ -164,3 +166,21 @@ def test_bad_input(kwargs, error, pattern):
     x = torch.randn(5, 6, 4)
     with pytest.raises(error, match=pattern):
         soft_match(x, x, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("temperature", [1e-3, 1e-4])
+def test_dual_softmax_at_low_temperature_renormalises_in_the_log_domain(dtype, temperature):
+    # every dual weight of some rows underflows here: they used to fall back to b's centre with a
+    # spread of 1e-6 (reading as certain) and NaN gradients
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(9, 11, 16, generator=g, dtype=dtype).requires_grad_()
+    b = torch.randn(10, 12, 16, generator=g, dtype=dtype).requires_grad_()
+    got = soft_match(a, b, temperature=temperature, mode="dual_softmax")
+    coords, spread, top = dense(a.detach(), b.detach(), temperature, "dual_softmax")
+    assert torch.isfinite(coords).all()
+    # at these temperatures the weight of a row sits on its best column: coords are that column
+    torch.testing.assert_close(got.coords.double(), coords, atol=1e-3, rtol=0)
+    torch.testing.assert_close(got.max_weight.double(), top, atol=1e-6, rtol=1e-3)
+    (got.coords.sum() + got.spread.sum()).backward()
+    assert torch.isfinite(a.grad).all() and torch.isfinite(b.grad).all()

@@ -239,6 +239,7 @@ def _placed(
                         task.metric,
                         refine,
                         task.budget,
+                        None if task.masks[1] is None else task.masks[1][i].reshape(-1),
                     ).to(dtype)
                     for i in range(task.nbatch)
                 ]

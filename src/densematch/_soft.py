@@ -196,8 +196,14 @@ def _tiles(na: int, nb: int, c: int, budget: int) -> tuple[int, int]:
 
 
 class _SoftAttention(torch.autograd.Function):
-    """out_i = sum_j p_ij v_j with p the (dual) softmax of scale * q k^T, by tiles; returns the
-    (na, 3) moments in float64 and each row's largest weight."""
+    """out_i = sum_j w_ij v_j with w_ij = softmax_j(l_ij), by tiles; returns the (na, 3)
+    moments in float64 and each row's largest weight.
+
+    The plain softmax has logits l_ij = scale q_i . k_j. The dual softmax's weights
+    P_ij = softmax_j(s_ij) softmax_i(s_ij) (s = scale q k^T) are renormalised per row, which is
+    again a softmax over j, of l_ij = 2 s_ij - c_j with c_j = log sum_i exp(s_ij): taken in the
+    log domain, so that a row whose every P_ij underflows (low temperatures) still gets its
+    weights, never a fallback to b's centre."""
 
     @staticmethod
     def forward(
@@ -205,83 +211,77 @@ class _SoftAttention(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         na, nb = q.shape[0], k.shape[0]
         ta, tb = _tiles(na, nb, q.shape[1], budget)
-        row_lse = _row_lse(q, k, scale, ta, tb)
-        col_lse = _col_lse(q, k, scale, ta, tb) if dual else None
+        col_lse = _row_stats(k, q, scale, tb, ta)[0] if dual else None
+        factor = 2.0 if dual else 1.0
+        lse, best = _row_stats(q, k, factor * scale, ta, tb, col_lse)
         out = torch.zeros(na, 3, dtype=torch.float64, device=q.device)
-        mass = torch.zeros(na, dtype=torch.float64, device=q.device)
-        top = torch.zeros(na, dtype=q.dtype, device=q.device)
         for i in range(0, na, ta):
             qi = q[i : i + ta]
             for j in range(0, nb, tb):
-                p = _weights(qi, k[j : j + tb], scale, row_lse[i : i + ta], col_lse, j)
-                out[i : i + ta] += p.double() @ v[j : j + tb]
-                mass[i : i + ta] += p.double().sum(1)
-                top[i : i + ta] = torch.maximum(top[i : i + ta], p.amax(1))
-        # dual weights of a row sum to at most 1: the moments of the renormalised weights (for
-        # the plain softmax the sum is 1 up to rounding, and dividing by it removes that too)
-        out = out / mass[:, None].clamp_min(1e-300)
-        ctx.save_for_backward(q, k, v, row_lse, out, mass, *(() if col_lse is None else (col_lse,)))
+                w = _weights(qi, k[j : j + tb], factor * scale, lse[i : i + ta], col_lse, j)
+                out[i : i + ta] += w.double() @ v[j : j + tb]
+        # the largest weight: exp(best - lse), of P_ij itself in dual mode (which may underflow:
+        # a row whose best match is every other row's best too carries little weight)
+        top = torch.exp(best - (_row_stats(q, k, scale, ta, tb)[0] if dual else lse))
+        ctx.save_for_backward(q, k, v, lse, out, *(() if col_lse is None else (col_lse,)))
         ctx.scale, ctx.dual, ctx.tiles = scale, dual, (ta, tb)
         ctx.mark_non_differentiable(top)
         return out, top
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, grad_top: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, row_lse, out, mass, *dual_saved = ctx.saved_tensors
+        q, k, v, lse, out, *dual_saved = ctx.saved_tensors
         scale, (ta, tb) = ctx.scale, ctx.tiles
         na, nb = q.shape[0], k.shape[0]
         col_lse = dual_saved[0] if ctx.dual else None
-        # out = m / mass with m = sum_j P_ij v_j and mass = sum_j P_ij: the gradient reaches P_ij
-        # as g_ij = (grad_out_i . v_j - grad_out_i . out_i) / mass_i
-        g_v = grad_out.double() / mass[:, None]
+        factor = 2.0 if ctx.dual else 1.0
+        # out_i = sum_j w_ij v_j: the gradient reaches l_ij as w_ij g_ij, g_ij = grad_i . (v_j - out_i)
+        g_v = grad_out.double()
         d_row = (g_v * out).sum(1)
 
         def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-            p = _weights(q[i : i + ta], k[j : j + tb], scale, row_lse[i : i + ta], col_lse, j).double()
-            return p, g_v[i : i + ta] @ v[j : j + tb].T - d_row[i : i + ta, None]
+            w = _weights(q[i : i + ta], k[j : j + tb], factor * scale, lse[i : i + ta], col_lse, j).double()
+            return w, g_v[i : i + ta] @ v[j : j + tb].T - d_row[i : i + ta, None]
 
         col_sum = torch.zeros(nb, dtype=torch.float64, device=q.device)
-        if ctx.dual:  # C_j = sum_i P_ij g_ij: the column softmax's share of the gradient
+        if col_lse is not None:  # C_j = sum_i w_ij g_ij: what reaches c_j (negated)
             for i in range(0, na, ta):
                 for j in range(0, nb, tb):
-                    p, g = tile(i, j)
-                    col_sum[j : j + tb] += (p * g).sum(0)
+                    w, g = tile(i, j)
+                    col_sum[j : j + tb] += (w * g).sum(0)
         dq = torch.zeros_like(q, dtype=torch.float64)
         dk = torch.zeros_like(k, dtype=torch.float64)
         for i in range(0, na, ta):
             qi = q[i : i + ta]
             for j in range(0, nb, tb):
                 kj = k[j : j + tb]
-                p, g = tile(i, j)
+                w, g = tile(i, j)
                 if col_lse is not None:
-                    # P = A * B (row and column softmax of s): ds = A (g B - R) + B (g A - C),
-                    # where R_i = sum_k P_ik g_ik = 0 (out is the renormalised mean)
+                    # l = 2 s - c(s), dc_j / ds_ij = A_ij (the column softmax): ds = 2 w g - A C
                     col = torch.exp(scale * (qi @ kj.T) - col_lse[None, j : j + tb]).double()
-                    ds = 2 * p * g - col * col_sum[None, j : j + tb]
+                    ds = 2 * w * g - col * col_sum[None, j : j + tb]
                 else:
-                    ds = p * g
+                    ds = w * g
                 dq[i : i + ta] += scale * (ds @ kj.double())
                 dk[j : j + tb] += scale * (ds.T @ qi.double())
         return dq.to(q.dtype), dk.to(k.dtype), None, None, None, None
 
 
 def _weights(
-    qi: torch.Tensor, kj: torch.Tensor, scale: float, row_lse: torch.Tensor, col_lse: torch.Tensor | None, j: int
+    qi: torch.Tensor, kj: torch.Tensor, scale: float, lse: torch.Tensor, bias: torch.Tensor | None, j: int
 ) -> torch.Tensor:
-    """One tile of weights: the row softmax, times the column softmax in dual mode."""
+    """One tile of weights exp(scale qi kj^T - bias_j - lse_i) (bias: the dual's c_j)."""
     s = scale * (qi @ kj.T)
-    if col_lse is None:
-        return torch.exp(s - row_lse[:, None])
-    return torch.exp(2 * s - row_lse[:, None] - col_lse[None, j : j + kj.shape[0]])
+    if bias is not None:
+        s = s - bias[None, j : j + kj.shape[0]]
+    return torch.exp(s - lse[:, None])
 
 
-def _row_lse(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -> torch.Tensor:
-    """log sum_j exp(scale q_i . k_j) of every row, online over column tiles."""
-    return _row_stats(q, k, scale, ta, tb)[0]
-
-
-def _row_stats(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The log-sum-exp and the largest logit of every row, online over column tiles."""
+def _row_stats(
+    q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-sum-exp and the largest value of every row of scale q k^T - bias (bias: one
+    value per column, optional), online over column tiles."""
     lse = torch.empty(q.shape[0], dtype=q.dtype, device=q.device)
     best = torch.empty_like(lse)
     for i in range(0, q.shape[0], ta):
@@ -290,13 +290,10 @@ def _row_stats(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int)
         total = torch.zeros_like(top)
         for j in range(0, k.shape[0], tb):
             s = scale * (qi @ k[j : j + tb].T)
+            if bias is not None:
+                s = s - bias[None, j : j + tb]
             new = torch.maximum(top, s.amax(1))
             total = total * torch.exp(top - new) + torch.exp(s - new[:, None]).sum(1)
             top = new
         lse[i : i + ta], best[i : i + ta] = top + total.log(), top
     return lse, best
-
-
-def _col_lse(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -> torch.Tensor:
-    """log sum_i exp(scale q_i . k_j) of every column (the dual softmax's other normaliser)."""
-    return _row_lse(k, q, scale, tb, ta)
