@@ -146,3 +146,14 @@ class TestBadInput:
     def test_errors(self, args, kwargs, error, pattern):
         with pytest.raises(error, match=pattern):
             align(*args, **kwargs)
+
+
+def test_a_template_that_cannot_fit_gets_the_bound_that_works():
+    # 160 x 0.6 = 96 < 100: the smallest scales must be raised to 100 / 160, not lowered
+    with pytest.raises(ValueError, match=r"raise the smallest scales: scale_h from at least 0\.625 \(100 / 160\)"):
+        align(torch.rand(100, 100), torch.rand(160, 160), scale_h=(0.6, 1.2), scale_w=(0.6, 1.2))
+    r = align(torch.rand(100, 100), torch.rand(160, 160), scale_h=(0.625, 1.2), scale_w=(0.625, 1.2))
+    assert r.scale_h >= 0.625
+    # swapped: no scale of the range fits, and the message says so
+    with pytest.raises(ValueError, match=r"even at the largest scales.*were template and image swapped"):
+        align(torch.rand(160, 160), torch.rand(100, 100))

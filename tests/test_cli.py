@@ -431,3 +431,30 @@ def test_info_says_what_runs():
     assert code == 0 and lines["densematch"] == __version__
     assert lines["kernels"] in ("in use", "off (DENSEMATCH_NATIVE=0)") or lines["kernels"].startswith("unavailable")
     assert "cpu features" in lines and 'precision="exact" on the CPU' in lines
+
+
+def test_feature_files_in_chw_with_a_batch_of_one_and_masks(images, tmp_path):
+    import densematch
+
+    fa, fb = np.load(images / "fa.npy"), np.load(images / "fb.npy")
+    torch.save(torch.from_numpy(fa).permute(2, 0, 1)[None].clone(), tmp_path / "a.pt")  # a network's (1, C, H, W)
+    np.save(tmp_path / "b.npy", np.ascontiguousarray(fb.transpose(2, 0, 1)))  # (C, H, W)
+    mask_b = np.zeros(fb.shape[:2], np.uint8)
+    mask_b[2:9, 3:11] = 255
+    np.save(tmp_path / "mask_b.npy", mask_b)
+    code, _, err = in_process("match", str(tmp_path / "a.pt"), str(tmp_path / "b.npy"), "-o", str(tmp_path / "x.npz"))
+    assert code == 1 and "--layout chw" in err and len(err.strip().splitlines()) == 1
+    code, _, err = in_process(
+        "match", str(tmp_path / "a.pt"), str(tmp_path / "b.npy"), "--layout", "chw",
+        "--mask-b", str(tmp_path / "mask_b.npy"), "-o", str(tmp_path / "m.npz"), "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    want = densematch.match(fa, fb, mask_b=mask_b > 0)
+    z = np.load(tmp_path / "m.npz")
+    assert np.array_equal(z["index"], want.index.numpy())
+    rows, cols = z["index"] // fb.shape[1], z["index"] % fb.shape[1]
+    assert mask_b[rows, cols].all()
+    code, _, err = in_process(
+        "match", str(images / "fa.npy"), str(images / "fb.npy"), "--mask-a", str(tmp_path / "mask_b.npy")
+    )
+    assert code == 1 and "--mask-a" in err and "must have its map's size" in err

@@ -335,3 +335,37 @@ def test_torchrun_command_writes_what_the_plain_command_writes(tmp_path, camera_
     settled = same.reshape(-1, 2).all(1) & back_decided[want["index"].reshape(-1, 2)].all(1)
     assert torch.equal(got["valid"].reshape(-1, 2)[settled], want["valid"].reshape(-1, 2)[settled])
     assert settled.float().mean() > 0.9
+
+
+@pytest.mark.slow
+def test_torchrun_takes_the_placing_options_and_aligns_once(tmp_path, camera_small):
+    # --refine, --stride, --offset and --exclude-radius used to be refused by every process with
+    # torchrun's traceback; align ran the whole job on every process and printed it twice
+    from PIL import Image
+
+    Image.fromarray(camera_small[:40, :48]).save(tmp_path / "a.png")
+    Image.fromarray(camera_small[3:43, 2:50]).save(tmp_path / "b.png")
+    placing = ["--refine", "parabola", "--stride", "2", "--offset", "0.5", "--ratio", "0.95", "--exclude-radius", "2"]
+    common = ["match", "a.png", "b.png", "--features", "patch", *placing]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "-m", "densematch"]
+    done = subprocess.run([*run, *common, "-o", "sharded.npz"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    plain = subprocess.run(
+        [sys.executable, "-m", "densematch", *common, "-o", "plain.npz"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert plain.returncode == 0, plain.stderr
+    with np.load(tmp_path / "sharded.npz") as s, np.load(tmp_path / "plain.npz") as p:
+        same = s["index"] == p["index"]
+        assert same.mean() > 0.9
+        np.testing.assert_allclose(s["coords"][same], p["coords"][same], atol=1e-5)
+        assert (
+            np.array_equal(s["valid"][same], p["valid"][same]) or (s["valid"][same] != p["valid"][same]).mean() < 0.02
+        )
+    Image.fromarray(camera_small[8:40, 8:40]).save(tmp_path / "t.png")
+    Image.fromarray(camera_small).save(tmp_path / "i.png")
+    done = subprocess.run(
+        [*run, "align", "t.png", "i.png", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("scale_h") == 1, done.stdout

@@ -287,3 +287,30 @@ class TestBadInput:
         a, b = args.pop("a"), args.pop("b")
         with pytest.raises(error, match=pattern):
             match(a, b, **args)
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_progress_bar_counts_what_is_searched(monkeypatch, mutual, masked):
+    # with mutual=True the bar's total was 2 x a's pixels, while the check searches b's
+    import contextlib
+
+    from densematch import _match
+
+    seen = {}
+
+    @contextlib.contextmanager
+    def recorder(enabled, total, **_):
+        class Bar:
+            def update(self, n=1):
+                seen["done"] = seen.get("done", 0) + n
+
+        seen["total"] = total
+        yield Bar()
+
+    monkeypatch.setattr(_match, "progress_bar", recorder)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(20, 30, 8, generator=g), torch.randn(25, 33, 8, generator=g)
+    masks = dict(mask_a=torch.rand(20, 30, generator=g) < 0.5, mask_b=torch.rand(25, 33, generator=g) < 0.7)
+    match(a, b, mutual=mutual, progress=True, **(masks if masked else {}))
+    assert seen["done"] == seen["total"]

@@ -221,6 +221,38 @@ def _check_range(value: Any, name: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _check_fits(
+    tpl: tuple[int, int], img: tuple[int, int], range_h: tuple[float, float], range_w: tuple[float, float]
+) -> None:
+    """The template must lie inside the image stretched by every scale searched: h <= H * s_h
+    and w <= W * s_w. Raises a ValueError giving the smallest scales that work, or saying that
+    none in the range does (the template larger than the image at the largest scale: often
+    template and image swapped)."""
+    needs = []
+    for axis, size, whole, (lo, hi) in (("h", tpl[0], img[0], range_h), ("w", tpl[1], img[1], range_w)):
+        if size > whole * lo:
+            needs.append((axis, size, whole, lo, hi, size / whole))
+    if not needs:
+        return
+    if any(least > hi for *_, hi, least in needs):
+        detail = "; ".join(
+            f"{size} > {whole} x {hi} on {axis}" for axis, size, whole, _, hi, least in needs if least > hi
+        )
+        raise ValueError(
+            f"template of {tpl[0]}x{tpl[1]} does not fit in the image of {img[0]}x{img[1]} even at the "
+            f"largest scales ({detail}): the template must be a view inside the image (were template "
+            "and image swapped?), or widen the scale range past those ratios"
+        )
+    fix = ", ".join(
+        f"scale_{axis} from at least {least:.4g} ({size} / {whole})" for axis, size, whole, *_, least in needs
+    )
+    raise ValueError(
+        f"template of {tpl[0]}x{tpl[1]} does not fit in the image of {img[0]}x{img[1]} stretched by the "
+        f"smallest scales ({range_h[0]:g}, {range_w[0]:g}): it needs h <= H x scale_h and w <= W x scale_w; "
+        f"raise the smallest scales: {fix} (scale_h=, scale_w=; on the command line --scale-h, --scale-w)"
+    )
+
+
 def align(
     template: Any,
     image: Any,
@@ -298,12 +330,7 @@ def align(
     check_finite(x, "image")
     h, w = t.shape[-2:]
     hh, ww = x.shape[-2:]
-    if h > hh * lo_h or w > ww * lo_w:
-        raise ValueError(
-            f"template of {h}x{w} does not fit in the image of {hh}x{ww} stretched by the smallest "
-            f"scales ({lo_h}, {lo_w}); it needs h <= H * scale_h[0] and w <= W * scale_w[0]: lower the "
-            "smallest scales (scale_h=, scale_w=; on the command line --scale-h, --scale-w)"
-        )
+    _check_fits((h, w), (hh, ww), (lo_h, hi_h), (lo_w, hi_w))
     dtype = torch.float64 if torch.float64 in (t.dtype, x.dtype) else torch.float32
     t4 = t.to(dtype).reshape(-1, *t.shape[-3:]) if t.ndim == 4 else t.to(dtype).reshape(-1, 1, h, w)
     x4 = x.to(dtype).reshape(-1, *x.shape[-3:]) if x.ndim == 4 else x.to(dtype).reshape(-1, 1, hh, ww)

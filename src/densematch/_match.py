@@ -169,8 +169,7 @@ def match(
         a, b, metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision, exclude_radius=exclude_radius
     )
     placing = _check_placing(task, refine, stride, offset)
-    passes = 2 if mutual else 1
-    with progress_bar(progress, total=passes * task.nbatch * task.na, unit="px", desc="match") as bar:
+    with progress_bar(progress, total=task.pixels_searched(), unit="px", desc="match") as bar:
         # what both passes (a against b, and the mutual check's b against a) search with
         search = task.search(bar.update)
 
@@ -298,6 +297,17 @@ class Task:
     def radius(self) -> float:
         """``exclude_radius`` clamped to b's diagonal: beyond it, every pixel of b lies within."""
         return min(self.exclude_radius or 0.0, math.hypot(*self.grid_b[-2:]))
+
+    def pixels_searched(self, share: Callable[[int], int] | None = None) -> int:
+        """The rows the search ranks, for a progress bar: a's allowed rows, and with ``mutual``
+        the mutual check's allowed rows of b too (``share(n)``: this process's share of n)."""
+        total = 0
+        for i in range(self.nbatch):
+            for side, (held, wanted) in enumerate(((self.na, True), (self.rb.shape[1], self.mutual))):
+                rows = self.rows(side, i)
+                n = held if rows is None else rows.numel()
+                total += (n if share is None else share(n)) if wanted else 0
+        return total
 
     @property
     def reserved(self) -> int:

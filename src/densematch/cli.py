@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import signal
 import sys
 import threading
@@ -67,6 +68,9 @@ def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
         return {
             "features": args.features,
             "device": args.device,
+            "layout": args.layout,
+            "mask_a": args.mask_a,
+            "mask_b": args.mask_b,
             "metric": args.metric,
             "k": args.k,
             "mutual": args.mutual,
@@ -114,9 +118,6 @@ def cmd_match(args: argparse.Namespace) -> int:
     if sharded:
         from . import distributed
 
-        placing = [options.pop(name) for name in ("refine", "stride", "offset", "exclude_radius")]
-        if any(value is not None for value in placing):
-            raise CommandError("--refine, --stride, --offset and --exclude-radius are not available under torchrun yet")
         search = functools.partial(distributed.match, shard="queries")
     t0 = time.perf_counter()
     r = match_pair(args.a, args.b, viz=bool(args.viz), search=search, progress=_progress(args), **options)
@@ -141,6 +142,8 @@ def cmd_match(args: argparse.Namespace) -> int:
 
 
 def cmd_align(args: argparse.Namespace) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun one pair is too small to shard: rank 0 aligns it, once
     t0 = time.perf_counter()
     (r,) = align_pairs([(args.template, args.image)], viz=bool(args.viz), **task_options("align", args))
     if isinstance(r, Exception):
@@ -236,6 +239,14 @@ def _match_options(m: argparse.ArgumentParser) -> None:
     m.add_argument("--precision", default="exact", choices=PRECISIONS, help=_PRECISION_HELP)
     m.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the search runs")
     m.add_argument("--features", choices=FEATURES, help="describe image inputs: patch (7x7 patches), color, dsift")
+    m.add_argument(
+        "--layout",
+        default="hwc",
+        choices=("hwc", "chw"),
+        help="how feature files hold a map: (H, W, C) or (C, H, W), either with a leading batch of one",
+    )
+    m.add_argument("--mask-a", metavar="MASK", help="grey image or 2-D .npy the size of A's map: nonzero may match")
+    m.add_argument("--mask-b", metavar="MASK", help="the same for B: pixels of B that may be chosen")
     m.add_argument("--refine", choices=REFINES, help="sub-pixel positions: parabola, soft, features (the most precise)")
     m.add_argument(
         "--stride", type=float, nargs="+", metavar="S", help="grid step in image pixels: one, or row and col"

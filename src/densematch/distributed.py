@@ -188,6 +188,17 @@ def _task_view(task: _match.Task, replicated: dict[str, torch.Tensor | None]) ->
     return view
 
 
+def _placing_by_references(task: _match.Task, refine: str | None, stride: Any, offset: Any) -> Any:
+    """stride and offset as :func:`densematch.match` checks them; refine refused, since it reads
+    b's features around each match and no rank holds the whole of b."""
+    if refine is not None:
+        raise ValueError(
+            "refine reads b's features around each match, which no rank holds whole with shard='references'; "
+            "use shard='queries'"
+        )
+    return _match._check_placing(task, None, stride, offset)
+
+
 def _nearest_view(
     x: torch.Tensor, p: torch.Tensor, m: Any, prec: Any, k: int, replicated: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
@@ -245,6 +256,10 @@ def match(
     memory: int | str | None = None,
     progress: bool = False,
     precision: str = "exact",
+    refine: str | None = None,
+    stride: float | tuple[float, float] | None = None,
+    offset: float | tuple[float, float] | None = None,
+    exclude_radius: float | None = None,
 ) -> _match.Matches:
     """:func:`densematch.match` sharded over the ranks of a process group: a collective.
 
@@ -273,6 +288,10 @@ def match(
         As in :func:`densematch.match`. ``memory`` is per rank; ``mask_b`` is the rank's own
         band with ``shard="references"``; ``progress`` shows rank 0's share of the queries
         (``shard="queries"``; none with ``"references"``).
+    refine, stride, offset, exclude_radius
+        As in :func:`densematch.match`, applied by every rank to the merged matches (``refine``
+        reads b's features around each match: ``shard="queries"`` only, where every rank holds
+        the whole of b).
 
     Returns
     -------
@@ -292,11 +311,13 @@ def match(
     g = _Group(group, timeout, stats)
     settings = (metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
     if shard == "queries":
-        task = g.agree(lambda: _match.validate(a, b, *settings))
-        g.same(_task_view(task, {"a": task.ra, "b": task.rb, "mask_a": task.masks[0], "mask_b": task.masks[1]}))
-        total = task.nbatch * task.na * (2 if task.mutual else 1) // g.size
+        task = g.agree(lambda: _match.validate(a, b, *settings, exclude_radius=exclude_radius))
+        placing = g.agree(lambda: _match._check_placing(task, refine, stride, offset))
+        replicated = {"a": task.ra, "b": task.rb, "mask_a": task.masks[0], "mask_b": task.masks[1]}
+        g.same({**_task_view(task, replicated), "refine, stride, offset": placing})
+        total = task.pixels_searched(lambda n: g.share_sizes(n)[g.rank])
         with progress_bar(progress and g.rank == 0, total=total, unit="px", desc="match") as bar:
-            return _match.solve(task, *_by_queries(g, task, bar.update))
+            found = _match.solve(task, *_by_queries(g, task, bar.update))
     else:
         bands = g.objects(g.agree(lambda: _band_rows(b, layout)))
         widths = {w for rows, w in bands if rows > 0}
@@ -307,10 +328,16 @@ def match(
         height = sum(rows for rows, _ in bands)
         grid_b = (height * width,) if layout == "flat" else (height, width)
         total = height * width
-        task = g.agree(lambda: _match.validate(a, b, *settings, nb=total, grid_b=grid_b, empty_b=True))
-        g.same(_task_view(task, {"a": task.ra, "mask_a": task.masks[0]}))
+        task = g.agree(
+            lambda: _match.validate(
+                a, b, *settings, nb=total, grid_b=grid_b, empty_b=True, exclude_radius=exclude_radius
+            )
+        )
+        placing = g.agree(lambda: _placing_by_references(task, refine, stride, offset))
+        g.same({**_task_view(task, {"a": task.ra, "mask_a": task.masks[0]}), "refine, stride, offset": placing})
         forward, backward = _by_references(g, task, offsets, [rows * width for rows, _ in bands])
-    return _match.solve(task, forward, backward)
+        found = _match.solve(task, forward, backward)
+    return found if placing is None else _match._placed(task, found, *placing)
 
 
 def _by_queries(g: _Group, task: _match.Task, on_tile: Callable[[int], None]) -> tuple[_match.Forward, _match.Backward]:

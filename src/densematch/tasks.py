@@ -133,16 +133,28 @@ def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, object
     return PairResult(answer, figure=figure)
 
 
-def _features(path: str, features: str | None, what: str) -> tuple[torch.Tensor, np.ndarray | None]:
-    """(H, W, C) features, and the picture to show (the image, or None for a feature file)."""
+def _features(
+    path: str, features: str | None, what: str, layout: str = "hwc"
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    """(H, W, C) features, and the picture to show (the image, or None for a feature file).
+    Feature files hold (H, W, C) (``layout="hwc"``) or (C, H, W) (``"chw"``, as a network's
+    output), either with a leading batch of one."""
     if is_image(path):
         if features is None:
             raise ValueError(f"{what} {path!r} is an image: pass --features ({'|'.join(FEATURES)}) to describe it")
         img = load_image(path, what)
         return dense_features(img, features), img
     arr = load_array(path, what)
+    if arr.ndim == 4 and arr.shape[0] == 1:
+        arr = arr[0]
+    shape = "(H, W, C)" if layout == "hwc" else "(C, H, W)"
     if arr.ndim != 3:
-        raise ValueError(f"{what} {path!r} must hold features of shape (H, W, C), got {arr.shape}")
+        raise ValueError(
+            f"{what} {path!r} must hold features of shape {shape} (or with a leading batch of one; "
+            f"--layout chooses hwc or chw), got {arr.shape}"
+        )
+    if layout == "chw":
+        arr = arr.transpose(1, 2, 0)
     return torch.from_numpy(np.ascontiguousarray(arr)), None
 
 
@@ -165,21 +177,37 @@ def match_pair(
     device: str = "cpu",
     viz: bool = False,
     search: Callable[..., Matches] = match,
+    layout: str = "hwc",
+    mask_a: str | None = None,
+    mask_b: str | None = None,
     **options: Any,
 ) -> PairResult | None:
     """Match the features (or images, described by ``features``) at paths ``a`` and ``b``.
 
-    ``options`` are :func:`densematch.match`'s keywords; ``search`` replaces it (the sharded
-    search under torchrun, which returns None on every rank but the first: so does this).
+    ``layout`` says how feature files hold their maps ("hwc" or "chw", a leading batch of one
+    allowed); ``mask_a`` / ``mask_b`` are paths of grey images or 2-D arrays the size of the
+    maps, nonzero where a pixel may match. ``options`` are :func:`densematch.match`'s keywords;
+    ``search`` replaces it (the sharded search under torchrun, which returns None on every rank
+    but the first: so does this).
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():  # before any file is read
         raise ValueError("--device cuda: no CUDA device is available here")
-    fa, ia = _features(a, features, "A")
-    fb, ib = _features(b, features, "B")
+    fa, ia = _features(a, features, "A", layout)
+    fb, ib = _features(b, features, "B", layout)
     if fa.shape[-1] != fb.shape[-1]:
-        raise ValueError(f"A and B must have the same number of channels, got {fa.shape[-1]} and {fb.shape[-1]}")
-    r = search(fa.to(dev), fb.to(dev), **options)
+        hint = "; feature files are read as (H, W, C): pass --layout chw for (C, H, W) files" if layout == "hwc" else ""
+        raise ValueError(f"A and B must have the same number of channels, got {fa.shape[-1]} and {fb.shape[-1]}{hint}")
+    masks = {}
+    for name, path, f in (("mask_a", mask_a, fa), ("mask_b", mask_b, fb)):
+        if path is not None:
+            m = grey_input(path, f"--{name.replace('_', '-')}")
+            if m.shape != tuple(f.shape[:2]):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {path!r} must have its map's size {tuple(f.shape[:2])}, got {m.shape}"
+                )
+            masks[name] = torch.from_numpy(m != 0).to(dev)
+    r = search(fa.to(dev), fb.to(dev), **options, **masks)
     if r is None:
         return None
     out = r.numpy()
