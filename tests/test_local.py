@@ -408,3 +408,21 @@ def test_volume_forward_backward_stays_under_its_budget(metric):
     volume = 225 * n * n * 4
     grads = 2 * 64 * n * n * 4
     assert extra <= mib * 2**20 + 3 * volume + grads + 16 * 2**20, f"peak {extra / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("output", ["volume", "topk"])
+def test_a_radius_past_the_maps_equals_the_largest_that_reaches(output):
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(3, 4, 6, generator=g), torch.randn(3, 4, 6, generator=g)
+    if output == "volume":
+        huge = densematch.local_match(a, b, 500, output="volume", metric="dot")
+        whole = densematch.local_match(a, b, (2, 3), output="volume", metric="dot")
+        assert huge.shape == (1001, 1001, 3, 4)
+        assert torch.equal(huge[498:503, 497:504], whole)
+        huge[498:503, 497:504] = 0
+        assert (huge == 0).all()  # dot's fill where no candidate exists
+    else:
+        huge = densematch.local_match(a, b, 500, k=40)
+        whole = densematch.local_match(a, b, (2, 3), k=35)
+        assert torch.equal(huge.index[..., :35], whole.index) and (huge.index[..., 35:] == -1).all()
+        assert not huge.valid[..., 35:].any()

@@ -122,3 +122,20 @@ def test_nearest_prototype_never_builds_the_full_tensor(metric, half, mib):
     # outputs (distance and index, and their reordered copies) come on top
     extra = peak_extra(NEAREST.format(metric=metric, half=half, mib=mib))
     assert extra <= mib * 2**20 + 2 * 128 * 128 * (8 + 4) * 2, f"peak {extra / 2**20:.1f} MiB"
+
+
+LOCAL_HUGE_RADIUS = """
+g = torch.Generator().manual_seed(0)
+a, b = torch.randn(3, 3, 16, generator=g), torch.randn(3, 3, 16, generator=g)
+def run(small):
+    densematch.local_match(a, b, 1 if small else {radius}, k=2, memory="8MiB")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("radius", [1000, 3000, 10_000])
+def test_a_radius_past_the_maps_costs_nothing(radius):
+    # a 3x3 map: offsets past +-2 reach no pixel of b; they took 490 MiB (radius 1000), 4.6 GiB
+    # (3000) and the OOM killer (10^4) as a list of offsets
+    extra = peak_extra(LOCAL_HUGE_RADIUS.format(radius=radius))
+    assert extra <= 8 * 2**20, f"peak {extra / 2**20:.1f} MiB"

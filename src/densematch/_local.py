@@ -75,7 +75,9 @@ class _Window:
     that autograd sees them as the inputs of :class:`_Values`."""
 
     shape: tuple[int, int, int, int]
-    offsets: list[Pair]
+    offsets: list[Pair]  # the window's offsets that can reach b from some pixel, row-major
+    window: Pair  # the whole window's (rows, cols): (2 ry + 1, 2 rx + 1)
+    slots: list[int] | None  # where each offset sits in the whole window (None: all of it)
     flow_kind: str | None  # None, "nearest" (int64 flow) or "bilinear"
     mask_a: torch.Tensor | None  # (B, H, W)
     mask_b: torch.Tensor | None  # (B, H, W)
@@ -266,7 +268,8 @@ def local_match(
         (B, C, H, W) for "chw"; any float dtype (computed in float32, float64 for float64 inputs).
     radius : int or (int, int)
         The window's half size per (row, col) axis, >= 0: (2 ry + 1) x (2 rx + 1) candidates.
-        (0, r) searches along rows only, as rectified stereo does.
+        (0, r) searches along rows only, as rectified stereo does. Offsets that reach no pixel
+        of b (beyond the maps, the flow included) cost nothing: they are missing everywhere.
     dilation : int or (int, int), default=1
         Step between candidates per axis (spatial-correlation-sampler's ``dilation_patch``).
     flow : Tensor or ndarray of shape (B, H, W, 2) or (H, W, 2), optional
@@ -338,15 +341,17 @@ def local_match(
     elif fill is not None:
         raise ValueError("fill applies to output='volume'; output='topk' marks missing matches with valid=False")
     else:
-        k = check_int(k, "k", 1, len(win.offsets))
+        k = check_int(k, "k", 1, win.window[0] * win.window[1])
     budget = resolve_memory(memory, ra.device)
     nb, h, w, _ = win.shape
     if output == "topk":
         return _topk(win, ra, rb, moved, k, m, budget, batched)
     rows = _band_rows(win, ra, budget)
     vol = _values(win, ra, rb, moved, lambda y0, y1: win.offsets, rows, missing)
-    ry, rx = _pair_int(radius, "radius", 0)
-    shape = (2 * ry + 1, 2 * rx + 1, h, w)
+    shape = (*win.window, h, w)
+    if win.slots is not None:  # offsets that no pixel can reach: missing everywhere
+        whole = vol.new_full((nb, win.window[0] * win.window[1], h, w), missing)
+        vol = whole.index_copy(1, torch.tensor(win.slots, dtype=torch.long, device=vol.device), vol)
     return vol.reshape(nb, *shape) if batched else vol.reshape(shape)
 
 
@@ -408,9 +413,16 @@ def _prepare(
             x = unit_rows(x)
         prepared.append(x.reshape(nb, h, w, -1))
     pair = get_metric("dot").pair_value if metric.name == "cosine" and not blended else metric.pair_value
+    rows_i, cols_j = (_reachable(r, d, size, moved, axis) for r, d, size, axis in ((ry, dy, h, 0), (rx, dx, w, 1)))
+    offsets = [(i * dy, j * dx) for i in rows_i for j in cols_j]
+    slots = None
+    if len(offsets) < (2 * ry + 1) * (2 * rx + 1):
+        slots = [(i + ry) * (2 * rx + 1) + (j + rx) for i in rows_i for j in cols_j]
     window = _Window(
         shape=(nb, h, w, ra.shape[2]),
-        offsets=[(i * dy, j * dx) for i in range(-ry, ry + 1) for j in range(-rx, rx + 1)],
+        offsets=offsets,
+        window=(2 * ry + 1, 2 * rx + 1),
+        slots=slots,
         flow_kind=None if moved is None else sampling,
         mask_a=masks[0],
         mask_b=masks[1],
@@ -419,6 +431,17 @@ def _prepare(
         linear=metric.name == "dot" or (metric.name == "cosine" and not blended),
     )
     return window, (prepared[0], prepared[1], moved), batched
+
+
+def _reachable(radius: int, step: int, size: int, moved: torch.Tensor | None, axis: int) -> range:
+    """The window steps i in [-radius, radius] along ``axis`` whose offset i * step can reach
+    b's grid (of ``size`` pixels) from some pixel: |offset| <= size - 1, widened by the flow's
+    extremes (and a pixel for bilinear sampling). A radius beyond the maps costs nothing."""
+    lo, hi = -(size - 1), size - 1
+    if moved is not None:
+        f = moved[..., axis]
+        lo, hi = lo - math.ceil(float(f.max())) - 1, hi - math.floor(float(f.min())) + 1
+    return range(max(-radius, -((-lo) // step)), min(radius, hi // step) + 1)
 
 
 def _check_flow(
@@ -549,6 +572,7 @@ def _topk(
     nb, h, w, _ = win.shape
     rows = _band_rows(win, ra, budget)
     dev = ra.device
+    k_all, k = k, min(k, len(win.offsets))  # slots past the reachable offsets stay empty
     best = torch.empty((nb, h, w, k), dtype=torch.int64, device=dev)
     score = torch.empty((nb, h, w, k), dtype=ra.dtype, device=dev)
     valid = torch.empty((nb, h, w, k), dtype=torch.bool, device=dev)
@@ -565,7 +589,7 @@ def _topk(
             best[:, y0:y1] = order.permute(0, 2, 3, 1)
             score[:, y0:y1] = v.gather(1, order).permute(0, 2, 3, 1)
             valid[:, y0:y1] = ok.gather(1, order).permute(0, 2, 3, 1)
-    offsets = torch.tensor(win.offsets, dtype=torch.int64, device=dev)[best]  # (B, H, W, k, 2)
+    offsets = torch.tensor(win.offsets, dtype=torch.int64, device=dev).reshape(-1, 2)[best]  # (B, H, W, k, 2)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (ra, rb, flow)):
 
         def picks(y0: int, y1: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -580,6 +604,13 @@ def _topk(
     index = torch.where(valid, near[..., 0] * w + near[..., 1], -1)
     score = torch.where(valid, score, math.nan)
     coords = torch.where(valid[..., None], coords, math.nan if coords.is_floating_point() else -1)
+    if k_all > k:
+        extra = k_all - k
+        index = F.pad(index, (0, extra), value=-1)
+        score = F.pad(score, (0, extra), value=math.nan)
+        valid = F.pad(valid, (0, extra), value=False)
+        coords = F.pad(coords, (0, 0, 0, extra), value=math.nan if coords.is_floating_point() else -1)
+        k = k_all
     shape = (*((nb,) if batched else ()), h, w, *((k,) if k > 1 else ()))
     return Matches(
         index=index.reshape(shape),
