@@ -66,8 +66,10 @@ CHILD = textwrap.dedent(
         index = run().index.reshape(-1, k)
         wrong = 0
         for s in range(0, na, 512):
-            sq = torch.cdist(a[s : s + 512].double(), b.double(), compute_mode="donot_use_mm_for_euclid_dist")
-            want = sq.topk(k, dim=1, largest=False).values[:, -1:]
+            ad, bd = a[s : s + 512].double(), b.double()  # float64's expansion: far inside float32's tolerance
+            sq = (ad.square().sum(1)[:, None] + bd.square().sum(1)[None] - 2 * ad @ bd.T).clamp_min(0)
+            want = sq.topk(k, dim=1, largest=False).values[:, -1:].sqrt()
+            sq = sq.sqrt()
             tol = 4e-6 * c**0.5 * float(a.double().norm(dim=1).max() + b.double().norm(dim=1).max()) + 1e-6
             wrong += int((sq.gather(1, index[s : s + 512]) > want + tol).any(1).sum())
     else:
@@ -103,11 +105,11 @@ MATCH = [
 # flat rows through match(precision="float32"), with the rows answered wrongly: ordinary inputs,
 # and those whose candidates outgrow the near-tie cap (issue 27)
 ROWS = [
-    ("rows", ("noise", 16384, 16384, 64, "l2", 1)),
-    ("rows", ("noise", 16384, 16384, 64, "l2", 8)),
-    ("rows", ("photo", 16384, 16384, 49, "l2", 1)),
-    ("rows", ("clustered", 16384, 16384, 64, "l2", 1)),
-    ("rows", ("integers", 8192, 16384, 6, "l2", 8)),
+    ("rows", ("noise", 8192, 8192, 64, "l2", 1)),
+    ("rows", ("noise", 8192, 8192, 64, "l2", 8)),
+    ("rows", ("photo", 8192, 8192, 49, "l2", 1)),
+    ("rows", ("clustered", 8192, 8192, 64, "l2", 1)),
+    ("rows", ("integers", 4096, 8192, 6, "l2", 8)),
 ]
 DISTANCE = [
     ("distance", (4, 64, 96, 96, 256, "l2", "fwd")),

@@ -22,15 +22,14 @@ from ..kernels import native
 from ..metrics import Metric
 from ..precision import Precision
 from ..threads import share_out
-from .merge import best_of_candidates, merge_best, merge_topk, order
+from .merge import merge_best, merge_topk, order
 from .plan import Dims, TilePlan, device_caps
 
 __all__ = ["CANDIDATE_BYTES", "Inputs", "Prepared", "Strategy", "rescore_bytes", "resolve_bytes", "rows_of"]
 
-# Bytes per candidate while :meth:`Strategy._resolve` lists and ranks them: its (row, column)
-# from nonzero (16), the column and row gathered (16), its direct score, and the merge with the
-# running top-k, whose sorts hold about four copies of (row, column, score).
-CANDIDATE_BYTES = 128
+# Bytes per candidate while :meth:`Strategy._resolve` lists and scores them: its (row, column)
+# from nonzero (16), the row and column gathered and offset (24), and its direct score.
+CANDIDATE_BYTES = 48
 
 
 def rows_of(x: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
@@ -282,9 +281,11 @@ class Strategy:
         """The exact top ``k`` (values, tile positions) of the rows ``rows`` of the query tile at
         ``start`` (``q``: its prepared rows) whose candidates outgrew the cap: every pair whose
         upper bound reaches its row's ``floor`` is scored by the metric's direct form, however
-        many there are, and equal scores go to the lower column. Rows are taken in groups and
-        references in blocks of :meth:`_resolve_shape`; the candidates of one step are at most
-        ``max(columns, tile rows x cap)`` (a row alone may bring a whole block's columns)."""
+        many there are, written over its bound in the block (the others become -inf) and merged
+        into the rows' top k like any score tile (equal scores to the lower column). Rows are
+        taken in groups and references in blocks of :meth:`_resolve_shape`; the candidates
+        listed at once are at most ``max(columns, tile rows x cap)`` (a row alone may bring a
+        whole block's columns)."""
         r, device = rows.numel(), q.device
         v = torch.full((r, k), -math.inf, dtype=self.dtype, device=device)
         i = torch.full((r, k), -1, dtype=torch.int64, device=device)
@@ -294,44 +295,26 @@ class Strategy:
         width = min(block_cols, self.nb)
         group = max(1, min(r, block_rows * block_cols // width))
         limit = max(width, q.shape[0] * self.cap_rows)
+        merge = native.merge if native.usable(device, self.dtype) else self.merge
         for g in range(0, r, group):
             sel, fg = rows[g : g + group], floor[g : g + group, None]
             gv, gi = v[g : g + group], i[g : g + group]
             side = self._query_side(q.index_select(0, sel))
             for j in range(0, self.nb, width):
-                reach = self._upper(side, j, min(width, self.nb - j)) >= fg
+                block = self._upper(side, j, min(width, self.nb - j)).to(self.dtype)
+                reach = block >= fg
                 total = torch.cumsum(reach.sum(1), 0).tolist()
+                block.fill_(-math.inf)
                 first = 0
                 while first < len(total):  # rows of the group in steps of at most `limit` candidates
                     base = total[first - 1] if first else 0
                     last = max(first + 1, bisect.bisect_right(total, base + limit))
                     if total[last - 1] > base:
-                        self._take(reach[first:last], first, j, sel, start, gv, gi, buf)
+                        lr, lc = reach[first:last].nonzero().unbind(1)
+                        block[first + lr, lc] = self._direct_scores(start, sel[first + lr], lc + j, buf)
                     first = last
+                merge(block, j, gv, gi)
         return v, i
-
-    def _take(
-        self,
-        reach: torch.Tensor,
-        first: int,
-        j: int,
-        sel: torch.Tensor,
-        start: int,
-        gv: torch.Tensor,
-        gi: torch.Tensor,
-        buf: torch.Tensor,
-    ) -> None:
-        """Merge the pairs marked in ``reach`` (rows ``first`` onwards of the group ``sel``,
-        columns ``j`` onwards), scored by the direct form, into the group's running top k."""
-        lr, lc = reach.nonzero().unbind(1)
-        lr, lc = lr + first, lc + j
-        score = self._direct_scores(start, sel[lr], lc, buf)
-        last = first + reach.shape[0]
-        held = (gi[first:last] >= 0).nonzero()
-        hr, hs = held[:, 0] + first, held[:, 1]
-        cand = (torch.cat([hr, lr]), torch.cat([gi[hr, hs], lc]), torch.cat([gv[hr, hs], score]))
-        gv[first:last], gi[first:last] = -math.inf, -1
-        best_of_candidates(*cand, gv, gi)
 
     def _record(self, m: int, rows: torch.Tensor, resolved: torch.Tensor) -> None:
         """Add a query tile of ``m`` rows to the call's ``stats``: its listed candidates (their
@@ -351,6 +334,8 @@ class Strategy:
         ``buf`` (:func:`rescore_bytes` per candidate)."""
         score = torch.empty(rows.numel(), dtype=self.dtype, device=rows.device)
         step = max(1, buf.numel() * buf.element_size() // rescore_bytes(self.a.shape[1]))
+        if self._reads_in_place():  # no gathered rows: one call for them all
+            step = max(step, rows.numel())
         queries = start + rows if self.rows_a is None else self.rows_a[start + rows]
         refs = cols if self.rows_b is None else self.rows_b[cols]
         for s in range(0, rows.numel(), step):
@@ -358,6 +343,16 @@ class Strategy:
             r, idx = self._pair_rows(self.b, refs[s : s + step, None])
             score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows)[:, 0]
         return score
+
+    def _reads_in_place(self) -> bool:
+        """Whether the C pair kernel values pairs straight from a and b (in the compute dtype,
+        unscaled, unit-stride rows): then re-scoring gathers no rows, whatever the count."""
+        return (
+            self.metric.pair_kind is not None
+            and self.scale == 1.0
+            and all(x.dtype == self.dtype and (x.stride(1) == 1 or x.shape[1] <= 1) for x in (self.a, self.b))
+            and native.usable(self.a.device, self.dtype)
+        )
 
     def _pair_rows(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw rows of ``x`` (a or b) in the compute dtype for the metric's pairs, and where
