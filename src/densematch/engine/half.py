@@ -28,7 +28,15 @@ __all__ = ["HalfSearch"]
 
 
 class HalfSearch(Strategy):
-    """Candidates from half-precision products, certified and re-scored (see the module)."""
+    """Candidates from half-precision products, certified and re-scored (see the module).
+
+    For l2 and sqeuclidean the prepared rows carry an extra column (1 for queries, -|r|^2 / 2
+    for references). Rounded to half precision, that column alone would dominate the bound
+    (at C=768 a squared norm of ~768 has a bfloat16 step of 4, far above any score gap): it is
+    kept out of the half product and added in float32 as a per-reference bias instead."""
+
+    # whether the l2 column is added as a float32 bias (the fused kernel handles it itself)
+    split_bias = True
 
     @classmethod
     def cap(cls, precision: Precision, metric: Metric, k: int) -> int:
@@ -60,6 +68,9 @@ class HalfSearch(Strategy):
         # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
         u = unit_roundoff(self.half)
         self.rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
+        self.split = self.split_bias and self.metric.extra_columns == 1
+        if self.split:  # the float32 additions of the bias to the block, low and upper bounds
+            self.rounding += 4 * unit_roundoff(torch.float32)
         if inputs.prepared is not None:
             state = inputs.prepared.state
             self.shift, self.whole_h, self.whole_t = state["shift"], state["whole_h"], state["whole_t"]
@@ -78,7 +89,7 @@ class HalfSearch(Strategy):
         self.whole_h = None if self.whole is None else self.whole.to(self.half)
         self.whole_t = None
         if self.cap_rows and self.whole is not None and self.whole_h is not None:
-            self.whole_t = ref_terms(self.whole, self.whole_h)
+            self.whole_t = self._terms(self.whole, self.whole_h)
 
     def _state(self) -> dict[str, Any]:
         return {"shift": self.shift, "whole_h": self.whole_h, "whole_t": self.whole_t}
@@ -95,7 +106,37 @@ class HalfSearch(Strategy):
     def _ref_terms(self, start: int, stop: int, half_refs: torch.Tensor) -> torch.Tensor:
         if self.whole_t is not None:
             return self.whole_t[start:stop]
-        return ref_terms(self._prepare_refs(start, stop), half_refs)
+        return self._terms(self._prepare_refs(start, stop), half_refs)
+
+    def _terms(self, refs: torch.Tensor, half_refs: torch.Tensor) -> torch.Tensor:
+        """The references' bound terms: of every column, or with the l2 bias apart, of the body
+        columns plus the float32 rounding of adding the bias (in the per-reference term)."""
+        if not self.split:
+            return ref_terms(refs, half_refs)
+        c = refs.shape[1] - 1
+        terms = ref_terms(refs[:, :c], half_refs[:, :c])
+        terms[:, 2] += 4 * unit_roundoff(torch.float32) * refs[:, c].abs()
+        return terms
+
+    def _half_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query rows the half product reads (the body columns where the bias is apart),
+        and their bound terms."""
+        body = q[:, : q.shape[1] - 1] if self.split else q
+        qh = body.to(self.half)
+        return qh, query_terms(body, qh)
+
+    def _block(
+        self, qh: torch.Tensor, j: int, n: int, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The half scores of references j:j+n (into ``out``), their bound terms, and the
+        float32 bias to add (None without one)."""
+        rh = self._half_refs(j, j + n)
+        terms = self._ref_terms(j, j + n, rh)
+        if self.split:
+            c = rh.shape[1] - 1
+            bias = self._prepare_refs(j, j + n)[:, c]
+            return torch.mm(qh, rh[:, :c].T, out=out), terms, bias
+        return torch.mm(qh, rh.T, out=out), terms, None
 
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         m = best_v.shape[0]
@@ -106,21 +147,21 @@ class HalfSearch(Strategy):
             return
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        qt = query_terms(q, qh)
+        qh, qt = self._half_query(q)
         rounding = self.rounding
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
         pool = Pool(m, self.cap_rows, q.device, self.dtype)
         bounds = torch.empty(2, m * min(self.tile_b, self.nb), dtype=self.dtype, device=q.device)
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
-            rh = self._half_refs(j, j + n)
-            s = torch.mm(qh, rh.T, out=buf[: m * n].view(m, n))
-            terms = self._ref_terms(j, j + n, rh)
+            s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n))
             # only rows whose best score, raised by the largest bound it can have in this tile,
             # reaches the floor can gain a candidate or a better floor: after the first tiles,
             # few do, and the others cost one row maximum, as in the float32 search
             top = terms.amax(0)
             reach = s.amax(1).to(self.dtype) + qt @ top + reach_rows * top[1]
+            if bias is not None:
+                reach += bias.amax()
             # (NaN, from products past float16's range, reaches: such pairs prove nothing)
             hot = (~(reach < best_v[:, -1])).nonzero().squeeze(1)
             h = hot.numel()
@@ -130,6 +171,8 @@ class HalfSearch(Strategy):
             sub = s if every else s.index_select(0, hot)
             e = torch.mm(qt if every else qt.index_select(0, hot), terms.T, out=bounds[0, : h * n].view(h, n))
             low = torch.sub(sub, e.add_(sub.abs(), alpha=rounding), out=bounds[1, : h * n].view(h, n))
+            if bias is not None:
+                low += bias
             low.nan_to_num_(nan=-math.inf)
             if every:
                 self.merge(low, j, best_v, best_i)
@@ -137,23 +180,22 @@ class HalfSearch(Strategy):
                 v, i = best_v[hot], best_i[hot]
                 self.merge(low, j, v, i)
                 best_v[hot], best_i[hot] = v, i
-            pool.add(e.add_(sub).nan_to_num_(nan=math.inf), j, best_v[:, -1], hot)
+            upper = e.add_(sub) if bias is None else e.add_(sub).add_(bias)
+            pool.add(upper.nan_to_num_(nan=math.inf), j, best_v[:, -1], hot)
         del bounds  # free before `_settle`, whose blocks take its place
         floor = best_v[:, -1].clone()
         rows, cols = pool.finish(floor)
         self._settle(q, start, rows, cols, pool.over, floor, best_v, best_i, buf)
 
     def _query_side(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        qh = q.to(self.half)
-        return qh, query_terms(q, qh)
+        return self._half_query(q)
 
     def _upper(self, side: tuple[torch.Tensor, torch.Tensor], j: int, n: int) -> torch.Tensor:
         # h + e: the half score raised by its pair's bound, as the scan lists candidates
         qh, qt = side
-        rh = self._half_refs(j, j + n)
-        h = qh @ rh.T
-        e = qt @ self._ref_terms(j, j + n, rh).T
-        return e.add_(h.abs(), alpha=self.rounding).add_(h).nan_to_num_(nan=math.inf)
+        h, terms, bias = self._block(qh, j, n)
+        upper = (qt @ terms.T).add_(h.abs(), alpha=self.rounding).add_(h)
+        return (upper if bias is None else upper.add_(bias)).nan_to_num_(nan=math.inf)
 
     def _settle(
         self,
