@@ -139,3 +139,65 @@ def test_a_radius_past_the_maps_costs_nothing(radius):
     # (3000) and the OOM killer (10^4) as a list of offsets
     extra = peak_extra(LOCAL_HUGE_RADIUS.format(radius=radius))
     assert extra <= 8 * 2**20, f"peak {extra / 2**20:.1f} MiB"
+
+
+SOFT = """
+g = torch.Generator().manual_seed(0)
+a = torch.randn(96, 96, 64, generator=g, requires_grad=True)
+b = torch.randn(96, 96, 64, generator=g, requires_grad=True)
+def run(small):
+    x, y = (a[:8, :8], b[:8, :8]) if small else (a, b)
+    r = densematch.soft_match(x, y, temperature=0.1, mode="{mode}", memory="{mib}MiB")
+    if {backward}:
+        (r.coords.sum() + r.spread.sum()).backward()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "mib", "backward"),
+    [("softmax", 4, True), ("softmax", 16, True), ("dual_softmax", 4, True), ("dual_softmax", 16, False)],
+)
+def test_soft_match_keeps_its_budget_beside_the_per_input_state(mode, mib, backward):
+    # soft_match's docstring: outside memory= lie the unit copies of a and b, and in the backward
+    # their gradients' accumulators and the normalisation's backward, each (Na + Nb) x C values
+    extra = peak_extra(SOFT.format(mode=mode, mib=mib, backward=backward))
+    inputs = 2 * 96 * 96 * 64 * 4
+    grads = inputs if backward else 0  # a.grad and b.grad: the call's outputs
+    state = inputs * (3 if backward else 1)
+    assert extra <= mib * 2**20 + grads + state + 2 * 2**20, f"peak {extra / 2**20:.1f} MiB"
+
+
+LOCAL_VOLUME_BACKWARD = """
+g = torch.Generator().manual_seed(0)
+a = torch.randn(96, 128, 64, generator=g, requires_grad=True)
+b = torch.randn(96, 128, 64, generator=g, requires_grad=True)
+def run(small):
+    x, y = (a[:8, :8], b[:8, :8]) if small else (a, b)
+    densematch.local_match(x, y, 4, output="volume", metric="dot", memory="4MiB").sum().backward()
+"""
+
+
+@pytest.mark.slow
+def test_local_volume_backward_keeps_its_budget():
+    extra = peak_extra(LOCAL_VOLUME_BACKWARD)
+    outputs = 81 * 96 * 128 * 4 + 2 * 96 * 128 * 64 * 4  # the volume, and a's and b's gradients
+    assert extra <= 4 * 2**20 + outputs, f"peak {extra / 2**20:.1f} MiB"
+
+
+L2_BACKWARD = """
+g = torch.Generator().manual_seed(0)
+x = torch.randn(4, 64, 64, 64, generator=g, requires_grad=True)
+p = torch.randn(256, 64, generator=g, requires_grad=True)
+def run(small):
+    xs = x[:, :, :4, :4] if small else x
+    d = densematch.pairwise_distance(xs, p, "l2", memory="16MiB")
+    d.backward(torch.ones_like(d))
+"""
+
+
+@pytest.mark.slow
+def test_l2_distances_backward_keeps_its_budget():
+    extra = peak_extra(L2_BACKWARD)
+    outputs = 2 * 4 * 256 * 64 * 64 * 4 + 4 * 64 * 64 * 64 * 4 + 256 * 64 * 4  # d, its grad_output, x's and p's grads
+    assert extra <= 16 * 2**20 + outputs, f"peak {extra / 2**20:.1f} MiB"

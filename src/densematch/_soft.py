@@ -76,7 +76,11 @@ def soft_match(
     mask_b : bool Tensor or ndarray of shape (*batch, H_b, W_b) or (H_b, W_b), optional
         Pixels of b that may take weight.
     memory : int or str, optional
-        Cap on the working memory, as in :func:`densematch.match`.
+        Cap on the working memory of the tiles (logits, weights and their gradient terms), as
+        in :func:`densematch.match`. Outside it, because they are as large as the inputs and
+        needed whole: the unit-normalised copies of a and b, kept for the backward ((Na + Nb)
+        x C values), and in the backward the accumulators of their gradients (as many again)
+        plus the normalisation's own backward (about as many again).
 
     Returns
     -------
@@ -249,8 +253,9 @@ class _SoftAttention(torch.autograd.Function):
                 for j in range(0, nb, tb):
                     w, g = tile(i, j)
                     col_sum[j : j + tb] += (w * g).sum(0)
-        dq = torch.zeros_like(q, dtype=torch.float64)
-        dk = torch.zeros_like(k, dtype=torch.float64)
+        # accumulated in the rows' own dtype: per-input state the size of the inputs, not twice it
+        dq = torch.zeros_like(q)
+        dk = torch.zeros_like(k)
         for i in range(0, na, ta):
             qi = q[i : i + ta]
             for j in range(0, nb, tb):
@@ -262,9 +267,9 @@ class _SoftAttention(torch.autograd.Function):
                     ds = 2 * w * g - col * col_sum[None, j : j + tb]
                 else:
                     ds = w * g
-                dq[i : i + ta] += scale * (ds @ kj.double())
-                dk[j : j + tb] += scale * (ds.T @ qi.double())
-        return dq.to(q.dtype), dk.to(k.dtype), None, None, None, None
+                dq[i : i + ta] += (scale * (ds @ kj.double())).to(q.dtype)
+                dk[j : j + tb] += (scale * (ds.T @ qi.double())).to(k.dtype)
+        return dq, dk, None, None, None, None
 
 
 def _weights(
