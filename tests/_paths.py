@@ -16,10 +16,12 @@ import pytest
 
 import densematch
 
-# name: (precision=, config_context settings)
+# name: (precision=, config_context settings); kernel="torch" keeps the C kernels out too
 PATHS: dict[str, tuple[str, dict[str, str]]] = {
     "float32": ("float32", {"half": "off", "kernel": "torch"}),
     "bfloat16": ("exact", {"half": "bfloat16", "kernel": "torch"}),
+    # the AMX default: bfloat16 products, bounds, merge and listing in one C call per tile
+    "bfloat16-c": ("exact", {"half": "bfloat16", "kernel": "auto"}),
     "float16": ("exact", {"half": "float16", "kernel": "torch"}),
     "kernel-float32": ("float32", {"half": "off", "kernel": "triton"}),
     "kernel-bfloat16": ("exact", {"half": "bfloat16", "kernel": "triton"}),

@@ -1,6 +1,7 @@
 """The C kernels of densematch.kernels.native against float64 references, and the fallback to
 torch's kernels where they cannot run."""
 
+import math
 import os
 import subprocess
 import sys
@@ -423,3 +424,50 @@ class TestMerge:
                 assert not mine and len(want) > 0  # an over row is listed again by the caller
             else:
                 assert mine == want and len(want) <= cap
+
+
+@needs_library
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 9),
+    n=st.integers(1, 70),
+    k=st.integers(1, 5),
+    cap=st.integers(1, 12),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, seed):
+    # one C pass for the bounds, the merge of the lower bounds and the listing of the upper ones,
+    # against the same steps in torch: the same top-k (ties to the lower column) and every pair
+    # whose upper bound reaches the final floor listed, unless its row went over the cap
+    from densematch.engine.merge import order
+
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(m, n, generator=g) * 4).round().to(torch.bfloat16)  # repeated values: ties
+    # dyadic terms: every bound is exact in float32 whatever the summation order or FMA, so the
+    # C pass and torch must agree exactly, ties included
+    qt = torch.randint(0, 4, (m, 3), generator=g).float() * 2.0**-8
+    rt = torch.randint(0, 4, (n, 3), generator=g).float() * 2.0**-8
+    bias = (torch.randn(n, generator=g) * 2).round() if with_bias else None
+    rounding = 2.0**-9
+    k = min(k, n)
+    best_v, best_i = torch.full((m, k), -math.inf), torch.full((m, k), -1, dtype=torch.int64)
+    listed = native.Candidates(m, cap, torch.float32)
+    half = n // 2
+    for j, stop in ((0, half), (half, n)):  # two tiles
+        native.merge_certified(
+            h[:, j:stop], j, best_v, best_i, qt, rt[j:stop], None if bias is None else bias[j:stop], rounding, listed
+        )
+    hf = h.float()
+    e = qt @ rt.T + rounding * hf.abs()
+    low, up = hf - e, hf + e
+    if bias is not None:
+        low, up = low + bias, up + bias
+    want_v, want_i = order(low, torch.arange(n).expand(m, n).clone())
+    assert torch.equal(best_v, want_v[:, :k]) and torch.equal(best_i, want_i[:, :k])
+    rows, cols = listed.reaching(best_v[:, -1])
+    got = set(zip(rows.tolist(), cols.tolist(), strict=True))
+    for r in range(m):
+        if listed.over[r]:
+            continue
+        assert {(r, c) for c in range(n) if up[r, c] >= best_v[r, -1]} <= got

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import native
 from ..metrics import Metric
 from ..precision import Precision, query_terms, ref_terms, unit_roundoff
 from .merge import best_of_candidates
@@ -148,6 +149,9 @@ class HalfSearch(Strategy):
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         qh, qt = self._half_query(q)
+        if self._native_certified(best_v, best_i):
+            self._rank_native(q, qh, qt, best_v, best_i, start, buf)
+            return
         rounding = self.rounding
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
         pool = Pool(m, self.cap_rows, q.device, self.dtype)
@@ -186,6 +190,38 @@ class HalfSearch(Strategy):
         floor = best_v[:, -1].clone()
         rows, cols = pool.finish(floor)
         self._settle(q, start, rows, cols, pool.over, floor, best_v, best_i, buf)
+
+    def _native_certified(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
+        """Whether each tile's bounds, merge and listing run as one C call
+        (:func:`densematch.kernels.native.merge_certified`): bfloat16 products on a CPU."""
+        return (
+            self.half == torch.bfloat16
+            and native.usable(best_v.device, self.dtype)
+            and best_v.is_contiguous()
+            and best_i.is_contiguous()
+        )
+
+    def _rank_native(
+        self,
+        q: torch.Tensor,
+        qh: torch.Tensor,
+        qt: torch.Tensor,
+        best_v: torch.Tensor,
+        best_i: torch.Tensor,
+        start: int,
+        buf: torch.Tensor,
+    ) -> None:
+        """:meth:`rank` with one C call per tile for the bounds, the merge of the lower bounds
+        and the listing of the candidates, after the tile's bfloat16 product."""
+        m = best_v.shape[0]
+        listed = native.Candidates(m, self.cap_rows, self.dtype)
+        for j in range(0, self.nb, self.tile_b):
+            n = min(self.tile_b, self.nb - j)
+            s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n))
+            native.merge_certified(s, j, best_v, best_i, qt, terms, bias, self.rounding, listed)
+        floor = best_v[:, -1].clone()
+        rows, cols = listed.reaching(floor)
+        self._settle(q, start, rows, cols, listed.over, floor, best_v, best_i, buf)
 
     def _query_side(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._half_query(q)

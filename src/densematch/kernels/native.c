@@ -363,6 +363,78 @@ DEFINE_L2(double, f64, sqrt)
 DEFINE_MERGE(float, f32)
 DEFINE_MERGE(double, f64)
 
+/* The certified bfloat16 search's step for one tile (densematch.engine.half): for the stored
+ * bfloat16 scores h (m x n, row stride ldh) of a reference tile, each pair's rounding bound
+ * e = qt[r] . rt[c] + rounding |h| (the terms of densematch.precision; rows of three), its lower
+ * and upper bounds h - e and h + e (plus bias[c], the l2 column kept out of the product, when
+ * given), the lower bounds merged into the running top-k (equal values to the lower column) and
+ * every pair whose upper bound reaches its row's running k-th lower bound listed as dm_merge lists
+ * (a row whose listed pairs all still reach its floor when cap are listed is marked over). NaN
+ * bounds (products past a half type's range) prove nothing: a lower bound of -inf, an upper of
+ * +inf. One pass over the tile instead of torch's passes for the bound, |h|, both bounds and the
+ * merge. */
+static inline float bf16_to_f32(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long offset, const float *bias,
+                             const float *qt, const float *rt, float rounding, float *best_v, int64_t *best_i,
+                             long k, long cap, int64_t *cand_cols, float *cand_vals, int *counts,
+                             unsigned char *over) {
+    for (long r = 0; r < m; r++) {
+        const uint16_t *row = h + r * ldh;
+        float *bv = best_v + r * k;
+        int64_t *bi = best_i + r * k;
+        int64_t *cc = cand_cols + r * cap;
+        float *cv = cand_vals + r * cap;
+        const float x = qt[3 * r], z = qt[3 * r + 1], one = qt[3 * r + 2];
+        int listing = !over[r];
+        for (long c = 0; c < n; c++) {
+            const float hv = bf16_to_f32(row[c]);
+            const float e = x * rt[3 * c] + z * rt[3 * c + 1] + one * rt[3 * c + 2] + rounding * fabsf(hv);
+            const float b = bias ? bias[c] : 0.0f;
+            float low = (hv - e) + b, up = (hv + e) + b;
+            if (low != low) low = -INFINITY;
+            if (up != up) up = INFINITY;
+            const long idx = offset + c;
+            if (listing && up >= bv[k - 1]) {
+                if (counts[r] == cap) { /* full: keep only what still reaches the floor */
+                    int kept = 0;
+                    for (int t = 0; t < cap; t++)
+                        if (cv[t] >= bv[k - 1]) {
+                            cc[kept] = cc[t];
+                            cv[kept] = cv[t];
+                            kept++;
+                        }
+                    counts[r] = kept;
+                    if (kept == cap) {
+                        over[r] = 1;
+                        listing = 0;
+                    }
+                }
+                if (listing) {
+                    cc[counts[r]] = idx;
+                    cv[counts[r]] = up;
+                    counts[r]++;
+                }
+            }
+            if (low > bv[k - 1] || (low == bv[k - 1] && idx < bi[k - 1])) {
+                long t = k - 1;
+                while (t > 0 && (low > bv[t - 1] || (low == bv[t - 1] && idx < bi[t - 1]))) {
+                    bv[t] = bv[t - 1];
+                    bi[t] = bi[t - 1];
+                    t--;
+                }
+                bv[t] = low;
+                bi[t] = idx;
+            }
+        }
+    }
+}
+
 /* Values of row pairs for the engine's last step and its re-scoring: out[i * k + j] for the
  * query row q[qidx[i]] (q[i] when qidx is NULL) and the reference row r[idx[i * k + j]]
  * (r[i * k + j] when idx is NULL), rows of C values with row strides ldq / ldr:

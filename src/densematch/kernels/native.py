@@ -40,6 +40,7 @@ __all__ = [
     "l2_weights",
     "library",
     "merge",
+    "merge_certified",
     "minkowski",
     "minkowski_grad",
     "pair_values",
@@ -162,6 +163,26 @@ def library() -> ctypes.CDLL | None:
         for suffix in _SUFFIX.values():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = args, result
+    lib.dm_merge_certified_bf16.argtypes = [
+        ptr,
+        n,
+        n,
+        n,
+        n,
+        ptr,
+        ptr,
+        ptr,
+        ctypes.c_float,
+        ptr,
+        ptr,
+        n,
+        n,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+    ]
+    lib.dm_merge_certified_bf16.restype = None
     return lib
 
 
@@ -340,6 +361,41 @@ def merge(
         null if listed is None else listed.vals.data_ptr(),
         null if listed is None else listed.counts.data_ptr(),
         null if listed is None else listed.over.data_ptr(),
+    )  # fmt: skip
+
+
+def merge_certified(
+    h: torch.Tensor,
+    offset: int,
+    best_v: torch.Tensor,
+    best_i: torch.Tensor,
+    qt: torch.Tensor,
+    rt: torch.Tensor,
+    bias: torch.Tensor | None,
+    rounding: float,
+    listed: Candidates,
+) -> None:
+    """The certified search's step for the bfloat16 score tile ``h`` (m, n; columns ``offset``
+    onwards): lower bounds merged into the running top-k ``best_v`` / ``best_i`` (m, k, float32,
+    contiguous), upper bounds reaching each row's k-th lower bound listed in ``listed`` (see
+    native.c). ``qt`` (m, 3) and ``rt`` (n, 3) are the bound terms of
+    :func:`densematch.precision.query_terms` / ``ref_terms``; ``bias`` (n,) float32 or None."""
+    lib = library()
+    if lib is None or h.dtype != torch.bfloat16 or best_v.dtype != torch.float32:
+        raise ValueError("merge_certified needs the C kernels, bfloat16 scores and a float32 top-k")
+    if not (best_v.is_contiguous() and best_i.is_contiguous()):
+        raise ValueError("merge_certified needs a contiguous running top-k")
+    h = _unit_rows(h)
+    m, n = h.shape
+    if m * n == 0:
+        return
+    qt, rt = qt.float().contiguous(), rt.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    lib.dm_merge_certified_bf16(
+        h.data_ptr(), h.stride(0), m, n, offset, None if bias is None else bias.data_ptr(),
+        qt.data_ptr(), rt.data_ptr(), rounding, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
+        listed.cap, listed.cols.data_ptr(), listed.vals.data_ptr(), listed.counts.data_ptr(), listed.over.data_ptr(),
     )  # fmt: skip
 
 
