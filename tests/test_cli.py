@@ -207,7 +207,10 @@ def test_errors_are_one_line_without_traceback(images, args, pattern, tmp_path):
 def test_the_real_command_reports_an_error_in_one_line(images):
     out = run("match", str(images / "fa.npy"), str(images / "fc.npy"))
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.strip() == "densematch match: error: A and B must have the same number of channels, got 8 and 5"
+    assert out.stderr.strip() == (
+        "densematch match: error: A and B must have the same number of channels, got 8 and 5; "
+        "feature files are read as (H, W, C): pass --layout chw for (C, H, W) files"
+    )
 
 
 def test_failed_write_leaves_no_file(images, tmp_path, monkeypatch):
@@ -325,7 +328,7 @@ def test_every_option_has_help_and_its_default():
         (("match", "{d}/pickled.pt", "{d}/fb.npy"), "holds pickled Python objects, not one tensor"),
         (("match", "{d}/two.npz", "{d}/fb.npy"), "holds 2 arrays (features, other): name one"),
         (("match", "{d}/two.npz:nope", "{d}/fb.npy"), "has no array 'nope'; it holds features, other"),
-        (("align", "{d}/image.npy", "{d}/template.npy"), "lower the smallest scales"),
+        (("align", "{d}/image.npy", "{d}/template.npy"), "were template and image swapped?"),
     ],
 )
 def test_outputs_and_inputs_obey_their_names(images, tmp_path, args, pattern):

@@ -480,6 +480,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Under torchrun: wait for every rank, then take the process group down, so that no rank
+    exits while another still talks to it (gloo then aborted a rank with "terminate called
+    without an active exception" now and then, on a busy machine)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    try:
+        torch.distributed.barrier()
+    except RuntimeError:  # another rank is gone already: nothing to wait for
+        pass
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
