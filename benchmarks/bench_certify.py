@@ -9,7 +9,9 @@ candidates outgrew the cap (resolved without one), and the search's time beside 
 bfloat16 products alone (``torch.mm`` of the prepared rows over the same tiles), so that
 "certified - products" is the certificate's own cost (bounds, merge, pool, re-scoring). On a CPU
 without AMX the products themselves are slower than float32's: compare the overhead, not the
-totals. float32's own search is timed beside them.
+totals. float32's own search is timed beside them. ``--kernels auto torch`` times the certified
+step both ways in one run: one C call per tile ("auto", on a CPU with the C kernels) and torch's
+operators (``config_context(kernel="torch")``, which keeps the C kernels out of both searches).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import machine, photo_features, save, table
+
+import densematch
 from densematch import engine
 from densematch.metrics import get_metric
 from densematch.precision import Precision
@@ -82,6 +86,7 @@ def main() -> None:
     p.add_argument("--ks", nargs="+", type=int, default=[1, 8])
     p.add_argument("--features", nargs="+", default=["noise", "photo"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "torch"])
     p.add_argument("--name", default="certify")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -97,10 +102,12 @@ def main() -> None:
             a, b = fa.reshape(-1, c).contiguous(), fb.reshape(-1, c).contiguous()
             for metric in args.metrics:
                 for k in args.ks:
-                    row = {"size": size, "features": features, "metric": metric, "k": k}
-                    row.update(measure(a, b, metric, k, args.repeats))
-                    rows.append(row)
-                    print(row, flush=True)
+                    for kernel in args.kernels:
+                        row = {"size": size, "features": features, "metric": metric, "k": k, "step": kernel}
+                        with densematch.config_context(kernel=kernel):
+                            row.update(measure(a, b, metric, k, args.repeats))
+                        rows.append(row)
+                        print(row, flush=True)
     info = machine()
     path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
     print(f"\nmachine: {info}\nsaved {path}\n")

@@ -384,6 +384,8 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
                              const float *qt, const float *rt, float rounding, float *best_v, int64_t *best_i,
                              long k, long cap, int64_t *cand_cols, float *cand_vals, int *counts,
                              unsigned char *over) {
+    enum { CB = 32 };
+    float ev[CB], uv[CB];
     for (long r = 0; r < m; r++) {
         const uint16_t *row = h + r * ldh;
         float *bv = best_v + r * k;
@@ -392,44 +394,57 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
         float *cv = cand_vals + r * cap;
         const float x = qt[3 * r], z = qt[3 * r + 1], one = qt[3 * r + 2];
         int listing = !over[r];
-        for (long c = 0; c < n; c++) {
-            const float hv = bf16_to_f32(row[c]);
-            const float e = x * rt[3 * c] + z * rt[3 * c + 1] + one * rt[3 * c + 2] + rounding * fabsf(hv);
-            const float b = bias ? bias[c] : 0.0f;
-            float low = (hv - e) + b, up = (hv + e) + b;
-            if (low != low) low = -INFINITY;
-            if (up != up) up = INFINITY;
-            const long idx = offset + c;
-            if (listing && up >= bv[k - 1]) {
-                if (counts[r] == cap) { /* full: keep only what still reaches the floor */
-                    int kept = 0;
-                    for (int t = 0; t < cap; t++)
-                        if (cv[t] >= bv[k - 1]) {
-                            cc[kept] = cc[t];
-                            cv[kept] = cv[t];
-                            kept++;
+        for (long c0 = 0; c0 < n; c0 += CB) {
+            const long cn = n - c0 < CB ? n - c0 : CB;
+            /* the chunk's bounds in a branch-free loop (vectorised); the chunk is skipped unless
+             * an upper bound reaches the floor (NaN does: it proves nothing). After the first
+             * tiles few do, and only their pairs pay for the merge and the listing. */
+            int hit = 0;
+            for (long t = 0; t < cn; t++) {
+                const long c = c0 + t;
+                const float hv = bf16_to_f32(row[c]);
+                ev[t] = x * rt[3 * c] + z * rt[3 * c + 1] + one * rt[3 * c + 2] + rounding * fabsf(hv);
+                uv[t] = (hv + ev[t]) + (bias ? bias[c] : 0.0f);
+                hit |= !(uv[t] < bv[k - 1]);
+            }
+            if (!hit) continue;
+            for (long t = 0; t < cn; t++) {
+                const long c = c0 + t, idx = offset + c;
+                const float hv = bf16_to_f32(row[c]);
+                float low = (hv - ev[t]) + (bias ? bias[c] : 0.0f), up = uv[t];
+                if (low != low) low = -INFINITY;
+                if (up != up) up = INFINITY;
+                if (listing && up >= bv[k - 1]) {
+                    if (counts[r] == cap) { /* full: keep only what still reaches the floor */
+                        int kept = 0;
+                        for (int s = 0; s < cap; s++)
+                            if (cv[s] >= bv[k - 1]) {
+                                cc[kept] = cc[s];
+                                cv[kept] = cv[s];
+                                kept++;
+                            }
+                        counts[r] = kept;
+                        if (kept == cap) {
+                            over[r] = 1;
+                            listing = 0;
                         }
-                    counts[r] = kept;
-                    if (kept == cap) {
-                        over[r] = 1;
-                        listing = 0;
+                    }
+                    if (listing) {
+                        cc[counts[r]] = idx;
+                        cv[counts[r]] = up;
+                        counts[r]++;
                     }
                 }
-                if (listing) {
-                    cc[counts[r]] = idx;
-                    cv[counts[r]] = up;
-                    counts[r]++;
+                if (low > bv[k - 1] || (low == bv[k - 1] && idx < bi[k - 1])) {
+                    long s = k - 1;
+                    while (s > 0 && (low > bv[s - 1] || (low == bv[s - 1] && idx < bi[s - 1]))) {
+                        bv[s] = bv[s - 1];
+                        bi[s] = bi[s - 1];
+                        s--;
+                    }
+                    bv[s] = low;
+                    bi[s] = idx;
                 }
-            }
-            if (low > bv[k - 1] || (low == bv[k - 1] && idx < bi[k - 1])) {
-                long t = k - 1;
-                while (t > 0 && (low > bv[t - 1] || (low == bv[t - 1] && idx < bi[t - 1]))) {
-                    bv[t] = bv[t - 1];
-                    bi[t] = bi[t - 1];
-                    t--;
-                }
-                bv[t] = low;
-                bi[t] = idx;
             }
         }
     }
