@@ -53,7 +53,7 @@ __all__ = [
 RANKINGS = ("exact", "float32", "fast")
 PRECISIONS = (*RANKINGS, "float64")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# Candidates listed per row during the scan (at least 4 k) by the certified half-precision search
+# Candidates listed per row during the scan (at least 8 k) by the certified half-precision search
 # and by the float32 search's near-tie settling: enough for the near-ties of real features. A row
 # with more is resolved after the scan without any cap (Strategy._resolve), so the cap changes
 # the cost, never the answer. docs/precision.md.
@@ -91,7 +91,7 @@ class Precision:
         TRITON_INTERPRET=1); "auto" chooses it on CUDA devices when Triton is installed and the
         search fits it; "torch" never does.
     candidates : int
-        The least number of candidates kept per row (the cap is ``max(candidates, 4 k)``).
+        The least number of candidates kept per row (the cap is ``max(candidates, 8 k)``).
 
     Examples
     --------
@@ -122,7 +122,7 @@ class Precision:
 
     def cap(self, k: int) -> int:
         """Candidates kept per row for a top-``k`` search."""
-        return max(self.candidates, 4 * k)
+        return max(self.candidates, 8 * k)
 
 
 FLOAT32 = Precision()
