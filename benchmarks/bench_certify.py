@@ -25,9 +25,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine, photo_features, save, table
-
 import densematch
+from _common import machine, photo_features, save, table
 from densematch import engine
 from densematch.metrics import get_metric
 from densematch.precision import Precision
