@@ -18,28 +18,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import densematch
-from _common import machine, photo_features, save, table
+from _common import machine, photo_features, save, table, timeit
 from densematch import engine
 from densematch.metrics import get_metric
 from densematch.precision import Precision
 
 
 def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return timeit(fn, repeats=repeats)["median"]
 
 
 def products_only(a: torch.Tensor, b: torch.Tensor, metric: str, tiles: tuple[int, int]) -> None:

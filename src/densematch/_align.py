@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .budget import chunk_rows
-from .checks import as_tensor, check_choice, check_finite
+from .checks import as_tensor, check_choice, check_finite, compute_dtype
 from .config import resolve_memory
 from .threads import share_out, share_size, workers_for
 
@@ -331,7 +331,7 @@ def align(
     h, w = t.shape[-2:]
     hh, ww = x.shape[-2:]
     _check_fits((h, w), (hh, ww), (lo_h, hi_h), (lo_w, hi_w))
-    dtype = torch.float64 if torch.float64 in (t.dtype, x.dtype) else torch.float32
+    dtype = compute_dtype(t, x)
     t4 = t.to(dtype).reshape(-1, *t.shape[-3:]) if t.ndim == 4 else t.to(dtype).reshape(-1, 1, h, w)
     x4 = x.to(dtype).reshape(-1, *x.shape[-3:]) if x.ndim == 4 else x.to(dtype).reshape(-1, 1, hh, ww)
     mask = _check_template_mask(template_mask, t4, t.shape, dtype)

@@ -19,7 +19,7 @@ from torch import nn
 
 from . import engine
 from .budget import chunk_rows
-from .checks import as_tensor, check_choice, check_finite, check_int
+from .checks import as_tensor, check_choice, check_finite, check_int, compute_dtype
 from .config import resolve_memory
 from .kernels import native
 from .metrics import Metric, Minkowski, get_metric
@@ -57,7 +57,7 @@ def _check_inputs(
     if finite:
         check_finite(x.detach(), "x")
         check_finite(p.detach(), "prototypes")
-    dtype = torch.float64 if torch.float64 in (x.dtype, p.dtype) else torch.float32
+    dtype = compute_dtype(x, p)
     return x, p, m, dtype
 
 

@@ -32,6 +32,7 @@ from .checks import (
     check_int,
     check_pair,
     check_real,
+    compute_dtype,
 )
 from .config import resolve_memory
 from .metrics import Metric, get_metric, unit_rows
@@ -399,7 +400,7 @@ def _prepare(
     ]
     for rows, mk, name in ((ra, masks[0], "a"), (rb, masks[1], "b")):
         check_finite(rows.detach(), name, mask=None if mk is None else mk.reshape(nb, -1))
-    dtype = torch.float64 if torch.float64 in (ra.dtype, rb.dtype) else torch.float32
+    dtype = compute_dtype(ra, rb)
     moved = _check_flow(flow, sampling, nb, grid, batched, ra.device, dtype)
     # cosine reads unit rows with a dot product, except where b is interpolated: the cosine of
     # the blended feature, not the blend of unit features

@@ -15,7 +15,16 @@ from torch import nn
 from . import engine
 from ._refine import REFINES, refine_positions
 from .budget import parse_memory
-from .checks import LAYOUTS, check_batch_mask, check_choice, check_features, check_finite, check_int, check_real
+from .checks import (
+    LAYOUTS,
+    check_batch_mask,
+    check_choice,
+    check_features,
+    check_finite,
+    check_int,
+    check_real,
+    compute_dtype,
+)
 from .config import resolve_memory
 from .metrics import Metric, get_metric
 from .precision import PRECISIONS, Precision, resolve_precision
@@ -220,7 +229,7 @@ def _placed(
 ) -> Matches:
     """``found`` with float coords: refined, then mapped by stride and offset."""
     assert found.coords is not None  # grid layouts have coords
-    dtype = torch.float64 if task.precision.dtype == torch.float64 or task.ra.dtype == torch.float64 else torch.float32
+    dtype = torch.float64 if task.precision.dtype == torch.float64 else compute_dtype(task.ra)
     k = task.k
     index = found.index.reshape(task.nbatch, task.na, k)
     if refine is None:

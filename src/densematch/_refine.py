@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .budget import chunk_rows
+from .checks import compute_dtype
 from .engine.driver import common_scale, peak
 from .metrics import Metric
 
@@ -60,7 +61,7 @@ def refine_positions(
     Tensor of float32 (float64 for float64 inputs), shape (Na, k, 2); NaN where index is -1.
     """
     hb, wb = grid_b
-    dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+    dtype = compute_dtype(a, b)
     na, k = index.shape
     out = torch.full((na, k, 2), float("nan"), dtype=dtype, device=a.device)
     c = a.shape[1]

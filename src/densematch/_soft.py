@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .budget import chunk_rows
-from .checks import check_batch_mask, check_choice, check_features, check_finite, check_pair, check_real
+from .checks import check_batch_mask, check_choice, check_features, check_finite, check_pair, check_real, compute_dtype
 from .config import resolve_memory
 
 __all__ = ["SOFT_MODES", "SoftMatches", "soft_match"]
@@ -118,7 +118,7 @@ def soft_match(
     if masks is not None:
         masks = masks.reshape(ra.shape[0], -1)
     budget = resolve_memory(memory, ra.device)
-    dtype = torch.float64 if torch.float64 in (ra.dtype, rb.dtype) else torch.float32
+    dtype = compute_dtype(ra, rb)
     hb, wb = grid_b
     rows = torch.arange(hb, device=ra.device, dtype=torch.float64).repeat_interleave(wb)
     cols = torch.arange(wb, device=ra.device, dtype=torch.float64).repeat(hb)

@@ -159,6 +159,12 @@ def check_mask(mask: Any, name: str, shape: tuple[int, ...], device: torch.devic
     return mask.to(device)
 
 
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype a call computes in: float64 when any input is float64, else float32 (half and
+    integer inputs are computed in float32)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def check_pair(ra: torch.Tensor, rb: torch.Tensor, batched: bool, batched_b: bool) -> None:
     """Rows of a and b (from :func:`check_features`) that can be compared: one batch size, one
     number of channels, one device."""

@@ -80,7 +80,7 @@ def _nearest(
     """The k nearest rows of ``ref`` (l2) of each row of ``query``: distances (n, k) in the
     descriptors' dtype, recomputed directly (differentiable where the inputs require grad), and
     indices (n, k) int64, -1 (distance inf) beyond the rows available."""
-    wide = torch.float64 in (query.dtype, ref.dtype)
+    wide = torch.float64 in (query.dtype, ref.dtype)  # scripted by torch.jit: no helper with *args
     precision = resolve_precision("exact", query.device, _L2, float64=wide)
     budget = resolve_memory(memory, query.device)
     value, index = engine.topk(

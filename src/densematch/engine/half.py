@@ -33,8 +33,9 @@ class HalfSearch(Strategy):
 
     For l2 and sqeuclidean the prepared rows carry an extra column (1 for queries, -|r|^2 / 2
     for references). Rounded to half precision, that column alone would dominate the bound
-    (at C=768 a squared norm of ~768 has a bfloat16 step of 4, far above any score gap): it is
-    kept out of the half product and added in float32 as a per-reference bias instead."""
+    (at C=768, -|r|^2/2 near -384 has a bfloat16 spacing of 2, an error up to 1, far above any
+    score gap): it is kept out of the half product and added in float32 as a per-reference bias
+    instead."""
 
     # whether the l2 column is added as a float32 bias (the fused kernel handles it itself)
     split_bias = True

@@ -208,6 +208,21 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _SUFFIX and kernel_setting() != "torch" and library() is not None
 
 
+def _loaded(what: str) -> ctypes.CDLL:
+    """The library, for a caller that :func:`usable` let through; a RuntimeError saying why
+    where it cannot load (checks that stay under ``python -O``, unlike asserts)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native.{what} needs densematch's C kernels: {status()['kernels']}")
+    return lib
+
+
+def _require(condition: bool, rule: str) -> None:
+    """The ctypes boundary's checks: a ValueError naming the rule, never a call with bad memory."""
+    if not condition:
+        raise ValueError(f"densematch's C kernels: {rule}")
+
+
 def _unit_stride(t: torch.Tensor) -> bool:
     """Whether the rows of ``t`` (2-D) are unit-stride, as the kernels read them."""
     return t.stride(1) == 1 or t.shape[1] <= 1
@@ -223,8 +238,8 @@ def minkowski(y: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, linf: bool
 
     Shapes: y (F, D), x (D, P), out (F, P) of any strides; all of one dtype (see :func:`usable`).
     """
-    lib = library()
-    assert lib is not None and y.dtype == x.dtype == out.dtype
+    lib = _loaded("minkowski")
+    _require(y.dtype == x.dtype == out.dtype, "y, x and out must share one dtype")
     y, x = _unit_rows(y), _unit_rows(x)
     f, d = y.shape
     p = x.shape[1]
@@ -245,8 +260,7 @@ def minkowski_grad(
     """The gradients of ``sum(g * dist)`` with respect to x (D, P) and y (F, D), where ``dist``
     (F, P) is :func:`minkowski`'s output; l1, or linf (the gradient goes to every feature
     where the difference reaches the distance, as torch.cdist's does). On this thread."""
-    lib = library()
-    assert lib is not None
+    lib = _loaded("minkowski_grad")
     y, x = _unit_rows(y), _unit_rows(x)
     g, dist = g.contiguous(), dist.contiguous()
     f, d = y.shape
@@ -266,8 +280,7 @@ def minkowski_grad(
 def sqnorms(x: torch.Tensor) -> torch.Tensor:
     """The squared norms (P,) of the columns of x (D, P), summed over rows in order; one pass,
     no temporary. On this thread."""
-    lib = library()
-    assert lib is not None
+    lib = _loaded("sqnorms")
     x = _unit_rows(x)
     d, p = x.shape
     out = torch.empty(p, dtype=x.dtype)
@@ -281,8 +294,8 @@ def l2_finish(
     """``out = max(rows[:, None] - 2 t + cols, 0)``, square-rooted if ``root``, in one pass;
     returns each column's smallest value before clamping. Shapes: t (F, P) with unit column
     stride, rows (F,), cols (P,), out (F, P) of any strides; all one dtype; on this thread."""
-    lib = library()
-    assert lib is not None and t.dtype == rows.dtype == cols.dtype == out.dtype
+    lib = _loaded("l2_finish")
+    _require(t.dtype == rows.dtype == cols.dtype == out.dtype, "t, rows, cols and out must share one dtype")
     t, rows, cols = _unit_rows(t), rows.contiguous(), cols.contiguous()
     f, p = t.shape
     colmin = torch.empty(p, dtype=t.dtype)
@@ -299,8 +312,8 @@ def l2_weights(
     """The l2 backward's pair weights into ``w`` (F, P, contiguous): ``g / dist`` and 0 where
     dist is 0 (``root``), or ``g``; returned with their sums over rows (P,) and over columns
     (F,). g and dist (F, P) may have any strides. On this thread."""
-    lib = library()
-    assert lib is not None and g.dtype == dist.dtype == w.dtype and w.is_contiguous()
+    lib = _loaded("l2_weights")
+    _require(g.dtype == dist.dtype == w.dtype and w.is_contiguous(), "g, dist and w must share one dtype, w contiguous")
     f, p = g.shape
     colsum = torch.empty(p, dtype=g.dtype)
     rowsum = torch.empty(f, dtype=g.dtype)
@@ -343,15 +356,20 @@ def merge(
     running top-k ``best_v`` / ``best_i`` (m, k, contiguous; best first, -inf / -1 when empty),
     equal scores to the lower column. With ``margin`` (m,) and ``listed``, also list every pair
     reaching its row's k-th best minus the margin (see native.c). On this thread."""
-    lib = library()
-    assert lib is not None and s.dtype == best_v.dtype and best_v.is_contiguous() and best_i.is_contiguous()
+    lib = _loaded("merge")
+    _require(
+        s.dtype == best_v.dtype and best_v.is_contiguous() and best_i.is_contiguous(),
+        "the scores and a contiguous running top-k must share one dtype",
+    )
     s = _unit_rows(s)
     m, n = s.shape
     if m * n == 0:
         return
     null = None
     if margin is not None:
-        assert listed is not None and margin.dtype == s.dtype
+        _require(
+            listed is not None and margin.dtype == s.dtype, "a margin needs a candidate list and the scores' dtype"
+        )
         margin = margin.contiguous()
     getattr(lib, f"dm_merge_{_SUFFIX[s.dtype]}")(
         s.data_ptr(), s.stride(0), m, n, offset, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
@@ -380,11 +398,9 @@ def merge_certified(
     contiguous), upper bounds reaching each row's k-th lower bound listed in ``listed`` (see
     native.c). ``qt`` (m, 3) and ``rt`` (n, 3) are the bound terms of
     :func:`densematch.precision.query_terms` / ``ref_terms``; ``bias`` (n,) float32 or None."""
-    lib = library()
-    if lib is None or h.dtype != torch.bfloat16 or best_v.dtype != torch.float32:
-        raise ValueError("merge_certified needs the C kernels, bfloat16 scores and a float32 top-k")
-    if not (best_v.is_contiguous() and best_i.is_contiguous()):
-        raise ValueError("merge_certified needs a contiguous running top-k")
+    lib = _loaded("merge_certified")
+    _require(h.dtype == torch.bfloat16 and best_v.dtype == torch.float32, "h must be bfloat16, best_v float32")
+    _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
     h = _unit_rows(h)
     m, n = h.shape
     if m * n == 0:
@@ -410,8 +426,8 @@ def pair_values(
     and r (n, C) of one dtype, any strides (rows that are not unit-stride are gathered first);
     idx (m, k) and q_rows (m,) int64. Each pair is reduced in one order, so equal rows give
     equal values. On this thread."""
-    lib = library()
-    assert lib is not None and q.dtype == r.dtype and idx.dtype == torch.int64
+    lib = _loaded("pair_values")
+    _require(q.dtype == r.dtype and idx.dtype == torch.int64, "q and r must share one dtype, idx be int64")
     m, k = idx.shape
     out = torch.empty((m, k), dtype=q.dtype)
     if m * k == 0:
