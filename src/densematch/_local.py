@@ -440,7 +440,7 @@ def _reachable(radius: int, step: int, size: int, moved: torch.Tensor | None, ax
     extremes (and a pixel for bilinear sampling). A radius beyond the maps costs nothing."""
     lo, hi = -(size - 1), size - 1
     if moved is not None:
-        f = moved[..., axis]
+        f = moved.detach()[..., axis]
         lo, hi = lo - math.ceil(float(f.max())) - 1, hi - math.floor(float(f.min())) + 1
     return range(max(-radius, -((-lo) // step)), min(radius, hi // step) + 1)
 
