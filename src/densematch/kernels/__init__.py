@@ -1,10 +1,13 @@
-"""Fused kernels, chosen by the engine where they apply. Triton is optional: without it (or
-without a GPU) the engine's torch path runs instead.
+"""Kernels the engine and the distances call where they apply.
 
-The one kernel today, :func:`densematch.kernels.topk.topk_launch`, multiplies query and
-reference tiles on the tensor cores and merges each score tile into a running top-k per row
-without writing it to memory; with the certificate of :mod:`densematch.precision` it also lists
-every candidate inside the rounding bound, for the engine to re-score in float32.
+- :mod:`densematch.kernels.topk` (Triton, optional: without it, or without a GPU, the engine's
+  torch path runs): :func:`~densematch.kernels.topk.topk_launch` multiplies query and reference
+  tiles on the tensor cores and merges each score tile into a running top-k per row without
+  writing it to memory; with the certificate of :mod:`densematch.precision` it also lists every
+  candidate inside the rounding bound, for the engine to re-score by the direct form.
+- :mod:`densematch.kernels.native` (C, built once per machine, called through ctypes): l1/linf
+  distances and their gradients, the passes around l2's product, the engine's tile merge with
+  the near-tie listing, the certified bfloat16 step, and the values of chosen pairs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-/* l1 and linf distances between the rows of Y (F x D) and the columns of X (D x P), and their
- * gradients, and the elementwise passes around the matrix product of l2 distances, in plain C for
- * one thread. densematch.kernels.native compiles this file once per
+/* densematch's CPU kernels, in plain C for one thread: l1 and linf distances between the rows of
+ * Y (F x D) and the columns of X (D x P) and their gradients, the elementwise passes around the
+ * matrix product of l2 distances, the engine's tile merge with its candidate listing (float32 /
+ * float64 scores, and the certified bfloat16 step), and the values of chosen row pairs. densematch.kernels.native compiles this file once per
  * machine and calls it through ctypes (which lets go of the GIL), one tile per worker thread.
  *
  * The forward keeps a block of FB rows of Y by PB columns of X in registers as accumulators and

@@ -1,4 +1,7 @@
-"""l1 / linf distance kernels in C, compiled once per machine and called through ctypes.
+"""densematch's C kernels for the CPU, compiled once per machine and called through ctypes: l1 /
+linf distances and their gradients, the elementwise passes around l2's product, the engine's tile
+merge with its candidate listing (float32 scores, and the certified bfloat16 step with its
+bounds), and the values of chosen row pairs.
 
 torch.cdist's CPU kernel for p=1 and p=inf reduces over the features one pair at a time; the
 kernels of ``native.c`` keep a block of pairs in registers and vectorise across pixels instead
