@@ -16,7 +16,21 @@ from .half import HalfSearch
 from .plan import Dims
 from .strategy import rescore_bytes, resolve_bytes
 
-__all__ = ["KernelSearch"]
+__all__ = ["KernelCandidates", "KernelSearch"]
+
+
+class KernelCandidates:
+    """The kernel's candidate slots as a :class:`~densematch.engine.pool.CandidateList`:
+    ``count`` (m,) pairs listed per row, the first ``cand.shape[1]`` of them in ``cand`` (m, cap)
+    (int32 columns, -1 where empty). The kernel keeps no values, so every listed pair is kept."""
+
+    def __init__(self, count: torch.Tensor, cand: torch.Tensor) -> None:
+        self.cand = cand
+        self.over = count > cand.shape[1]
+
+    def reaching(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, slot = ((self.cand >= 0) & ~self.over[:, None]).nonzero().unbind(1)
+        return rows, self.cand[rows, slot].long()
 
 
 class KernelSearch(HalfSearch):
@@ -91,8 +105,6 @@ class KernelSearch(HalfSearch):
             best_v.copy_(val[:, :k])
             best_i.copy_(idx[:, :k])
             return
-        over = cert["count"] > self.cap_rows
-        listed = (cert["cand"] >= 0) & ~over[:, None]
-        rows, slot = listed.nonzero().unbind(1)
         floor = val[:, :k].amin(1).to(self.dtype)  # the k-th best lower bound, in any slot order
-        self._settle(q, start, rows, cert["cand"][rows, slot].long(), over, floor, best_v, best_i, buf)
+        listed = KernelCandidates(cert["count"], cert["cand"])
+        self._settle(q, start, listed, floor, best_v, best_i, buf)

@@ -22,7 +22,7 @@ from ..metrics import Metric
 from ..precision import Precision, query_terms, ref_terms, unit_roundoff
 from .merge import best_of_candidates
 from .plan import Dims, TilePlan
-from .pool import Pool
+from .pool import CandidateList, Pool
 from .strategy import Inputs, Strategy, resolve_bytes
 
 __all__ = ["HalfSearch"]
@@ -188,9 +188,7 @@ class HalfSearch(Strategy):
             upper = e.add_(sub) if bias is None else e.add_(sub).add_(bias)
             pool.add(upper.nan_to_num_(nan=math.inf), j, best_v[:, -1], hot)
         del bounds  # free before `_settle`, whose blocks take its place
-        floor = best_v[:, -1].clone()
-        rows, cols = pool.finish(floor)
-        self._settle(q, start, rows, cols, pool.over, floor, best_v, best_i, buf)
+        self._settle(q, start, pool, best_v[:, -1].clone(), best_v, best_i, buf)
 
     def _native_certified(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
         """Whether each tile's bounds, merge and listing run as one C call
@@ -220,9 +218,7 @@ class HalfSearch(Strategy):
             n = min(self.tile_b, self.nb - j)
             s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n))
             native.merge_certified(s, j, best_v, best_i, qt, terms, bias, self.rounding, listed)
-        floor = best_v[:, -1].clone()
-        rows, cols = listed.reaching(floor)
-        self._settle(q, start, rows, cols, listed.over, floor, best_v, best_i, buf)
+        self._settle(q, start, listed, best_v[:, -1].clone(), best_v, best_i, buf)
 
     def _query_side(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._half_query(q)
@@ -238,18 +234,18 @@ class HalfSearch(Strategy):
         self,
         q: torch.Tensor,
         start: int,
-        rows: torch.Tensor,
-        cols: torch.Tensor,
-        over: torch.Tensor,
+        listed: CandidateList,
         floor: torch.Tensor,
         best_v: torch.Tensor,
         best_i: torch.Tensor,
         buf: torch.Tensor,
     ) -> None:
-        """Re-score the candidates (rows, cols) of the query tile at ``start`` by the metric's
-        direct form in the compute dtype into the running top-k, and resolve the ``over`` rows
-        (prepared rows of ``q``) against their ``floor`` without a cap."""
+        """Re-score the candidates ``listed`` of the query tile at ``start`` that reach their
+        row's ``floor`` by the metric's direct form in the compute dtype into the running top-k,
+        and resolve the rows over the cap (prepared rows of ``q``) without one."""
         m, k = best_v.shape
+        rows, cols = listed.reaching(floor)
+        over = listed.over
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         score = self._direct_scores(start, rows, cols, buf)

@@ -17,7 +17,7 @@ from ..metrics import Metric
 from ..precision import Precision, product_slack
 from .merge import best_of_candidates
 from .plan import Dims, TilePlan
-from .pool import Pool
+from .pool import CandidateList, Pool
 from .strategy import Inputs, Strategy, rescore_bytes, resolve_bytes
 
 __all__ = ["PlainSearch"]
@@ -94,25 +94,23 @@ class PlainSearch(Strategy):
         best_i.fill_(-1)
         # on a CPU one C call per tile merges and lists (native.merge); else the torch merge
         # finds the rows that reach their floor and the pool lists them
-        listed = native.Candidates(m, self.cap_rows, self.dtype) if self._native(best_v, best_i) else None
-        pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True) if listed is None else None
+        listed: CandidateList
+        if self._native(best_v, best_i):
+            listed = native.Candidates(m, self.cap_rows, self.dtype)
+        else:
+            listed = pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
             s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
-            if pool is None:
+            if isinstance(listed, native.Candidates):
                 native.merge(s, j, best_v, best_i, twice, listed)
                 continue
             hot, sub = self.merge(s, j, best_v, best_i, twice)
             if hot.numel():
                 pool.add(sub, j, best_v[:, -1] - twice, hot)
         floor = best_v[:, -1] - twice
-        if pool is not None:
-            rows, cols = pool.finish(floor)
-            over = pool.over
-        else:
-            assert listed is not None
-            rows, cols = listed.reaching(floor)
-            over = listed.over
+        rows, cols = listed.reaching(floor)
+        over = listed.over
         self._record(m, rows, over.nonzero().squeeze(1))
         crowded = torch.bincount(rows, minlength=m) > k
         keep = crowded[rows]

@@ -1,11 +1,33 @@
-"""The candidate pool of one query tile: the (row, column) pairs that may still enter a row's
-top k, pruned as the rows' floors rise."""
+"""Candidate lists: the (row, column) pairs of one query tile that may still enter a row's top
+k. :class:`CandidateList` is what every search hands to its last step, whoever listed them: the
+torch :class:`Pool` here, the C merge's :class:`densematch.kernels.native.Candidates`, or the
+fused kernel's slots (:class:`densematch.engine.fused.KernelCandidates`)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-__all__ = ["Pool"]
+__all__ = ["CandidateList", "Pool"]
+
+
+class CandidateList(Protocol):
+    """The candidates of one query tile of m rows.
+
+    Attributes
+    ----------
+    over : Tensor of bool, shape (m,)
+        Rows whose candidates outgrew the cap: their list is incomplete, and the search resolves
+        them without one.
+    """
+
+    over: torch.Tensor
+
+    def reaching(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of the listed pairs that may reach their row's ``floor`` (m,), rows
+        that are over left out."""
+        ...
 
 
 class Pool:
@@ -84,7 +106,7 @@ class Pool:
         self.rows, self.cols, self.vals = self.rows[keep], self.cols[keep], self.vals[keep]
         self.held = self.rows.numel()
 
-    def finish(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def reaching(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The final candidates (rows, columns), pruned with the final floor."""
         self._prune(floor)
         return self.rows, self.cols
