@@ -5,6 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from densematch.metrics import METRICS as _ALL
+from densematch.metrics import get_metric
+
+# every metric the library has, and those scored by a matrix product (the half-precision and
+# fused-kernel paths): the tests' one list, so a new metric is tested everywhere at once
+METRICS = list(_ALL)
+MATRIX = [m for m in METRICS if get_metric(m).matrix]
+
 HIGHER = {"cosine": True, "dot": True}
 
 

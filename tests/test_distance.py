@@ -4,9 +4,7 @@ import torch
 import densematch
 from densematch import PrototypeDistance, nearest_prototype, pairwise_distance
 
-from ._reference import assert_same_up_to_ties
-
-METRICS = ["l2", "sqeuclidean", "l1", "linf", "cosine", "dot"]
+from ._reference import METRICS, assert_same_up_to_ties
 
 
 def broadcast_reference(x: torch.Tensor, p: torch.Tensor, metric: str) -> torch.Tensor:

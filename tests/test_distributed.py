@@ -25,11 +25,10 @@ from densematch import engine
 from densematch.distributed import _merge
 from densematch.features import dense_features
 
-from ._reference import assert_same_up_to_ties, decided, reference_scores, tolerance
+from ._reference import METRICS, assert_same_up_to_ties, decided, reference_scores, tolerance
 from .conftest import patch_features
 
 WORLD = 2
-METRICS = ["cosine", "dot", "l2", "sqeuclidean", "l1", "linf"]
 
 
 # -- the merge alone, no processes -------------------------------------------------------------

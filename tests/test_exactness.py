@@ -17,13 +17,12 @@ from densematch.precision import CANDIDATES, Precision
 
 from ._paths import PATHS, TORCH_PATHS, on_path
 from ._reference import (
+    MATRIX,
     assert_exact_ties_lowest,
     assert_same_up_to_ties,
     assert_topk_exact,
     reference_scores_exact,
 )
-
-MATRIX = ["cosine", "dot", "l2", "sqeuclidean"]
 
 
 def flat_match(a, b, metric, k, path, **kw):

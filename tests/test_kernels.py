@@ -11,10 +11,9 @@ from densematch import engine, kernels
 from densematch.metrics import get_metric
 from densematch.precision import Precision
 
-from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores
+from ._reference import MATRIX, assert_same_up_to_ties, assert_topk_exact, reference_scores
 from .conftest import patch_features
 
-MATRIX = ["cosine", "dot", "l2", "sqeuclidean"]
 TORCH = Precision(backend="torch")
 
 

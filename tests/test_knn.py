@@ -6,10 +6,8 @@ import torch
 import densematch
 from densematch.metrics import Metric
 
-from ._reference import assert_same_up_to_ties, reference_scores
+from ._reference import METRICS, assert_same_up_to_ties, reference_scores
 from .test_memory import peak_extra
-
-METRICS = ["l2", "sqeuclidean", "l1", "linf", "cosine", "dot"]
 
 
 @pytest.mark.parametrize("metric", METRICS)

@@ -14,11 +14,9 @@ from hypothesis import strategies as st
 import densematch
 from densematch import LocalMatcher, local_match
 
-from ._reference import assert_same_up_to_ties, reference_scores, reported, tolerance
+from ._reference import METRICS, assert_same_up_to_ties, reference_scores, reported, tolerance
 from .conftest import patch_features
 from .test_memory import peak_extra
-
-METRICS = ["cosine", "dot", "l2", "sqeuclidean", "l1", "linf"]
 
 
 def _pair(v):

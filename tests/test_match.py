@@ -7,10 +7,16 @@ from hypothesis import strategies as st
 import densematch
 from densematch import match
 
-from ._reference import assert_same_up_to_ties, assert_topk_exact, decided, reference_scores, reported, tolerance
+from ._reference import (
+    METRICS,
+    assert_same_up_to_ties,
+    assert_topk_exact,
+    decided,
+    reference_scores,
+    reported,
+    tolerance,
+)
 from .conftest import patch_features
-
-METRICS = ["cosine", "dot", "l2", "sqeuclidean", "l1"]
 
 
 def brute(a, b, metric):

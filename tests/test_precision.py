@@ -14,12 +14,11 @@ from densematch.engine.strategy import Strategy
 from densematch.metrics import get_metric
 from densematch.precision import Precision, query_terms, ref_terms, resolve_precision
 
-from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores
+from ._reference import MATRIX, assert_same_up_to_ties, assert_topk_exact, reference_scores
 from .conftest import patch_features
 
 BF16 = Precision(half=torch.bfloat16)
 
-MATRIX = ["cosine", "dot", "l2", "sqeuclidean"]
 HALVES = [torch.bfloat16, torch.float16]
 
 

@@ -1,6 +1,6 @@
 """Stretch-and-shift alignment of a template into an image, found globally.
 
-Convention (as in the brief): template pixel (r, c) looks at image coordinate
+Convention (docs/align.md): template pixel (r, c) looks at image coordinate
 ((r + shift_y + 0.5) / scale_h - 0.5, (c + shift_x + 0.5) / scale_w - 0.5), sampled bilinearly:
 the image resized by (scale_h, scale_w) as ``torch.nn.functional.interpolate`` does with
 ``scale_factor`` and ``align_corners=False``, then cropped at (shift_y, shift_x).

@@ -52,7 +52,8 @@ class AlignmentCase:
 def reference_warp(
     image: torch.Tensor, scale_h: float, scale_w: float, shift_y: float, shift_x: float, size: tuple[int, int]
 ) -> torch.Tensor:
-    """The brief's convention through ``grid_sample`` (an implementation independent of align's)."""
+    """:func:`densematch.warp`'s convention (docs/align.md) through ``grid_sample``: an
+    implementation independent of align's own, for checking it."""
     hh, ww = image.shape[-2:]
     r = torch.arange(size[0], dtype=torch.float64)
     c = torch.arange(size[1], dtype=torch.float64)
