@@ -81,25 +81,26 @@ def test_match_stays_under_its_budget(n, mib, metric, mutual, half):
     assert extra <= mib * 2**20 + outputs, f"peak working memory {extra / 2**20:.1f} MiB"
 
 
-L1_TRAIN = """
+TRAIN = """
 g = torch.Generator().manual_seed(0)
-x = torch.randn(4, 128, 64, 64, generator=g, requires_grad=True)
-p = torch.randn(256, 128, generator=g, requires_grad=True)
+x = torch.randn(4, {d}, 64, 64, generator=g, requires_grad=True)
+p = torch.randn(256, {d}, generator=g, requires_grad=True)
 def run(small):
     xs = x[:, :, :4, :4] if small else x
-    d = densematch.pairwise_distance(xs, p, "l1", memory="64MiB")
+    d = densematch.pairwise_distance(xs, p, "{metric}", memory="{mib}MiB")
     d.backward(torch.ones_like(d))
 """
 
 
 @pytest.mark.slow
-def test_l1_forward_backward_never_builds_the_broadcast():
-    # the broadcast would be 4*64*64*256*128 floats = 2 GiB
-    extra = peak_extra(L1_TRAIN)
+@pytest.mark.parametrize(("metric", "d", "mib"), [("l1", 128, 64), ("l2", 64, 16)])
+def test_distances_forward_backward_keep_their_budget(metric, d, mib):
+    # the broadcast would be 4*64*64*256*d floats (2 GiB for l1's d=128)
+    extra = peak_extra(TRAIN.format(metric=metric, d=d, mib=mib))
     output = 4 * 256 * 64 * 64 * 4
-    grads = 4 * 128 * 64 * 64 * 4 + 256 * 128 * 4
+    grads = 4 * d * 64 * 64 * 4 + 256 * d * 4
     # output + its gradient, x's gradient and its float copy, and the tiles
-    assert extra <= 2 * output + 2 * grads + 64 * 2**20, f"peak {extra / 2**20:.1f} MiB"
+    assert extra <= 2 * output + 2 * grads + mib * 2**20, f"peak {extra / 2**20:.1f} MiB"
 
 
 NEAREST = """
@@ -183,21 +184,3 @@ def test_local_volume_backward_keeps_its_budget():
     extra = peak_extra(LOCAL_VOLUME_BACKWARD)
     outputs = 81 * 96 * 128 * 4 + 2 * 96 * 128 * 64 * 4  # the volume, and a's and b's gradients
     assert extra <= 4 * 2**20 + outputs, f"peak {extra / 2**20:.1f} MiB"
-
-
-L2_BACKWARD = """
-g = torch.Generator().manual_seed(0)
-x = torch.randn(4, 64, 64, 64, generator=g, requires_grad=True)
-p = torch.randn(256, 64, generator=g, requires_grad=True)
-def run(small):
-    xs = x[:, :, :4, :4] if small else x
-    d = densematch.pairwise_distance(xs, p, "l2", memory="16MiB")
-    d.backward(torch.ones_like(d))
-"""
-
-
-@pytest.mark.slow
-def test_l2_distances_backward_keeps_its_budget():
-    extra = peak_extra(L2_BACKWARD)
-    outputs = 2 * 4 * 256 * 64 * 64 * 4 + 4 * 64 * 64 * 64 * 4 + 256 * 64 * 4  # d, its grad_output, x's and p's grads
-    assert extra <= 16 * 2**20 + outputs, f"peak {extra / 2**20:.1f} MiB"
