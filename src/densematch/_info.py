@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
 import numpy as np
 import torch
 
 from .config import get_config, resolve_memory
 from .kernels import native, triton_available
-from .precision import _cpu_has_amx, device_half
+from .precision import _cpu_has_amx, cpu_capabilities, device_half
 
 # the environment variables densematch reads, beside config_context
 ENVIRONMENT = ("DENSEMATCH_MEMORY", "DENSEMATCH_NATIVE", "DENSEMATCH_CACHE", "DENSEMATCH_KERNEL_BLOCKS")
@@ -21,8 +21,7 @@ ENVIRONMENT = ("DENSEMATCH_MEMORY", "DENSEMATCH_NATIVE", "DENSEMATCH_CACHE", "DE
 
 def _cpu() -> tuple[str, str]:
     """The CPU's name and the instruction sets that matter here, from torch's own probe."""
-    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    caps: dict[str, Any] = probe() if probe is not None else {}
+    caps = cpu_capabilities() or {}
     names = ("avx2", "fma3", "avx512_f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16")
     seen = [name for name in names if caps.get(name) is True]
     name = str(caps.get("cpu_name") or platform.processor() or platform.machine())

@@ -32,6 +32,7 @@ small bounds, however large the bound of far-away rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -197,11 +198,16 @@ def _half_candidates(device: torch.device, metric: Metric) -> tuple[torch.dtype,
     return (torch.bfloat16, torch.float16) if metric.unit else (torch.bfloat16,)
 
 
+def cpu_capabilities() -> dict[str, Any] | None:
+    """torch's own probe of this CPU (its name and instruction sets), None where torch has none."""
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    return None if probe is None else dict(probe())
+
+
 def _cpu_has_amx() -> bool:
     """Whether this CPU multiplies bfloat16 with AMX tiles (from torch's own CPU feature probe)."""
-    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    if probe is not None:
-        caps = probe()
+    caps = cpu_capabilities()
+    if caps is not None:
         return bool(caps.get("amx_bf16") and caps.get("amx_tile"))
     tile = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(tile is not None and tile())

@@ -27,6 +27,10 @@ from .strategy import Inputs, Strategy, resolve_bytes
 
 __all__ = ["HalfSearch"]
 
+# the float32 roundings of adding the l2 bias to a half score, and of the bounds built on it
+# (relative to the score and to the bias): four at most
+_BIAS_ROUNDING = 4 * unit_roundoff(torch.float32)
+
 
 class HalfSearch(Strategy):
     """Candidates from half-precision products, certified and re-scored (see the module).
@@ -72,7 +76,7 @@ class HalfSearch(Strategy):
         self.rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
         self.split = self.split_bias and self.metric.extra_columns == 1
         if self.split:  # the float32 additions of the bias to the block, low and upper bounds
-            self.rounding += 4 * unit_roundoff(torch.float32)
+            self.rounding += _BIAS_ROUNDING
         if inputs.prepared is not None:
             state = inputs.prepared.state
             self.shift, self.whole_h, self.whole_t = state["shift"], state["whole_h"], state["whole_t"]
@@ -117,7 +121,7 @@ class HalfSearch(Strategy):
             return ref_terms(refs, half_refs)
         c = refs.shape[1] - 1
         terms = ref_terms(refs[:, :c], half_refs[:, :c])
-        terms[:, 2] += 4 * unit_roundoff(torch.float32) * refs[:, c].abs()
+        terms[:, 2] += _BIAS_ROUNDING * refs[:, c].abs()
         return terms
 
     def _half_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -295,6 +295,43 @@ DEFINE_L2(double, f64, sqrt)
 #define DEFINE_MERGE(T, SUF)                                                                       \
     enum { CHUNK_##SUF = (int)(2 * STEP(T)) }; /* values per chunk: four vectors */                \
     static inline int better_##SUF(T v, long i, T w, long j) { return v > w || (v == w && i < j); } \
+    /* list the pair (idx, v) in a row's candidate slots (cap of them, *count used): a full list   \
+     * keeps only what still reaches floor, and a row whose every slot still does is marked over.  \
+     * Returns whether the row goes on listing. */                                                 \
+    static inline int list_##SUF(int64_t *cc, T *cv, int *count, long cap, unsigned char *over, T floor,\
+                                 long idx, T v) {                                                  \
+        if (*count == cap) {                                                                       \
+            int kept = 0;                                                                          \
+            for (int t = 0; t < cap; t++)                                                          \
+                if (cv[t] >= floor) {                                                              \
+                    cc[kept] = cc[t];                                                              \
+                    cv[kept] = cv[t];                                                              \
+                    kept++;                                                                        \
+                }                                                                                  \
+            *count = kept;                                                                         \
+            if (kept == cap) {                                                                     \
+                *over = 1;                                                                         \
+                return 0;                                                                          \
+            }                                                                                      \
+        }                                                                                          \
+        cc[*count] = idx;                                                                          \
+        cv[*count] = v;                                                                            \
+        (*count)++;                                                                                \
+        return 1;                                                                                  \
+    }                                                                                              \
+    /* (v, idx) into a row's running top-k (bv, bi; best first) if it beats the k-th; whether it did */\
+    static inline int insert_##SUF(T *bv, int64_t *bi, long k, T v, long idx) {                    \
+        if (!better_##SUF(v, idx, bv[k - 1], bi[k - 1])) return 0;                                 \
+        long t = k - 1;                                                                            \
+        while (t > 0 && better_##SUF(v, idx, bv[t - 1], bi[t - 1])) {                              \
+            bv[t] = bv[t - 1];                                                                     \
+            bi[t] = bi[t - 1];                                                                     \
+            t--;                                                                                   \
+        }                                                                                          \
+        bv[t] = v;                                                                                 \
+        bi[t] = idx;                                                                               \
+        return 1;                                                                                  \
+    }                                                                                              \
     /* whether any of the chunk's values at p is >= floor (NaN never is) */                        \
     static inline int reaches_##SUF(const T *p, T floor) {                                         \
         const vec_##SUF f = (vec_##SUF){} + floor;                                                 \
@@ -324,38 +361,9 @@ DEFINE_L2(double, f64, sqrt)
                     const T v = row[q];                                                            \
                     if (!(v >= floor)) continue;                                                   \
                     const long idx = offset + q;                                                   \
-                    if (listing) {                                                                 \
-                        if (counts[r] == cap) {                                                    \
-                            int kept = 0;                                                          \
-                            for (int t = 0; t < cap; t++)                                          \
-                                if (cv[t] >= floor) {                                              \
-                                    cc[kept] = cc[t];                                              \
-                                    cv[kept] = cv[t];                                              \
-                                    kept++;                                                        \
-                                }                                                                  \
-                            counts[r] = kept;                                                      \
-                            if (kept == cap) {                                                     \
-                                over[r] = 1;                                                       \
-                                listing = 0;                                                       \
-                            }                                                                      \
-                        }                                                                          \
-                        if (listing) {                                                             \
-                            cc[counts[r]] = idx;                                                   \
-                            cv[counts[r]] = v;                                                     \
-                            counts[r]++;                                                           \
-                        }                                                                          \
-                    }                                                                              \
-                    if (better_##SUF(v, idx, bv[k - 1], bi[k - 1])) {                              \
-                        long t = k - 1;                                                            \
-                        while (t > 0 && better_##SUF(v, idx, bv[t - 1], bi[t - 1])) {              \
-                            bv[t] = bv[t - 1];                                                     \
-                            bi[t] = bi[t - 1];                                                     \
-                            t--;                                                                   \
-                        }                                                                          \
-                        bv[t] = v;                                                                 \
-                        bi[t] = idx;                                                               \
-                        floor = bv[k - 1] - slack;                                                 \
-                    }                                                                              \
+                    if (listing)                                                                   \
+                        listing = list_##SUF(cc, cv, &counts[r], cap, &over[r], floor, idx, v);    \
+                    if (insert_##SUF(bv, bi, k, v, idx)) floor = bv[k - 1] - slack;                \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
@@ -415,37 +423,9 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
                 float low = (hv - ev[t]) + (bias ? bias[c] : 0.0f), up = uv[t];
                 if (low != low) low = -INFINITY;
                 if (up != up) up = INFINITY;
-                if (listing && up >= bv[k - 1]) {
-                    if (counts[r] == cap) { /* full: keep only what still reaches the floor */
-                        int kept = 0;
-                        for (int s = 0; s < cap; s++)
-                            if (cv[s] >= bv[k - 1]) {
-                                cc[kept] = cc[s];
-                                cv[kept] = cv[s];
-                                kept++;
-                            }
-                        counts[r] = kept;
-                        if (kept == cap) {
-                            over[r] = 1;
-                            listing = 0;
-                        }
-                    }
-                    if (listing) {
-                        cc[counts[r]] = idx;
-                        cv[counts[r]] = up;
-                        counts[r]++;
-                    }
-                }
-                if (low > bv[k - 1] || (low == bv[k - 1] && idx < bi[k - 1])) {
-                    long s = k - 1;
-                    while (s > 0 && (low > bv[s - 1] || (low == bv[s - 1] && idx < bi[s - 1]))) {
-                        bv[s] = bv[s - 1];
-                        bi[s] = bi[s - 1];
-                        s--;
-                    }
-                    bv[s] = low;
-                    bi[s] = idx;
-                }
+                if (listing && up >= bv[k - 1])
+                    listing = list_f32(cc, cv, &counts[r], cap, &over[r], bv[k - 1], idx, up);
+                insert_f32(bv, bi, k, low, idx);
             }
         }
     }

@@ -58,6 +58,11 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _status: dict[str, str] = {}  # why the library could not be loaded, once it was tried
 
 
+def _switched_off() -> bool:
+    """Whether DENSEMATCH_NATIVE=0 (or empty) keeps the C kernels out."""
+    return os.environ.get("DENSEMATCH_NATIVE", "1") in ("0", "")
+
+
 def cache_dir() -> Path:
     """Where built libraries are kept: ``$DENSEMATCH_CACHE``, else ``$XDG_CACHE_HOME/densematch``,
     else ``~/.cache/densematch``."""
@@ -138,7 +143,7 @@ def build() -> Path:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded library, built if needed; None where it cannot be (the reason is logged)."""
-    if os.environ.get("DENSEMATCH_NATIVE", "1") in ("0", ""):
+    if _switched_off():
         return None
     try:
         lib = ctypes.CDLL(str(build()))
@@ -192,7 +197,7 @@ def library() -> ctypes.CDLL | None:
 def status() -> dict[str, str]:
     """Whether the C kernels run in this process, and why not, with their library and flags
     (for ``densematch info``); builds them if they are wanted and not yet built."""
-    if os.environ.get("DENSEMATCH_NATIVE", "1") in ("0", ""):
+    if _switched_off():
         return {"kernels": "off (DENSEMATCH_NATIVE=0)"}
     if library() is None:
         return {"kernels": f"unavailable: {_status.get('reason', 'unknown')}"}
