@@ -71,6 +71,24 @@ class TestShapesAndLayouts:
         want = match(a, b, metric="l2", k=3, ratio=0.8999999761581421, mask_b=mask)
         assert torch.equal(got.index, want.index) and torch.equal(got.valid, want.valid)
 
+    def test_options_are_one_checked_frozen_object(self):
+        options = densematch.MatchOptions(metric="l2", k=2, stride=[14], ratio=np.float32(0.5))
+        assert options.stride == (14.0, 14.0) and type(options.ratio) is float
+        assert (
+            repr(options)
+            == "MatchOptions(metric='l2', k=2, ratio=0.5, layout='hwc', precision='exact', stride=(14.0, 14.0))"
+        )
+        with pytest.raises(AttributeError):
+            options.k = 3  # frozen: a matcher's settings cannot drift from what was checked
+        m = densematch.DenseMatcher(options)
+        assert m.options is options and m.k == 2 and m.stride == (14.0, 14.0)
+        assert repr(m) == f"DenseMatcher({options.shown()})"
+        a, b = torch.randn(6, 5, 4), torch.randn(7, 3, 4)
+        got, want = m(a, b), match(a, b, **options.settings())
+        assert torch.equal(got.index, want.index) and torch.equal(got.coords, want.coords)
+        with pytest.raises(TypeError, match="not both"):
+            densematch.DenseMatcher(options, k=3)
+
     @pytest.mark.parametrize(
         ("kwargs", "error", "pattern"),
         [
@@ -273,7 +291,7 @@ class TestBadInput:
             (dict(a=[[1.0]]), TypeError, "a must be a torch.Tensor or numpy.ndarray"),
             (dict(metric="L3"), ValueError, "metric must be one of 'cosine', 'dot'"),
             (dict(layout="nhwc"), ValueError, "layout must be one of 'hwc', 'chw', 'flat'"),
-            (dict(k=0), ValueError, "k must be between 1 and 20"),
+            (dict(k=0), ValueError, "k must be >= 1, got 0"),
             (dict(k=21), ValueError, "k must be between 1 and 20, got 21"),
             (dict(k=2.0), TypeError, "k must be an int"),
             (dict(ratio=0.0), ValueError, r"ratio must be in \(0, 1\]"),

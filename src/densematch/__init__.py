@@ -12,6 +12,7 @@ from ._match import DenseMatcher, Matches, match
 from ._soft import SoftMatches, soft_match
 from .budget import parse_memory
 from .config import config_context, get_config
+from .options import MatchOptions
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "DenseMatcher",
     "KNNIndex",
     "LocalMatcher",
+    "MatchOptions",
     "Matches",
     "PrototypeDistance",
     "SoftMatches",

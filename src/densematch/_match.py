@@ -13,24 +13,24 @@ import torch
 from torch import nn
 
 from . import engine
-from ._refine import REFINES, refine_positions
-from .budget import parse_memory
+from ._refine import refine_positions
 from .checks import (
-    LAYOUTS,
     check_batch_mask,
-    check_choice,
     check_features,
     check_finite,
     check_int,
-    check_real,
+    check_pair,
     compute_dtype,
 )
 from .config import resolve_memory
 from .metrics import Metric, get_metric
-from .precision import PRECISIONS, Precision, resolve_precision
+from .options import MatchOptions
+from .precision import Precision, resolve_precision
 from .progress import progress_bar
 
-__all__ = ["DenseMatcher", "Matches", "match"]
+__all__ = ["DenseMatcher", "MatchOptions", "Matches", "match"]
+
+_OPTION_NAMES = frozenset(f.name for f in fields(MatchOptions))
 
 
 @dataclass
@@ -174,11 +174,27 @@ def match(
     >>> bool((match(f, f).coords[..., 1] == torch.arange(32)).all())
     True
     """
-    task = validate(
-        a, b, metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision, exclude_radius=exclude_radius
+    options = MatchOptions(
+        metric=metric,
+        k=k,
+        mutual=mutual,
+        ratio=ratio,
+        layout=layout,
+        memory=memory,
+        progress=progress,
+        precision=precision,
+        refine=refine,
+        stride=stride,
+        offset=offset,
+        exclude_radius=exclude_radius,
     )
-    placing = _check_placing(task, refine, stride, offset)
-    with progress_bar(progress, total=task.pixels_searched(), unit="px", desc="match") as bar:
+    return run(a, b, options, mask_a=mask_a, mask_b=mask_b)
+
+
+def run(a: Any, b: Any, options: MatchOptions, *, mask_a: Any = None, mask_b: Any = None) -> Matches:
+    """:func:`match` with its settings already checked: what every match-like caller runs."""
+    task = validate(a, b, options, mask_a, mask_b)
+    with progress_bar(options.progress, total=task.pixels_searched(), unit="px", desc="match") as bar:
         # what both passes (a against b, and the mutual check's b against a) search with
         search = task.search(bar.update)
 
@@ -192,47 +208,20 @@ def match(
             _, back = search(task.rb[i], task.ra[i], k=1, rows_a=rows_b, rows_b=rows_a, reserved=reserved)
             return owners(back[:, 0], rows_b, task.nb)
 
-        found = solve(task, forward, backward)
-    return found if placing is None else _placed(task, found, *placing)
+        return placed(task, solve(task, forward, backward))
 
 
-def _pair(value: Any, name: str, positive: bool) -> tuple[float, float]:
-    values = value if isinstance(value, (tuple, list)) else (value, value)
-    if len(values) != 2:
-        raise ValueError(f"{name} must be a number or a (row, col) pair, got {value!r}")
-    out = tuple(check_real(v, name, -math.inf, math.inf) for v in values)
-    if positive and min(out) <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return out[0], out[1]
-
-
-def _check_placing(
-    task: Task, refine: str | None, stride: Any, offset: Any
-) -> tuple[str | None, tuple[float, float], tuple[float, float]] | None:
-    """The validated refine mode, stride and offset, or None when coords stay integers."""
-    if refine is None and stride is None and offset is None:
-        return None
-    if refine is not None:
-        refine = check_choice(refine, "refine", REFINES)
-    if task.layout == "flat" or len(task.grid_b) != 2:
-        raise ValueError(
-            f"refine, stride and offset need 2-D grids (layout 'hwc' or 'chw'), got layout {task.layout!r} "
-            f"with b's grid {task.grid_b}"
-        )
-    s = (1.0, 1.0) if stride is None else _pair(stride, "stride", True)
-    o = (0.0, 0.0) if offset is None else _pair(offset, "offset", False)
-    return refine, s, o
-
-
-def _placed(
-    task: Task, found: Matches, refine: str | None, stride: tuple[float, float], offset: tuple[float, float]
-) -> Matches:
-    """``found`` with float coords: refined, then mapped by stride and offset."""
-    assert found.coords is not None  # grid layouts have coords
+def placed(task: Task, found: Matches) -> Matches:
+    """``found`` with float coords where the options ask for them: refined, then mapped by
+    stride and offset (per (row, col): ``coords * stride + offset``)."""
+    options = task.options
+    if not options.places:
+        return found
+    assert found.coords is not None  # the options are checked against the grids in validate
     dtype = torch.float64 if task.precision.dtype == torch.float64 else compute_dtype(task.ra)
     k = task.k
     index = found.index.reshape(task.nbatch, task.na, k)
-    if refine is None:
+    if options.refine is None:
         coords = found.coords.to(dtype).reshape(task.nbatch, task.na, k, 2)
         coords = torch.where(index[..., None] >= 0, coords, float("nan"))
     else:
@@ -245,22 +234,23 @@ def _placed(
                         (task.grid_b[0], task.grid_b[1]),
                         index[i],
                         task.metric,
-                        refine,
+                        options.refine,
                         task.budget,
                         None if task.masks[1] is None else task.masks[1][i].reshape(-1),
                     ).to(dtype)
                     for i in range(task.nbatch)
                 ]
             )
-    scale = torch.tensor(stride, dtype=dtype, device=coords.device)
-    shift = torch.tensor(offset, dtype=dtype, device=coords.device)
+    scale = torch.tensor(options.stride or (1.0, 1.0), dtype=dtype, device=coords.device)
+    shift = torch.tensor(options.offset or (0.0, 0.0), dtype=dtype, device=coords.device)
     coords = (coords * scale + shift).reshape(found.coords.shape)
     return Matches(index=found.index, coords=coords, score=found.score, valid=found.valid)
 
 
 @dataclass
 class Task:
-    """A validated :func:`match` call: flat rows, grids, batch masks and the resolved settings.
+    """A validated :func:`match` call: flat rows, grids, batch masks, the options and what they
+    resolve to on these inputs (the metric, k, the precision and the budget).
 
     ``nb`` and ``grid_b`` describe the whole of b (for a sharded search, every band together),
     ``rb`` and the b mask only the rows this process holds.
@@ -272,15 +262,28 @@ class Task:
     grid_b: tuple[int, ...]
     batched: bool
     masks: tuple[torch.Tensor | None, torch.Tensor | None]
+    options: MatchOptions
     metric: Metric
     k: int
-    mutual: bool
-    ratio: float | None
-    layout: str
     precision: Precision
     budget: int
     nb: int
-    exclude_radius: float | None = None
+
+    @property
+    def mutual(self) -> bool:
+        return self.options.mutual
+
+    @property
+    def ratio(self) -> float | None:
+        return self.options.ratio
+
+    @property
+    def layout(self) -> str:
+        return self.options.layout
+
+    @property
+    def exclude_radius(self) -> float | None:
+        return self.options.exclude_radius
 
     @property
     def nbatch(self) -> int:
@@ -339,39 +342,30 @@ class Task:
 def validate(
     a: Any,
     b: Any,
-    metric: str,
-    k: int,
-    mutual: bool,
-    ratio: float | None,
-    layout: str,
-    mask_a: Any,
-    mask_b: Any,
-    memory: int | str | None,
-    precision: str,
+    options: MatchOptions,
+    mask_a: Any = None,
+    mask_b: Any = None,
     *,
     nb: int | None = None,
     grid_b: tuple[int, ...] | None = None,
     empty_b: bool = False,
-    exclude_radius: float | None = None,
 ) -> Task:
-    """Validate a :func:`match` call. ``nb`` and ``grid_b`` give the whole of b where this
-    process holds only a band of it (``empty_b``: a band may have no rows)."""
-    layout = check_choice(layout, "layout", LAYOUTS)
-    m = get_metric(metric)
-    check_choice(precision, "precision", PRECISIONS)
+    """The :func:`match` call of ``options`` on these inputs: what depends on the data is
+    checked here (shapes, k against b's pixels, masks, finite values, 2-D grids where the
+    options place or exclude). ``nb`` and ``grid_b`` give the whole of b where this process
+    holds only a band of it (``empty_b``: a band may have no rows)."""
+    layout = options.layout
     ra, grid_a, batched_a = check_features(a, "a", layout, finite=False)
     rb, band_grid, batched_b = check_features(b, "b", layout, finite=False, empty=empty_b)
-    if ra.device != rb.device:
-        raise ValueError(f"a and b must be on one device, got {ra.device} and {rb.device}")
-    if batched_a != batched_b or ra.shape[0] != rb.shape[0]:
-        raise ValueError(
-            f"a and b must have the same batch size, got {tuple(ra.shape[:1]) if batched_a else 'none'} "
-            f"and {tuple(rb.shape[:1]) if batched_b else 'none'}"
-        )
-    if ra.shape[2] != rb.shape[2]:
-        raise ValueError(f"a and b must have the same number of channels C, got {ra.shape[2]} and {rb.shape[2]}")
+    check_pair(ra, rb, batched_a, batched_b)
+    whole_grid = band_grid if grid_b is None else grid_b
     total = rb.shape[1] if nb is None else nb
-    k = check_int(k, "k", 1, total)
+    k = check_int(options.k, "k", 1, total)
+    if (options.places or options.exclude_radius is not None) and (layout == "flat" or len(whole_grid) != 2):
+        raise ValueError(
+            f"refine, stride, offset and exclude_radius need 2-D grids (layout 'hwc' or 'chw'), got layout "
+            f"{layout!r} with b's grid {whole_grid}"
+        )
     nbatch = ra.shape[0]
     masks = (
         check_batch_mask(mask_a, "mask_a", nbatch, grid_a, batched_a, ra.device),
@@ -380,22 +374,20 @@ def validate(
     # masked-out pixels are never read, so they may hold anything (NaN padding of ragged batches)
     for rows, mask, name in ((ra, masks[0], "a"), (rb, masks[1], "b")):
         check_finite(rows, name, mask=None if mask is None else mask.reshape(nbatch, -1))
+    m = get_metric(options.metric)
     return Task(
         ra=ra,
         rb=rb,
         grid_a=grid_a,
-        grid_b=band_grid if grid_b is None else grid_b,
+        grid_b=whole_grid,
         batched=batched_a,
         masks=masks,
+        options=options,
         metric=m,
         k=k,
-        mutual=bool(mutual),
-        ratio=_check_ratio(ratio, m),
-        layout=layout,
-        precision=resolve_precision(precision, ra.device, m),
-        budget=resolve_memory(memory, ra.device),
+        precision=resolve_precision(options.precision, ra.device, m),
+        budget=resolve_memory(options.memory, ra.device),
         nb=total,
-        exclude_radius=_check_exclude(exclude_radius, ratio, layout, grid_b or band_grid),
     )
 
 
@@ -447,27 +439,6 @@ def owners(back: torch.Tensor, rows_b: torch.Tensor | None, nb: int) -> torch.Te
     return owner
 
 
-def _check_ratio(ratio: Any, metric: Metric) -> float | None:
-    """``ratio`` as a float in (0, 1], or None; refused for "dot", which is not a distance."""
-    if ratio is None:
-        return None
-    ratio = check_real(ratio, "ratio", 0.0, 1.0, low_open=True)
-    if not metric.has_ratio:
-        raise ValueError(f"ratio is undefined for metric={metric.name!r} (not a distance); use 'cosine'")
-    return ratio
-
-
-def _check_exclude(radius: Any, ratio: Any, layout: str, grid_b: tuple[int, ...]) -> float | None:
-    if radius is None:
-        return None
-    radius = check_real(radius, "exclude_radius", 0.0, math.inf)
-    if ratio is None:
-        raise ValueError("exclude_radius applies to the ratio test: give ratio= as well")
-    if layout == "flat" or len(grid_b) != 2:
-        raise ValueError(f"exclude_radius needs 2-D grids (layout 'hwc' or 'chw'), got layout {layout!r}")
-    return radius
-
-
 def _runner_up(v: torch.Tensor, idx: torch.Tensor, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, 2) values and indices of the best and of the best candidate farther than
     ``task.exclude_radius`` pixels (Euclidean, in b's grid) from it; index -1 where none is."""
@@ -494,8 +465,12 @@ class DenseMatcher(nn.Module):
 
     Parameters
     ----------
-    metric, k, mutual, ratio, layout, memory, progress, precision, refine, stride, offset, exclude_radius
-        As in :func:`match`, checked here (``k`` against b's pixels at each call).
+    options : MatchOptions, optional
+        The settings, already built; or give them as keywords instead:
+    **settings
+        metric, k, mutual, ratio, layout, memory, progress, precision, refine, stride, offset
+        and exclude_radius, as in :func:`match`, checked here (``k`` against b's pixels at each
+        call). Each is readable as an attribute (``matcher.k``).
 
     Examples
     --------
@@ -506,70 +481,20 @@ class DenseMatcher(nn.Module):
     torch.Size([8, 8, 3])
     """
 
-    def __init__(
-        self,
-        *,
-        metric: str = "cosine",
-        k: int = 1,
-        mutual: bool = False,
-        ratio: float | None = None,
-        layout: str = "hwc",
-        memory: int | str | None = None,
-        progress: bool = False,
-        precision: str = "exact",
-        refine: str | None = None,
-        stride: float | tuple[float, float] | None = None,
-        offset: float | tuple[float, float] | None = None,
-        exclude_radius: float | None = None,
-    ) -> None:
+    def __init__(self, options: MatchOptions | None = None, /, **settings: Any) -> None:
         super().__init__()
-        m = get_metric(metric)
-        self.metric = m.name
-        self.k = check_int(k, "k", 1)
-        self.mutual, self.progress = bool(mutual), bool(progress)
-        self.ratio = _check_ratio(ratio, m)
-        self.layout = check_choice(layout, "layout", LAYOUTS)
-        if memory is not None:
-            parse_memory(memory)
-        self.memory = memory
-        self.precision = check_choice(precision, "precision", PRECISIONS)
-        self.refine = None if refine is None else check_choice(refine, "refine", REFINES)
-        self.stride = None if stride is None else _pair(stride, "stride", True)
-        self.offset = None if offset is None else _pair(offset, "offset", False)
-        self.exclude_radius = None
-        if exclude_radius is not None:
-            self.exclude_radius = _check_exclude(exclude_radius, self.ratio, self.layout, (1, 1))
+        if options is not None and settings:
+            raise TypeError(f"DenseMatcher takes a MatchOptions or keywords, not both; got both and {sorted(settings)}")
+        self.options = MatchOptions(**settings) if options is None else options
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.__dict__.get("options")
+        if name in _OPTION_NAMES and options is not None:
+            return getattr(options, name)
+        return super().__getattr__(name)
 
     def forward(self, a: Any, b: Any, *, mask_a: Any = None, mask_b: Any = None) -> Matches:
-        return match(
-            a,
-            b,
-            metric=self.metric,
-            k=self.k,
-            mutual=self.mutual,
-            ratio=self.ratio,
-            layout=self.layout,
-            mask_a=mask_a,
-            mask_b=mask_b,
-            memory=self.memory,
-            progress=self.progress,
-            precision=self.precision,
-            refine=self.refine,
-            stride=self.stride,
-            offset=self.offset,
-            exclude_radius=self.exclude_radius,
-        )
+        return run(a, b, self.options, mask_a=mask_a, mask_b=mask_b)
 
     def extra_repr(self) -> str:
-        shown = [f"metric={self.metric!r}", f"k={self.k}"]
-        shown += ["mutual=True"] if self.mutual else []
-        shown += [f"ratio={self.ratio}"] if self.ratio is not None else []
-        shown += [f"layout={self.layout!r}"]
-        shown += [f"memory={self.memory!r}"] if self.memory is not None else []
-        shown += [f"precision={self.precision!r}"]
-        shown += [
-            f"{n}={getattr(self, n)!r}"
-            for n in ("refine", "stride", "offset", "exclude_radius")
-            if getattr(self, n) is not None
-        ]
-        return ", ".join(shown)
+        return self.options.shown()

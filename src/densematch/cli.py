@@ -12,6 +12,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,13 @@ import torch
 
 from . import __version__
 from ._align import OBJECTIVES
-from ._match import Matches, match
+from ._match import Matches
+from ._match import run as run_match
 from ._refine import REFINES
 from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, check_output, is_image, save_arrays
 from .metrics import METRICS
+from .options import MatchOptions
 from .precision import PRECISIONS, RANKINGS
 from .progress import say
 from .tasks import PairResult, align_pairs, distance_pair, match_pair
@@ -31,6 +34,12 @@ from .tasks import PairResult, align_pairs, distance_pair, match_pair
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 _PRECISION_HELP = "exact (float32 results, half precision where faster), float32, fast (approximate)"
 _MEMORY_HELP = "working-memory cap, e.g. 256MiB or 1GiB (default: half the free memory, at most 512MiB on a CPU)"
+
+
+# the match settings the command sets by flags of the same names (progress follows --quiet and
+# the terminal); their defaults are MatchOptions' own
+_MATCH = MatchOptions()
+_MATCH_FLAGS = tuple(f.name for f in fields(MatchOptions) if f.name != "progress")
 
 
 class CommandError(Exception):
@@ -65,22 +74,13 @@ def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
             "memory": args.memory,
         }
     if task == "match":
+        settings = {name: getattr(args, name) for name in _MATCH_FLAGS}
         return {
             "features": args.features,
             "device": args.device,
-            "layout": args.layout,
             "mask_a": args.mask_a,
             "mask_b": args.mask_b,
-            "metric": args.metric,
-            "k": args.k,
-            "mutual": args.mutual,
-            "ratio": args.ratio,
-            "memory": args.memory,
-            "precision": args.precision,
-            "exclude_radius": args.exclude_radius,
-            "refine": args.refine,
-            "stride": _one_or_two(args.stride, "--stride"),
-            "offset": _one_or_two(args.offset, "--offset"),
+            **settings,
         }
     if not args.nearest and (args.k is not None or args.precision is not None):
         raise CommandError(
@@ -95,14 +95,6 @@ def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _one_or_two(values: list[float] | None, flag: str) -> float | tuple[float, float] | None:
-    if values is None:
-        return None
-    if len(values) > 2:
-        raise CommandError(f"{flag} takes one value or two (row, col), got {len(values)}")
-    return values[0] if len(values) == 1 else (values[0], values[1])
-
-
 def _write_picture(result: PairResult, path: str) -> None:
     from .viz import save_figure
 
@@ -113,12 +105,12 @@ def cmd_match(args: argparse.Namespace) -> int:
     if args.features and not (is_image(args.a) or is_image(args.b)):
         warnings.warn("--features is ignored: A and B are feature files, not images", stacklevel=1)
     sharded = _sharded(args)
-    search: Callable[..., Matches] = match
+    search: Callable[..., Matches] = run_match
     options = task_options("match", args)
     if sharded:
         from . import distributed
 
-        search = functools.partial(distributed.match, shard="queries")
+        search = functools.partial(distributed.run, shard="queries")
     t0 = time.perf_counter()
     r = match_pair(args.a, args.b, viz=bool(args.viz), search=search, progress=_progress(args), **options)
     if r is None or not _is_first_rank():  # sharded: rank 0 alone writes and reports
@@ -228,20 +220,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _match_options(m: argparse.ArgumentParser) -> None:
-    m.add_argument("--metric", default="cosine", choices=tuple(METRICS), help="similarity or distance")
-    m.add_argument("--k", type=int, default=1, help="matches per pixel, best first")
+    m.add_argument("--metric", default=_MATCH.metric, choices=tuple(METRICS), help="similarity or distance")
+    m.add_argument("--k", type=int, default=_MATCH.k, help="matches per pixel, best first")
     m.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours valid")
     m.add_argument("--ratio", type=float, help="Lowe's ratio test threshold in (0, 1]")
     m.add_argument(
         "--exclude-radius", type=float, metavar="R", help="with --ratio: the runner-up lies farther than R pixels"
     )
     m.add_argument("--memory", default=None, help=_MEMORY_HELP)
-    m.add_argument("--precision", default="exact", choices=PRECISIONS, help=_PRECISION_HELP)
+    m.add_argument("--precision", default=_MATCH.precision, choices=PRECISIONS, help=_PRECISION_HELP)
     m.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the search runs")
     m.add_argument("--features", choices=FEATURES, help="describe image inputs: patch (7x7 patches), color, dsift")
     m.add_argument(
         "--layout",
-        default="hwc",
+        default=_MATCH.layout,
         choices=("hwc", "chw"),
         help="how feature files hold a map: (H, W, C) or (C, H, W), either with a leading batch of one",
     )

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from . import _distance, _match, engine
-from .checks import LAYOUTS, as_tensor, check_choice
+from .checks import as_tensor, check_choice
 from .engine.merge import order
+from .options import MatchOptions
 from .progress import progress_bar
 
 __all__ = ["init_from_env", "match", "nearest_prototype"]
@@ -179,6 +180,7 @@ def _task_view(task: _match.Task, replicated: dict[str, torch.Tensor | None]) ->
         "layout": task.layout,
         "precision": task.precision.name,
         "exclude_radius": task.exclude_radius,
+        "refine, stride, offset": (task.options.refine, task.options.stride, task.options.offset),
         "a's grid": (task.nbatch, *task.grid_a),
         "b's grid": task.grid_b,
         "channels": task.ra.shape[-1],
@@ -186,17 +188,6 @@ def _task_view(task: _match.Task, replicated: dict[str, torch.Tensor | None]) ->
     }
     view.update({f"{name} (checksum)": checksum(t) for name, t in replicated.items()})
     return view
-
-
-def _placing_by_references(task: _match.Task, refine: str | None, stride: Any, offset: Any) -> Any:
-    """stride and offset as :func:`densematch.match` checks them; refine refused, since it reads
-    b's features around each match and no rank holds the whole of b."""
-    if refine is not None:
-        raise ValueError(
-            "refine reads b's features around each match, which no rank holds whole with shard='references'; "
-            "use shard='queries'"
-        )
-    return _match._check_placing(task, None, stride, offset)
 
 
 def _nearest_view(
@@ -246,20 +237,9 @@ def match(
     group: Any = None,
     timeout: float | None = None,
     stats: dict[str, float] | None = None,
-    metric: str = "cosine",
-    k: int = 1,
-    mutual: bool = False,
-    ratio: float | None = None,
-    layout: str = "hwc",
     mask_a: Any = None,
     mask_b: Any = None,
-    memory: int | str | None = None,
-    progress: bool = False,
-    precision: str = "exact",
-    refine: str | None = None,
-    stride: float | tuple[float, float] | None = None,
-    offset: float | tuple[float, float] | None = None,
-    exclude_radius: float | None = None,
+    **settings: Any,
 ) -> _match.Matches:
     """:func:`densematch.match` sharded over the ranks of a process group: a collective.
 
@@ -284,14 +264,15 @@ def match(
         answer is named). Default: the group's own timeout.
     stats : dict, optional
         Filled with ``bytes_sent`` (by this rank), ``seconds_communicating`` and ``collectives``.
-    metric, k, mutual, ratio, layout, mask_a, mask_b, memory, progress, precision
-        As in :func:`densematch.match`. ``memory`` is per rank; ``mask_b`` is the rank's own
-        band with ``shard="references"``; ``progress`` shows rank 0's share of the queries
-        (``shard="queries"``; none with ``"references"``).
-    refine, stride, offset, exclude_radius
-        As in :func:`densematch.match`, applied by every rank to the merged matches (``refine``
-        reads b's features around each match: ``shard="queries"`` only, where every rank holds
-        the whole of b).
+    mask_a, mask_b
+        As in :func:`densematch.match`; ``mask_b`` is the rank's own band with
+        ``shard="references"``.
+    **settings
+        :func:`densematch.match`'s other keywords (:class:`densematch.MatchOptions`): metric,
+        k, mutual, ratio, layout, memory (per rank), progress (rank 0's share of the queries,
+        ``shard="queries"`` only), precision, refine, stride, offset and exclude_radius. The
+        placing is applied by every rank to the merged matches; ``refine`` reads b's features
+        around each match, so it needs ``shard="queries"``, where every rank holds all of b.
 
     Returns
     -------
@@ -306,38 +287,53 @@ def match(
     RuntimeError
         Without an initialised process group, or when a rank stops answering.
     """
+    return run(a, b, settings, mask_a=mask_a, mask_b=mask_b, shard=shard, group=group, timeout=timeout, stats=stats)
+
+
+def run(
+    a: Any,
+    b: Any,
+    settings: MatchOptions | dict[str, Any],
+    *,
+    mask_a: Any = None,
+    mask_b: Any = None,
+    shard: str = "queries",
+    group: Any = None,
+    timeout: float | None = None,
+    stats: dict[str, float] | None = None,
+) -> _match.Matches:
+    """:func:`match` with its settings as :class:`densematch.MatchOptions` (what the command
+    runs under torchrun) or as keywords, checked on every rank and agreed on."""
     check_choice(shard, "shard", MATCH_SHARDS)
-    check_choice(layout, "layout", LAYOUTS)
     g = _Group(group, timeout, stats)
-    settings = (metric, k, mutual, ratio, layout, mask_a, mask_b, memory, precision)
+    options = g.agree(lambda: settings if isinstance(settings, MatchOptions) else MatchOptions(**settings))
     if shard == "queries":
-        task = g.agree(lambda: _match.validate(a, b, *settings, exclude_radius=exclude_radius))
-        placing = g.agree(lambda: _match._check_placing(task, refine, stride, offset))
+        task = g.agree(lambda: _match.validate(a, b, options, mask_a, mask_b))
         replicated = {"a": task.ra, "b": task.rb, "mask_a": task.masks[0], "mask_b": task.masks[1]}
-        g.same({**_task_view(task, replicated), "refine, stride, offset": placing})
+        g.same(_task_view(task, replicated))
         total = task.pixels_searched(lambda n: g.share_sizes(n)[g.rank])
-        with progress_bar(progress and g.rank == 0, total=total, unit="px", desc="match") as bar:
+        with progress_bar(options.progress and g.rank == 0, total=total, unit="px", desc="match") as bar:
             found = _match.solve(task, *_by_queries(g, task, bar.update))
-    else:
-        bands = g.objects(g.agree(lambda: _band_rows(b, layout)))
-        widths = {w for rows, w in bands if rows > 0}
-        if len(widths) > 1:
-            raise ValueError(f"b's bands must have one width, got widths {sorted(widths)} by rank")
-        width = widths.pop() if widths else 1
-        offsets = [sum(rows for rows, _ in bands[:r]) * width for r in range(g.size)]
-        height = sum(rows for rows, _ in bands)
-        grid_b = (height * width,) if layout == "flat" else (height, width)
-        total = height * width
-        task = g.agree(
-            lambda: _match.validate(
-                a, b, *settings, nb=total, grid_b=grid_b, empty_b=True, exclude_radius=exclude_radius
-            )
+        return _match.placed(task, found)
+    if options.refine is not None:
+        raise ValueError(
+            "refine reads b's features around each match, which no rank holds whole with shard='references'; "
+            "use shard='queries'"
         )
-        placing = g.agree(lambda: _placing_by_references(task, refine, stride, offset))
-        g.same({**_task_view(task, {"a": task.ra, "mask_a": task.masks[0]}), "refine, stride, offset": placing})
-        forward, backward = _by_references(g, task, offsets, [rows * width for rows, _ in bands])
-        found = _match.solve(task, forward, backward)
-    return found if placing is None else _match._placed(task, found, *placing)
+    bands = g.objects(g.agree(lambda: _band_rows(b, options.layout)))
+    widths = {w for rows, w in bands if rows > 0}
+    if len(widths) > 1:
+        raise ValueError(f"b's bands must have one width, got widths {sorted(widths)} by rank")
+    width = widths.pop() if widths else 1
+    offsets = [sum(rows for rows, _ in bands[:r]) * width for r in range(g.size)]
+    height = sum(rows for rows, _ in bands)
+    grid_b = (height * width,) if options.layout == "flat" else (height, width)
+    task = g.agree(
+        lambda: _match.validate(a, b, options, mask_a, mask_b, nb=height * width, grid_b=grid_b, empty_b=True)
+    )
+    g.same(_task_view(task, {"a": task.ra, "mask_a": task.masks[0]}))
+    forward, backward = _by_references(g, task, offsets, [rows * width for rows, _ in bands])
+    return _match.placed(task, _match.solve(task, forward, backward))
 
 
 def _by_queries(g: _Group, task: _match.Task, on_tile: Callable[[int], None]) -> tuple[_match.Forward, _match.Backward]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 import numpy as np
@@ -19,11 +19,13 @@ import torch
 
 from ._align import align
 from ._distance import nearest_prototype, pairwise_distance
-from ._match import Matches, match
+from ._match import Matches
+from ._match import run as run_match
 from .budget import chunk_rows
 from .config import resolve_memory
 from .features import FEATURES, dense_features
 from .io import atomic_write, is_image, load_any, load_array, load_image
+from .options import MatchOptions
 
 __all__ = ["PairResult", "align_pairs", "distance_pair", "match_pair", "picture_bytes"]
 
@@ -176,20 +178,22 @@ def match_pair(
     features: str | None = None,
     device: str = "cpu",
     viz: bool = False,
-    search: Callable[..., Matches] = match,
-    layout: str = "hwc",
+    search: Callable[..., Matches | None] = run_match,
     mask_a: str | None = None,
     mask_b: str | None = None,
-    **options: Any,
+    **settings: Any,
 ) -> PairResult | None:
     """Match the features (or images, described by ``features``) at paths ``a`` and ``b``.
 
-    ``layout`` says how feature files hold their maps ("hwc" or "chw", a leading batch of one
-    allowed); ``mask_a`` / ``mask_b`` are paths of grey images or 2-D arrays the size of the
-    maps, nonzero where a pixel may match. ``options`` are :func:`densematch.match`'s keywords;
-    ``search`` replaces it (the sharded search under torchrun, which returns None on every rank
-    but the first: so does this).
+    ``settings`` are :func:`densematch.match`'s keywords (:class:`densematch.MatchOptions`),
+    checked before any file is read; ``layout`` also says how feature files hold their maps
+    ("hwc" or "chw", a leading batch of one allowed). ``mask_a`` / ``mask_b`` are paths of grey
+    images or 2-D arrays the size of the maps, nonzero where a pixel may match. ``search(a, b,
+    options, mask_a=, mask_b=)`` replaces the search (the sharded one under torchrun, which
+    returns None on every rank but the first: so does this).
     """
+    options = MatchOptions(**settings)
+    layout = options.layout
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():  # before any file is read
         raise ValueError("--device cuda: no CUDA device is available here")
@@ -207,7 +211,8 @@ def match_pair(
                     f"--{name.replace('_', '-')} {path!r} must have its map's size {tuple(f.shape[:2])}, got {m.shape}"
                 )
             masks[name] = torch.from_numpy(m != 0).to(dev)
-    r = search(fa.to(dev), fb.to(dev), **options, **masks)
+    # the maps are (H, W, C) once read, whatever layout their files had
+    r = search(fa.to(dev), fb.to(dev), replace(options, layout="hwc"), **masks)
     if r is None:
         return None
     out = r.numpy()
@@ -227,9 +232,8 @@ def match_pair(
             index, score, shown = index[..., 0], score[..., 0], shown[..., 0]
         # b's grid positions (coords may be refined or in image pixels)
         coords = np.stack((index // fb.shape[1], index % fb.shape[1]), -1)
-        metric = options.get("metric", "cosine")
-        note = invalid_note(float(valid.mean()), options.get("ratio"), bool(options.get("mutual")))
-        figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, shown, metric, note)
+        note = invalid_note(float(valid.mean()), options.ratio, options.mutual)
+        figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, shown, options.metric, note)
     return PairResult(result, out, figure)
 
 
