@@ -152,7 +152,7 @@ def photo_features(h: int, w: int, c: int, *, photo: str = "astronaut", shift: t
     import numpy as np
     from skimage import data
 
-    from densematch.features import patch_descriptor
+    from densematch.app.features import patch_descriptor
 
     img = getattr(data, photo)().astype(np.float32) / 255
     if img.ndim == 3:

@@ -2,7 +2,7 @@
 
 Run: python benchmarks/bench_align.py [--cases 300] [--baseline-cases 60] [--batch 32] [--seed 0]
 
-Cases (densematch.synthetic.alignment_cases): crops of scikit-image's bundled photographs and
+Cases (densematch.app.synthetic.alignment_cases): crops of scikit-image's bundled photographs and
 unions of random ellipses (binary masks), sizes 100/125, 64x80/80x100 and 90x120/120x150,
 scales uniform in [0.82, 1.18] per axis, fractional shifts anywhere the template fits, half
 with Gaussian noise of sigma 0.02. Recovered: every scale within 0.005 and every shift within
@@ -26,7 +26,7 @@ import densematch
 from _baseline_align import baseline_align
 from _common import machine, save, table
 from densematch._align import _warp
-from densematch.synthetic import alignment_cases
+from densematch.app.synthetic import alignment_cases
 
 
 def errors(found: tuple[float, ...], case) -> tuple[float, ...]:

@@ -57,7 +57,7 @@ RUNNER = textwrap.dedent(
     """
     import json, time
     t0 = time.perf_counter()
-    from densematch.batch import read_manifest, run
+    from densematch.app.batch import read_manifest, run
     out, first = [], None
     for r in run("align", read_manifest({manifest!r}, "align"), engine={engine!r}, workers={workers}):
         out.append({{"id": r["id"], **(r["result"] or {{}})}})

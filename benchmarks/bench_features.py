@@ -2,7 +2,7 @@
 
 Run: python benchmarks/bench_features.py [--repeats 3] [--size 96]
 
-Pairs (densematch.synthetic.match_pairs): a pure integer shift (chelsea), an affine warp
+Pairs (densematch.app.synthetic.match_pairs): a pure integer shift (chelsea), an affine warp
 (astronaut: rotation 8 degrees, scales 1.1 and 0.95, shear 3 degrees) and a homography (coffee),
 a 96x96 crop against the photograph resampled through the warp (112x112). For each feature type
 (patch, color, dsift): PCK (the fraction of a's pixels whose best match, cosine, k=1, lies within
@@ -26,8 +26,8 @@ def main() -> None:
     import warnings
 
     import densematch
-    from densematch.features import FEATURES, dense_features
-    from densematch.synthetic import match_pairs, pck
+    from densematch.app.features import FEATURES, dense_features
+    from densematch.app.synthetic import match_pairs, pck
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)

@@ -95,7 +95,7 @@ CHILD = textwrap.dedent(
         return densematch.align(a, b)
 
     if method == "align":
-        from densematch.synthetic import alignment_cases
+        from densematch.app.synthetic import alignment_cases
         case = next(alignment_cases(1, seed=0, sizes=(((100, 100), (125, 125)),)))
         a, b = case.template, case.image
     else:

@@ -32,7 +32,7 @@ def main() -> None:
     from skimage import data
 
     import densematch
-    from densematch.features import dense_features
+    from densematch.app.features import dense_features
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)

@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import densematch
 from _common import machine, save, table
-from densematch import synthetic
-from densematch.features import dense_features
+from densematch.app import synthetic
+from densematch.app.features import dense_features
 
 SETTINGS: list[str | float] = ["auto", 0.1, 0.02, 0.01, 0.005]
 

@@ -30,7 +30,7 @@ FIRST_CALL = textwrap.dedent(
     import json, time
     import numpy as np
     import densematch
-    from densematch.features import dense_features
+    from densematch.app.features import dense_features
     from skimage import data
     img = data.camera().astype(np.float32) / 255
     a = dense_features(img[100:196, 100:196], "patch")

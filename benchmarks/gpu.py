@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import densematch
 from _common import machine, save, table, timeit
-from densematch.demo import blockwise_argmax
-from densematch.synthetic import alignment_cases
+from densematch.app.demo import blockwise_argmax
+from densematch.app.synthetic import alignment_cases
 
 
 def matmul_tflops(dev: torch.device, n: int, c: int) -> float:

@@ -7,8 +7,8 @@ import numpy as np
 from skimage import data
 
 import densematch
-from densematch.features import dense_features
-from densematch.viz import _plt, flow_colors, save_figure
+from densematch.app.features import dense_features
+from densematch.app.viz import _plt, flow_colors, save_figure
 
 img = data.camera()[::4, ::4].astype(np.float32) / 255
 a_img, b_img = img[20:84, 24:88], img[16:92, 18:96]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from densematch import align, warp
-from densematch.synthetic import SIZES, alignment_cases, reference_warp
+from densematch.app.synthetic import SIZES, alignment_cases, reference_warp
 
 
 def within(a, case, scale_tol=0.005, shift_tol=0.5) -> bool:

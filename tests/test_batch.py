@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from densematch import batch, warp
-from densematch.batch import RESULTS, read_manifest
+from densematch.app import batch, warp
+from densematch.app.batch import RESULTS, read_manifest
 
 from ._reference import assert_same_up_to_ties
 from .conftest import patch_features
@@ -283,7 +283,7 @@ def test_ray_engine_matches_local(pairs, local_run, tmp_path):
 
 
 def test_a_second_run_into_a_locked_folder_stops_naming_the_holder(pairs, tmp_path):
-    from densematch.batch import LOCK
+    from densematch.app.batch import LOCK
 
     out = tmp_path / "busy"
     first = batch.run("match", read_manifest(pairs / "match.csv", "match"), out_dir=out)

@@ -17,7 +17,7 @@ from ._reference import assert_same_up_to_ties
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "densematch.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+        [sys.executable, "-m", "densematch.app.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
     )
 
 
@@ -49,7 +49,7 @@ def in_process(*args: str) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from densematch import cli
+    from densematch.app import cli
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -214,7 +214,7 @@ def test_the_real_command_reports_an_error_in_one_line(images):
 
 
 def test_failed_write_leaves_no_file(images, tmp_path, monkeypatch):
-    from densematch import io
+    from densematch.app import io
 
     target = tmp_path / "out.npz"
 
@@ -253,7 +253,7 @@ def test_a_signal_during_the_write_leaves_no_file(images, tmp_path, sig):
     script = f"""
 import signal, sys, time
 import numpy as np
-from densematch import cli, io
+from densematch.app import cli, io
 def slow(f, **arrays):
     f.write(b"partial")
     f.flush()
@@ -275,7 +275,7 @@ sys.exit(cli.main(["match", "{images}/fa.npy", "{images}/fb.npy", "-o", "{tmp_pa
 def test_output_keeps_the_umask_without_setting_it(images, tmp_path):
     import os
 
-    from densematch import io
+    from densematch.app import io
 
     calls = []
     real = os.umask
@@ -300,7 +300,7 @@ class Opaque:
 
 
 def test_every_option_has_help_and_its_default():
-    from densematch.cli import _Help, build_parser
+    from densematch.app.cli import _Help, build_parser
 
     def parsers(p):
         yield p
@@ -395,7 +395,7 @@ def test_full_distances_stream_within_the_budget(images, tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "x.npy", rng.normal(size=(2, 8, 150, 160)).astype(np.float32))
     np.save(tmp_path / "p.npy", rng.normal(size=(90, 8)).astype(np.float32))
-    from densematch import tasks
+    from densematch.app import tasks
 
     calls = []
     real = tasks.pairwise_distance

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import densematch
 from densematch import engine
+from densematch.app.features import dense_features
 from densematch.distributed import _merge
-from densematch.features import dense_features
 
 from ._reference import METRICS, assert_same_up_to_ties, decided, reference_scores, tolerance
 from .conftest import patch_features

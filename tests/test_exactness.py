@@ -113,7 +113,7 @@ def quantised_sift():
     pytest.importorskip("kornia")
     from skimage import data
 
-    from densematch.features import dense_features
+    from densematch.app.features import dense_features
 
     img = data.camera().astype(np.float32) / 255
     noisy = img + np.random.default_rng(0).normal(0, 0.02, img.shape).astype(np.float32)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import densematch
-from densematch.features import dense_features
+from densematch.app.features import dense_features
 
 
 def shifted_pair(camera_small):
@@ -79,7 +79,7 @@ def test_bad_feature_name():
 
 
 def test_match_pairs_truth_and_pck():
-    from densematch.synthetic import match_pairs, pck
+    from densematch.app.synthetic import match_pairs, pck
 
     pairs = {p.name: p for p in match_pairs(48)}
     assert list(pairs) == ["shift", "affine", "homography"]

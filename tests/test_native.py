@@ -203,19 +203,17 @@ class TestPairValues:
         g = torch.Generator().manual_seed(8)
         q, r = torch.randn(7, 50, generator=g), torch.randn(11, 50, generator=g)
         idx = torch.randint(0, 11, (7, 4), generator=g)
-        got = m.pair_values(q, r, idx)
-        with densematch.config_context(kernel="torch"):
-            torch_path = m.pair_values(q, r, idx)
+        got = m.pair_values(q, r, idx, use_c=True)
+        torch_path = m.pair_values(q, r, idx)  # the metric runs C only when told it may
         torch.testing.assert_close(got, torch_path, rtol=1e-5, atol=1e-5)
         want = m.pair_value(q.double()[:, None, :], r.double()[idx])
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
         # the scores that settle near-ties, higher is better, query rows named
         rows = torch.tensor([6, 0, 0, 3, 6, 1, 2])
-        scores = m.direct_scores(q, r, idx, q_rows=rows)
+        scores = m.direct_scores(q, r, idx, q_rows=rows, use_c=True)
         want = m.direct_score(q.double()[rows][:, None, :], r.double()[idx])
         torch.testing.assert_close(scores.double(), want, rtol=1e-5, atol=1e-4)
-        with densematch.config_context(kernel="torch"):
-            torch.testing.assert_close(m.direct_scores(q, r, idx, q_rows=rows), scores, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(m.direct_scores(q, r, idx, q_rows=rows), scores, rtol=1e-5, atol=1e-4)
 
 
 class TestCallers:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from densematch import match
-from densematch.features import dense_features
+from densematch.app.features import dense_features
 
 from ._reference import assert_same_up_to_ties
 

@@ -192,7 +192,7 @@ def test_the_default_temperature_finds_a_photos_shift():
     # (synthetic.match_pairs()'s first pair) it matches like the hard argmax, where the old
     # fixed default of 0.1 put every pixel tens of pixels off (PCK@1 0%)
     from densematch import match, synthetic
-    from densematch.features import dense_features
+    from densematch.app.features import dense_features
 
     pair = synthetic.match_pairs()[0]
     fa, fb = dense_features(pair.a, "patch"), dense_features(pair.b, "patch")

@@ -41,11 +41,12 @@ __all__ = [
 ]
 
 
-# submodules with optional dependencies or their own start-up, imported when first used
-_LAZY = ("batch", "distributed", "kornia")
+# submodules with optional dependencies or their own start-up, imported when first used (the
+# batch runner lives in the application layer, densematch.app)
+_LAZY = {"batch": ".app.batch", "distributed": ".distributed", "kornia": ".kornia"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(_LAZY[name], __name__)
     raise AttributeError(f"module 'densematch' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from torch import nn
 from . import engine
 from .budget import chunk_rows
 from .checks import as_tensor, check_choice, check_finite, check_int, compute_dtype
-from .config import resolve_memory
+from .config import kernel_setting, resolve_memory
 from .kernels import native
 from .metrics import Metric, Minkowski, get_metric
 from .precision import RANKINGS, Precision, resolve_precision
@@ -106,6 +106,7 @@ class _PairwiseDistance(torch.autograd.Function):
         cols: int,
         cols_backward: int,
         compiled: bool,
+        use_c: bool,
     ) -> torch.Tensor:
         n, d, h, w = x.shape
         f, hw = p.shape[0], h * w
@@ -117,7 +118,7 @@ class _PairwiseDistance(torch.autograd.Function):
             # the fused kernel holds nothing but its output: no tiling needed
             kernel = _compiled_minkowski(minkowski, channels_last)
             buf = kernel(x3.transpose(1, 2) if channels_last else x3, bank.rows)
-        elif minkowski is not None and cols >= hw and not native.usable(x.device, dtype):
+        elif minkowski is not None and cols >= hw and not use_c:
             # whole maps fit: one batched kernel call writes the output in x's layout directly
             rows = x3.transpose(1, 2).contiguous()  # (N, HW, D): a view already if channels_last
             bank_n = bank.rows.expand(n, f, d).contiguous()
@@ -129,28 +130,28 @@ class _PairwiseDistance(torch.autograd.Function):
             buf = torch.empty((n, hw, f) if channels_last else (n, f, hw), dtype=x.dtype, device=x.device)
             out = buf.transpose(1, 2) if channels_last else buf
             # a metric that cannot write x's strides gets a contiguous tile of its own
-            strided = metric.bank_writes_strided(x.device, dtype)
+            strided = metric.bank_writes_strided(x.device, dtype, use_c=use_c)
 
             def tile(item: tuple[int, int]) -> None:
                 i, s = item
                 o = out[i, :, s : s + cols]
                 direct = o.dtype == dtype and (strided or o.is_contiguous())
                 t = o if direct else torch.empty(o.shape, dtype=dtype, device=x.device)
-                metric.bank_distances(bank, x3[i, :, s : s + cols].to(dtype), t)
+                metric.bank_distances(bank, x3[i, :, s : s + cols].to(dtype), t, use_c=use_c)
                 if not direct:
                     o.copy_(t)
 
             share_out(_tiles(n, hw, cols), tile, workers_for(x.device), name="densematch-distance")
         result = (buf.transpose(1, 2) if channels_last else buf).view(n, f, h, w)
         ctx.save_for_backward(x, p, result)
-        ctx.settings = (metric, dtype, cols_backward)
+        ctx.settings = (metric, dtype, cols_backward, use_c)
         return result
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, p, result = ctx.saved_tensors
-        metric, dtype, cols = ctx.settings
+        metric, dtype, cols, use_c = ctx.settings
         n, d, h, w = x.shape
         x3, g3, d3 = x.flatten(2), grad.flatten(2), result.flatten(2)
         bank = metric.bank(p, dtype)
@@ -171,7 +172,7 @@ class _PairwiseDistance(torch.autograd.Function):
             i, s = tiles[number]
             part = slice(s, s + cols)
             tx, tp = metric.bank_grads(
-                bank, x3[i, :, part].to(dtype), g3[i, :, part].to(dtype), d3[i, :, part].to(dtype)
+                bank, x3[i, :, part].to(dtype), g3[i, :, part].to(dtype), d3[i, :, part].to(dtype), use_c=use_c
             )
             if gx is not None:
                 gx[i, :, part] = tx
@@ -186,7 +187,7 @@ class _PairwiseDistance(torch.autograd.Function):
         share_out(range(len(tiles)), tile, workers, name="densematch-distance")
         grad_x = None if gx is None else gx.view(n, d, h, w)
         grad_p = metric.bank_grad_finish(bank, gp).to(p.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_p, None, None, None, None, None
+        return grad_x, grad_p, None, None, None, None, None, None
 
 
 def _tiles(n: int, hw: int, cols: int) -> list[tuple[int, int]]:
@@ -253,10 +254,12 @@ def pairwise_distance(
     # stay in the cache
     cap = min(hw, share_size(x.shape[0] * hw, workers), max(64, _CACHE_TILE // (p.shape[0] * item)) if m.matrix else hw)
     cols = min(_column_tile(share, p.shape[0], p.shape[1], item, False), cap)
-    torch_backward = not m.matrix and not native.usable(x.device, dtype)
+    # the C kernels' setting, read here at the boundary and carried to both passes
+    use_c = kernel_setting() != "torch" and native.usable(x.device, dtype)
+    torch_backward = not m.matrix and not use_c
     cols_backward = min(_column_tile(share, p.shape[0], p.shape[1], item, torch_backward), cap)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        out: torch.Tensor = _PairwiseDistance.apply(x, p, m, dtype, cols, cols_backward, bool(compile))  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _PairwiseDistance.apply(x, p, m, dtype, cols, cols_backward, bool(compile), use_c)  # type: ignore[no-untyped-call]
         return out
 
 

@@ -181,8 +181,11 @@ class Metric:
             return x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
         return out.copy_(x)
 
-    def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Scores of shape (len(q), len(r)), higher is better, of prepared rows."""
+    def score_tile(
+        self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None, *, use_c: bool = False
+    ) -> torch.Tensor:
+        """Scores of shape (len(q), len(r)), higher is better, of prepared rows (``use_c``:
+        whether the C kernels may run, as in :meth:`pair_values`)."""
         return q @ r.T if out is None else torch.mm(q, r.T, out=out)
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -204,7 +207,13 @@ class Metric:
     pair_kind: str | None = None  # the reduction of the C kernel of pairs (native.pair_values)
 
     def pair_values(
-        self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, *, q_rows: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        r: torch.Tensor,
+        idx: torch.Tensor,
+        *,
+        q_rows: torch.Tensor | None = None,
+        use_c: bool = False,
     ) -> torch.Tensor:
         """:meth:`pair_value` of the pairs (q[q_rows[i]], r[idx[i, j]]), for the engine's last
         step (no gradient): through the C kernel where it runs, with no gathered copy and one
@@ -219,20 +228,29 @@ class Metric:
             Rows of ``r``.
         q_rows : Tensor of int64, shape (m,), optional
             Rows of ``q`` (default: row i for row i of ``idx``).
+        use_c : bool, default=False
+            Whether the C kernels may run (:attr:`densematch.precision.Precision.c_kernels`);
+            they do where they can (:func:`densematch.kernels.native.usable`).
 
         Returns
         -------
         Tensor of shape (m, k)
         """
-        v = self._pair_kernel(q, r, idx, q_rows)
+        v = self._pair_kernel(q, r, idx, q_rows, use_c)
         return self._kernel_value(v) if v is not None else self.pair_value(*self._pairs(q, r, idx, q_rows))
 
     def direct_scores(
-        self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, *, q_rows: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        r: torch.Tensor,
+        idx: torch.Tensor,
+        *,
+        q_rows: torch.Tensor | None = None,
+        use_c: bool = False,
     ) -> torch.Tensor:
         """:meth:`direct_score` of the pairs (q[q_rows[i]], r[idx[i, j]]), arguments as in
         :meth:`pair_values`, through the C kernel where it runs."""
-        v = self._pair_kernel(q, r, idx, q_rows)
+        v = self._pair_kernel(q, r, idx, q_rows, use_c)
         if v is not None:
             return v if self.higher_is_better else v.neg_()
         return self.direct_score(*self._pairs(q, r, idx, q_rows))
@@ -247,10 +265,10 @@ class Metric:
         return q[:, None, :], r.index_select(0, idx.reshape(-1)).view(m, k, -1)
 
     def _pair_kernel(
-        self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, q_rows: torch.Tensor | None
+        self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, q_rows: torch.Tensor | None, use_c: bool
     ) -> torch.Tensor | None:
         """The C kernel's reduction of the pairs, or None where it does not run."""
-        if self.pair_kind is None or r.dtype != q.dtype or not native.usable(q.device, q.dtype):
+        if not use_c or self.pair_kind is None or r.dtype != q.dtype or not native.usable(q.device, q.dtype):
             return None
         return native.pair_values(q, r, idx, self.pair_kind, q_rows=q_rows)
 
@@ -281,18 +299,18 @@ class Metric:
         rows = p.detach().to(dtype).contiguous()
         return Bank(rows, rows, rows.new_empty(0), rows.new_zeros(rows.shape[1]))
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
         """Distances (F, m) of the columns of ``xt`` (D, m) to the prototypes, into ``out``
         (contiguous, unless :meth:`bank_writes_strided`)."""
         raise NotImplementedError
 
-    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype) -> bool:
+    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype, *, use_c: bool = False) -> bool:
         """Whether :meth:`bank_distances` writes an ``out`` of any strides itself (the C kernels
         do), so that the caller needs no contiguous tile of its own."""
         return False
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients for the columns ``xt`` (D, m) and the bank (F, D), from the output's
         gradient ``g`` and the distances ``d``, both (F, m)."""
@@ -323,11 +341,11 @@ class Dot(Metric):
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vecdot(a, b)
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
         torch.mm(bank.rows, xt, out=out)
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return bank.rows.T @ g, g @ xt.T
 
@@ -369,11 +387,11 @@ class Cosine(Metric):
         rows = super().bank(p, dtype).rows
         return Bank(rows, unit_rows(rows, dim=1), row_norms(rows, dim=1)[:, 0], rows.new_zeros(rows.shape[1]))
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
         torch.mm(bank.body, unit_rows(xt, dim=0), out=out).neg_().add_(1.0)
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         nx = row_norms(xt, dim=0)[0]
         xn = unit_rows(xt, dim=0)
@@ -438,11 +456,11 @@ class Euclidean(Metric):
         body = rows - centre
         return Bank(rows, body, body.square().sum(1), centre)
 
-    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return native.usable(device, dtype)
+    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype, *, use_c: bool = False) -> bool:
+        return use_c and native.usable(device, dtype)
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
-        if native.usable(xt.device, xt.dtype):
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
+        if use_c and native.usable(xt.device, xt.dtype):
             # tiles of this thread's own for the centred columns and the products, then one pass
             # adds, clamps, roots and writes
             xc = torch.sub(xt, bank.centre[:, None], out=scratch("l2-centred", xt.shape, xt.dtype, xt.device))
@@ -470,10 +488,10 @@ class Euclidean(Metric):
         return torch.div(g, d).masked_fill_(d == 0, 0.0)
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         scale = 1.0 if self.root else 2.0
-        if native.usable(xt.device, xt.dtype):
+        if use_c and native.usable(xt.device, xt.dtype):
             w = scratch("l2-weights", g.shape, g.dtype, g.device)
             w, per_col, per_row = native.l2_weights(g, d, w, root=self.root)
         else:
@@ -522,8 +540,10 @@ class Minkowski(Metric):
     def linf(self) -> bool:
         return self.order == float("inf")
 
-    def score_tile(self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if native.usable(q.device, q.dtype):
+    def score_tile(
+        self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None, *, use_c: bool = False
+    ) -> torch.Tensor:
+        if use_c and native.usable(q.device, q.dtype):
             out = torch.empty((q.shape[0], r.shape[0]), dtype=q.dtype) if out is None else out
             return native.minkowski(q, r.T, out, linf=self.linf, scale=-1.0)
         if out is None:
@@ -546,19 +566,19 @@ class Minkowski(Metric):
         """The distance from absolute differences along ``dim``: their sum (l1) or maximum."""
         return diff.sum(dim) if self.order == 1.0 else diff.amax(dim)
 
-    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return native.usable(device, dtype)
+    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype, *, use_c: bool = False) -> bool:
+        return use_c and native.usable(device, dtype)
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor) -> None:
-        if native.usable(xt.device, xt.dtype):
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
+        if use_c and native.usable(xt.device, xt.dtype):
             native.minkowski(bank.rows, xt, out, linf=self.linf)
         else:
             torch.ops.aten._cdist_forward.out(bank.rows, xt.T.contiguous(), self.order, None, out=out)
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if native.usable(xt.device, xt.dtype):
+        if use_c and native.usable(xt.device, xt.dtype):
             return native.minkowski_grad(bank.rows, xt, g, d, linf=self.linf)
         # torch's own kernel, on one tile: its buffer of (m, F, D) stays inside the plan
         rows = xt.T.contiguous()

@@ -1,7 +1,7 @@
 """The settings of a :func:`densematch.match` call, checked once where they enter.
 
 :class:`MatchOptions` is what :func:`densematch.match`, :class:`densematch.DenseMatcher`, the
-``densematch match`` and ``batch`` commands, :mod:`densematch.tasks` and
+``densematch match`` and ``batch`` commands, :mod:`densematch.app.tasks` and
 :func:`densematch.distributed.match` all build from their arguments: one list of settings, one
 set of checks, one repr. What depends on the data (``k`` against b's pixels, 2-D grids for the
 placing, masks) is checked when the options meet the features (``densematch._match.validate``).

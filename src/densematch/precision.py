@@ -121,6 +121,12 @@ class Precision:
         if self.half is not None and not metric.matrix:
             raise ValueError(f"half={self.half} needs a matrix metric, got {metric.name!r}; use half=None")
 
+    @property
+    def c_kernels(self) -> bool:
+        """Whether densematch's C kernels may run (where :func:`densematch.kernels.native.usable`
+        says they can): every backend but "torch", which means torch's own kernels throughout."""
+        return self.backend != "torch"
+
     def cap(self, k: int) -> int:
         """Candidates kept per row for a top-``k`` search."""
         return max(self.candidates, 8 * k)

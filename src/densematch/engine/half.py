@@ -199,7 +199,7 @@ class HalfSearch(Strategy):
         (:func:`densematch.kernels.native.merge_certified`): bfloat16 products on a CPU."""
         return (
             self.half == torch.bfloat16
-            and native.usable(best_v.device, self.dtype)
+            and self._c(best_v.device, self.dtype)
             and best_v.is_contiguous()
             and best_i.is_contiguous()
         )

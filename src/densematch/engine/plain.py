@@ -70,7 +70,7 @@ class PlainSearch(Strategy):
 
     def _upper(self, side: Any, j: int, n: int) -> torch.Tensor:
         # the scores themselves: the floors already leave twice the products' slack
-        return self.metric.score_tile(side, self._prepare_refs(j, j + n))
+        return self.metric.score_tile(side, self._prepare_refs(j, j + n), use_c=self.use_c)
 
     def _state(self) -> dict[str, Any]:
         return {"ref_norms": self.ref_norms} if self.cap_rows else {}
@@ -101,7 +101,7 @@ class PlainSearch(Strategy):
             listed = pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
-            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n))
+            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n), use_c=self.use_c)
             if isinstance(listed, native.Candidates):
                 native.merge(s, j, best_v, best_i, twice, listed)
                 continue

@@ -166,6 +166,7 @@ class Strategy:
         self.inputs = inputs
         self.a, self.b, self.rows_a, self.rows_b = inputs.a, inputs.b, inputs.rows_a, inputs.rows_b
         self.metric, self.dtype, self.scale = inputs.metric, inputs.precision.dtype, inputs.scale
+        self.use_c = inputs.precision.c_kernels
         self.tile_b, self.nb, self.cap_rows = plan.tile_b, inputs.nb, inputs.cap
         self.merge = merge_best if inputs.k == 1 else merge_topk
         self.lock = threading.Lock()  # for what query tiles on several threads update together
@@ -251,14 +252,18 @@ class Strategy:
         merge = native.merge if self._native(best_v, best_i) else self.merge
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
-            s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n))
+            s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n), use_c=self.use_c)
             merge(s, j, best_v, best_i)
 
     def _native(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
         """Whether score tiles merge through the C kernel (:func:`densematch.kernels.native.merge`):
         float32 / float64 scores on a CPU, into a contiguous running top-k."""
         tiles = self.inputs.precision.half or self.dtype
-        return native.usable(best_v.device, tiles) and best_v.is_contiguous() and best_i.is_contiguous()
+        return self._c(best_v.device, tiles) and best_v.is_contiguous() and best_i.is_contiguous()
+
+    def _c(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the C kernels run here: the precision lets them, and they can."""
+        return self.use_c and native.usable(device, dtype)
 
     def _query_side(self, q: torch.Tensor) -> Any:
         """What :meth:`_upper` needs of prepared query rows ``q`` (derived once per group)."""
@@ -295,7 +300,7 @@ class Strategy:
         width = min(block_cols, self.nb)
         group = max(1, min(r, block_rows * block_cols // width))
         limit = max(width, q.shape[0] * self.cap_rows)
-        merge = native.merge if native.usable(device, self.dtype) else self.merge
+        merge = native.merge if self._c(device, self.dtype) else self.merge
         for g in range(0, r, group):
             sel, fg = rows[g : g + group], floor[g : g + group, None]
             gv, gi = v[g : g + group], i[g : g + group]
@@ -341,7 +346,7 @@ class Strategy:
         for s in range(0, rows.numel(), step):
             q, q_rows = self._pair_rows(self.a, queries[s : s + step])
             r, idx = self._pair_rows(self.b, refs[s : s + step, None])
-            score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows)[:, 0]
+            score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows, use_c=self.use_c)[:, 0]
         return score
 
     def _reads_in_place(self) -> bool:
@@ -351,7 +356,7 @@ class Strategy:
             self.metric.pair_kind is not None
             and self.scale == 1.0
             and all(x.dtype == self.dtype and (x.stride(1) == 1 or x.shape[1] <= 1) for x in (self.a, self.b))
-            and native.usable(self.a.device, self.dtype)
+            and self._c(self.a.device, self.dtype)
         )
 
     def _pair_rows(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,7 +379,7 @@ class Strategy:
         if self.rows_a is not None:
             queries = self.rows_a[queries]
         q, q_rows = self._pair_rows(self.a, queries)
-        v = self.metric.pair_values(q, *self._pair_rows(self.b, local), q_rows=q_rows)
+        v = self.metric.pair_values(q, *self._pair_rows(self.b, local), q_rows=q_rows, use_c=self.use_c)
         missing = math.inf if self.metric.higher_is_better else -math.inf
         v, i = order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
         if self.scale != 1.0 and self.metric.degree:

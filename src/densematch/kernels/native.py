@@ -33,8 +33,6 @@ from pathlib import Path
 
 import torch
 
-from ..config import kernel_setting
-
 __all__ = [
     "Candidates",
     "build",
@@ -211,9 +209,10 @@ def status() -> dict[str, str]:
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the C kernels run for tensors of ``dtype`` on ``device``: float32 or float64 on a
-    CPU, the library built, and the scoped ``kernel`` setting not "torch"."""
-    return device.type == "cpu" and dtype in _SUFFIX and kernel_setting() != "torch" and library() is not None
+    """Whether the C kernels can run for tensors of ``dtype`` on ``device``: float32 or float64
+    on a CPU, the library built. Whether they may is the caller's setting
+    (:attr:`densematch.precision.Precision.c_kernels`), never read here."""
+    return device.type == "cpu" and dtype in _SUFFIX and library() is not None
 
 
 def _loaded(what: str) -> ctypes.CDLL:

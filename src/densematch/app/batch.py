@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ..progress import progress_bar
 from .io import atomic_write, save_arrays, save_with
-from .progress import progress_bar
 from .tasks import PairResult, align_pairs, distance_pair, match_pair, picture_bytes
 
 __all__ = ["COLUMNS", "ENGINES", "RESULTS", "Pair", "read_manifest", "run"]

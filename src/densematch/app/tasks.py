@@ -17,15 +17,15 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from ._align import align
-from ._distance import nearest_prototype, pairwise_distance
-from ._match import Matches
-from ._match import run as run_match
-from .budget import chunk_rows
-from .config import resolve_memory
+from .._align import align
+from .._distance import nearest_prototype, pairwise_distance
+from .._match import Matches
+from .._match import run as run_match
+from ..budget import chunk_rows
+from ..config import resolve_memory
+from ..options import MatchOptions
 from .features import FEATURES, dense_features
 from .io import atomic_write, is_image, load_any, load_array, load_image
-from .options import MatchOptions
 
 __all__ = ["PairResult", "align_pairs", "distance_pair", "match_pair", "picture_bytes"]
 

@@ -18,17 +18,17 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from ._align import OBJECTIVES
-from ._match import Matches
-from ._match import run as run_match
-from ._refine import REFINES
+from .. import __version__
+from .._align import OBJECTIVES
+from .._match import Matches
+from .._match import run as run_match
+from .._refine import REFINES
+from ..metrics import METRICS
+from ..options import MatchOptions
+from ..precision import PRECISIONS, RANKINGS
+from ..progress import say
 from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, check_output, is_image, save_arrays
-from .metrics import METRICS
-from .options import MatchOptions
-from .precision import PRECISIONS, RANKINGS
-from .progress import say
 from .tasks import PairResult, align_pairs, distance_pair, match_pair
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
@@ -53,7 +53,7 @@ def _progress(args: argparse.Namespace) -> bool:
 def _sharded(args: argparse.Namespace) -> bool:
     """Whether torchrun launched this command with more than one process: the process group is
     then initialised (gloo on CPUs, NCCL on GPUs) and the search sharded over it."""
-    from .distributed import init_from_env
+    from ..distributed import init_from_env
 
     return init_from_env(getattr(args, "device", "cpu"))
 
@@ -108,7 +108,7 @@ def cmd_match(args: argparse.Namespace) -> int:
     search: Callable[..., Matches] = run_match
     options = task_options("match", args)
     if sharded:
-        from . import distributed
+        from .. import distributed
 
         search = functools.partial(distributed.run, shard="queries")
     t0 = time.perf_counter()
@@ -161,7 +161,7 @@ def cmd_distance(args: argparse.Namespace) -> int:
     options = task_options("distance", args)
     if args.nearest:
         if _sharded(args):
-            from . import distributed
+            from .. import distributed
 
             options["search"] = functools.partial(distributed.nearest_prototype, shard="pixels")
     elif _sharded(args) and not _is_first_rank():  # the full tensor is not sharded: rank 0 writes it
@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from ._info import show_config
+    from .._info import show_config
 
     show_config(file=sys.stdout)
     return 0
