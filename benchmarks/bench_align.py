@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import densematch
 from _baseline_align import baseline_align
 from _common import machine, save, table
-from densematch._align import _warp
+from densematch.alignment.warp import warp_batch as _warp
 from densematch.app.synthetic import alignment_cases
 
 

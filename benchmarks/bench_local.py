@@ -53,15 +53,15 @@ CHILD = textwrap.dedent(
         return corr[:, hh, ww, ys, xs].permute(0, 3, 4, 1, 2)
 
     def ours_volume(a, b):
-        return densematch.local_match(a, b, R, metric="dot", layout="chw", output="volume")
+        return densematch.local_cost_volume(a, b, R, metric="dot", layout="chw")
 
     def ours_cosine(a, b):
-        return densematch.local_match(a, b, R, metric="cosine", layout="chw", output="volume")
+        return densematch.local_cost_volume(a, b, R, metric="cosine", layout="chw")
 
     def ours_flow(a, b):
         flow = torch.randn(1, a.shape[2], a.shape[3], 2, generator=torch.Generator().manual_seed(0)) * 2
-        kw = dict(metric="dot", layout="chw", output="volume", flow=flow, sampling="bilinear")
-        return densematch.local_match(a, b, R, **kw)
+        kw = dict(metric="dot", layout="chw", flow=flow, sampling="bilinear")
+        return densematch.local_cost_volume(a, b, R, **kw)
 
     def ours_topk(a, b):
         return densematch.local_match(a, b, R, layout="chw").index

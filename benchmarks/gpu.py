@@ -146,7 +146,7 @@ def window_rows(dev: torch.device, *, small: bool) -> list[dict]:
         return (a[:, :, None, None] * patches).sum(1)
 
     def ours(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return densematch.local_match(a, b, r, metric="dot", layout="chw", output="volume")
+        return densematch.local_cost_volume(a, b, r, metric="dot", layout="chw")
 
     side = 32 if small else 128
     qa = torch.randn(side, side, 64, device=dev, requires_grad=True)
@@ -202,9 +202,9 @@ def main() -> None:
     fa, fb = torch.randn(2, 20, 24, 16, generator=g), torch.randn(2, 20, 24, 16, generator=g)
     flow = 3 * torch.randn(2, 20, 24, 2, generator=g)
     for sampling in ("nearest", "bilinear"):
-        kw = dict(flow=flow, sampling=sampling, metric="l2", output="volume", fill=0.0)
-        ref = densematch.local_match(fa, fb, 3, **kw)
-        got = densematch.local_match(fa.to(dev), fb.to(dev), 3, **{**kw, "flow": flow.to(dev)})
+        kw = dict(flow=flow, sampling=sampling, metric="l2", fill=0.0)
+        ref = densematch.local_cost_volume(fa, fb, 3, **kw)
+        got = densematch.local_cost_volume(fa.to(dev), fb.to(dev), 3, **{**kw, "flow": flow.to(dev)})
         checks[f"local_match volume {sampling}"] = bool(torch.allclose(got.cpu(), ref, atol=1e-4))
     ref_soft = densematch.soft_match(fa, fb).coords
     checks["soft_match"] = bool(

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from densematch.app import batch, warp
+from densematch import warp
+from densematch.app import batch
 from densematch.app.batch import RESULTS, read_manifest
 
 from ._reference import assert_same_up_to_ties

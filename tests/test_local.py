@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import densematch
-from densematch import LocalMatcher, local_match
+from densematch import LocalCostVolume, LocalMatcher, local_cost_volume, local_match
 
 from ._reference import METRICS, assert_same_up_to_ties, reference_scores, reported, tolerance
 from .conftest import patch_features
@@ -148,7 +148,7 @@ def test_property_volume_and_topk_equal_the_reference(h, w, c, radius, dilation,
     count = (2 * radius[0] + 1) * (2 * radius[1] + 1)
     k = data.draw(st.integers(1, min(count, 4)))
     check_topk(a, b, radius, metric, k=k, dilation=dilation)
-    vol = local_match(a, b, radius, dilation=dilation, metric=metric, output="volume", fill=math.nan)
+    vol = local_cost_volume(a, b, radius, dilation=dilation, metric=metric, fill=math.nan)
     ref = window_reference(a, b, radius, dilation, metric=metric)
     assert vol.shape == (2 * radius[0] + 1, 2 * radius[1] + 1, h, w)
     assert torch.equal(vol.isnan().reshape(count, h, w), ref.isnan())
@@ -170,14 +170,14 @@ def test_exact_ties_go_to_the_lowest_offset():
 def test_volume_has_spatial_correlation_samplers_layout_hand_computed():
     a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])[None, None]  # (B, C, H, W)
     b = torch.tensor([[5.0, 6.0], [7.0, 8.0]])[None, None]
-    vol = local_match(a, b, 1, metric="dot", layout="chw", output="volume")
+    vol = local_cost_volume(a, b, 1, metric="dot", layout="chw")
     assert vol.shape == (1, 3, 3, 2, 2)
     assert vol[0, 1, 1].tolist() == [[5, 12], [21, 32]]  # no displacement
     assert vol[0, 0, 0].tolist() == [[0, 0], [0, 20]]  # b one row up and one col left
     assert vol[0, 2, 2].tolist() == [[8, 0], [0, 0]]
     assert vol[0, 0, 1].tolist() == [[0, 0], [15, 24]]
     assert vol[0, 1, 2].tolist() == [[6, 0], [24, 0]]
-    dil = local_match(a, b, 1, dilation=2, metric="dot", layout="chw", output="volume")
+    dil = local_cost_volume(a, b, 1, dilation=2, metric="dot", layout="chw")
     assert dil[0, 1, 1].tolist() == [[5, 12], [21, 32]] and dil[0, 0].abs().sum() == 0 and dil[0, 2].abs().sum() == 0
 
 
@@ -195,7 +195,7 @@ def test_volume_equals_the_samplers_formula_written_out():
                         yb, xb = y + (i - ry) * dy, x + (j - rx) * dx
                         if 0 <= yb < 5 and 0 <= xb < 6:
                             want[n, i, j, y, x] = (a[n, :, y, x] * b[n, :, yb, xb]).sum()
-    got = LocalMatcher((ry, rx), dilation=(dy, dx), metric="dot", layout="chw", output="volume")(a, b)
+    got = LocalCostVolume((ry, rx), dilation=(dy, dx), metric="dot", layout="chw")(a, b)
     assert torch.allclose(got, want, atol=1e-12)
 
 
@@ -205,7 +205,7 @@ def test_volume_gradcheck(metric):
     b = torch.randn(2, 5, 6, 3, dtype=torch.float64, requires_grad=True)
 
     def vol(a, b):
-        return local_match(a, b, (1, 2), dilation=(1, 2), metric=metric, output="volume", memory=6000, fill=0.0)
+        return local_cost_volume(a, b, (1, 2), dilation=(1, 2), metric=metric, memory=6000, fill=0.0)
 
     assert torch.autograd.gradcheck(vol, (a, b), fast_mode=True)
 
@@ -214,7 +214,7 @@ def test_volume_gradient_equals_the_unfold_recipe():
     a = torch.randn(1, 4, 9, 11, requires_grad=True)
     b = torch.randn(1, 4, 9, 11, requires_grad=True)
     g = torch.randn(1, 5, 5, 9, 11)
-    (local_match(a, b, 2, metric="dot", layout="chw", output="volume", memory="64KiB") * g).sum().backward()
+    (local_cost_volume(a, b, 2, metric="dot", layout="chw", memory="64KiB") * g).sum().backward()
     mine = a.grad.clone(), b.grad.clone()
     a.grad = b.grad = None
     patches = F.unfold(F.pad(b, (2, 2, 2, 2)), 5).view(1, 4, 5, 5, 9, 11)
@@ -240,9 +240,7 @@ def test_bilinear_flow_reads_b_like_grid_sample(metric):
     flow = 3 * torch.rand(7, 8, 2, dtype=torch.float64) - 1.5
     flow[0, 0] = torch.tensor([0.0, 0.0])  # integer positions, and one exactly on the last row
     flow[6, 2] = torch.tensor([0.0, 0.25])
-    vol = local_match(
-        a, b, 1, dilation=2, flow=flow, sampling="bilinear", metric=metric, output="volume", fill=math.nan
-    )
+    vol = local_cost_volume(a, b, 1, dilation=2, flow=flow, sampling="bilinear", metric=metric, fill=math.nan)
     ref = window_reference(a, b, 1, 2, flow, "bilinear", metric)
     assert torch.allclose(vol.reshape(9, 7, 8), ref, atol=1e-10, equal_nan=True)
     m = local_match(a, b, 1, dilation=2, flow=flow, sampling="bilinear", metric=metric)
@@ -261,7 +259,7 @@ def test_bilinear_flow_gradcheck():
     flow = (0.8 * torch.rand(1, 4, 5, 2, dtype=torch.float64) + 0.1).requires_grad_()  # away from integers
 
     def vol(a, b, flow):
-        return local_match(a, b, 1, flow=flow, sampling="bilinear", metric="l2", output="volume", fill=0.0)
+        return local_cost_volume(a, b, 1, flow=flow, sampling="bilinear", metric="l2", fill=0.0)
 
     assert torch.autograd.gradcheck(vol, (a, b, flow), fast_mode=True)
 
@@ -285,7 +283,7 @@ def test_masks_exclude_candidates_and_pixels():
     mask_a[2:4, 3:5] = True
     m = local_match(a, b, 2, mask_a=mask_a)
     assert (m.index[~mask_a] == -1).all() and m.valid[mask_a].all() and not m.valid[~mask_a].any()
-    vol = local_match(a, b_nan, 1, metric="l2", mask_a=mask_a, mask_b=mask_b, output="volume")
+    vol = local_cost_volume(a, b_nan, 1, metric="l2", mask_a=mask_a, mask_b=mask_b)
     assert torch.isinf(vol[:, :, ~mask_a]).all() and not vol.isnan().any()
 
 
@@ -310,8 +308,8 @@ def test_small_budgets_give_the_same_answer():
     same_picks(a, b, small.index, big.index, "l1")
     tol = tolerance(a, b, "l1")
     torch.testing.assert_close(small.score, big.score, rtol=0, atol=tol, equal_nan=True)
-    vol = local_match(a, b, 3, metric="l1", output="volume")
-    assert torch.equal(vol, local_match(a, b, 3, metric="l1", output="volume", memory=30_000))
+    vol = local_cost_volume(a, b, 3, metric="l1")
+    assert torch.equal(vol, local_cost_volume(a, b, 3, metric="l1", memory=30_000))
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -334,9 +332,9 @@ def test_a_shifted_photo_is_found(camera_small):
 
 def test_half_inputs_are_computed_in_float32():
     a, b = torch.randn(6, 7, 8), torch.randn(6, 7, 8)
-    got = local_match(a.half(), b.half(), 1, metric="l2", output="volume")
+    got = local_cost_volume(a.half(), b.half(), 1, metric="l2")
     assert got.dtype == torch.float32
-    assert torch.allclose(got, local_match(a.half().float(), b.half().float(), 1, metric="l2", output="volume"))
+    assert torch.allclose(got, local_cost_volume(a.half().float(), b.half().float(), 1, metric="l2"))
 
 
 @pytest.mark.parametrize(
@@ -347,9 +345,7 @@ def test_half_inputs_are_computed_in_float32():
         ({"radius": 1.5}, TypeError, "radius must be an int"),
         ({"dilation": 0}, ValueError, "dilation must be"),
         ({"k": 10}, ValueError, "k must be between 1 and 9"),
-        ({"k": 2, "output": "volume"}, ValueError, "k applies to output='topk'"),
-        ({"fill": 0.0}, ValueError, "fill applies to output='volume'"),
-        ({"output": "dense"}, ValueError, "output must be one of"),
+        ({"output": "volume"}, TypeError, "unexpected keyword argument 'output'"),  # local_cost_volume now
         ({"sampling": "cubic"}, ValueError, "sampling must be one of"),
         ({"metric": "hamming"}, ValueError, "metric must be one of"),
         ({"layout": "flat"}, ValueError, "layout must be 'hwc' or 'chw'"),
@@ -379,7 +375,11 @@ def test_bad_inputs_are_refused():
 
 def test_module_twin():
     m = LocalMatcher(2, metric="l2", k=2)
-    assert repr(m) == "LocalMatcher(radius=(2, 2), metric='l2', output='topk', k=2, layout='hwc')"
+    assert repr(m) == "LocalMatcher(radius=(2, 2), metric='l2', k=2, layout='hwc')"
+    assert (
+        repr(LocalCostVolume(1, metric="dot", fill=0.0))
+        == "LocalCostVolume(radius=(1, 1), metric='dot', fill=0.0, layout='hwc')"
+    )
     a, b = torch.randn(5, 6, 3), torch.randn(5, 6, 3)
     same_picks(a, b, m(a, b).index, local_match(a, b, 2, metric="l2", k=2).index, "l2")
     with pytest.raises(ValueError, match="k must be between 1 and 25"):
@@ -393,7 +393,7 @@ b = torch.randn(1, 64, {n}, {n}, generator=g).requires_grad_()
 def run(small):
     n = 16 if small else {n}
     x, y = a[..., :n, :n], b[..., :n, :n]
-    vol = densematch.local_match(x, y, 7, metric="{metric}", layout="chw", output="volume", memory="{mib}MiB")
+    vol = densematch.local_cost_volume(x, y, 7, metric="{metric}", layout="chw", memory="{mib}MiB")
     vol.sum().backward()
 """
 
@@ -413,8 +413,8 @@ def test_a_radius_past_the_maps_equals_the_largest_that_reaches(output):
     g = torch.Generator().manual_seed(4)
     a, b = torch.randn(3, 4, 6, generator=g), torch.randn(3, 4, 6, generator=g)
     if output == "volume":
-        huge = densematch.local_match(a, b, 500, output="volume", metric="dot")
-        whole = densematch.local_match(a, b, (2, 3), output="volume", metric="dot")
+        huge = densematch.local_cost_volume(a, b, 500, metric="dot")
+        whole = densematch.local_cost_volume(a, b, (2, 3), metric="dot")
         assert huge.shape == (1001, 1001, 3, 4)
         assert torch.equal(huge[498:503, 497:504], whole)
         huge[498:503, 497:504] = 0

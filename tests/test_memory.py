@@ -175,7 +175,7 @@ a = torch.randn(96, 128, 64, generator=g, requires_grad=True)
 b = torch.randn(96, 128, 64, generator=g, requires_grad=True)
 def run(small):
     x, y = (a[:8, :8], b[:8, :8]) if small else (a, b)
-    densematch.local_match(x, y, 4, output="volume", metric="dot", memory="4MiB").sum().backward()
+    densematch.local_cost_volume(x, y, 4, metric="dot", memory="4MiB").sum().backward()
 """
 
 

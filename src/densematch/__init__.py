@@ -3,15 +3,15 @@
 import importlib
 from typing import Any
 
-from ._align import Alignment, align, warp
 from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
 from ._info import show_config
 from ._knn import KNNIndex, knn
-from ._local import LocalMatcher, local_match
 from ._match import DenseMatcher, Matches, match
 from ._soft import SoftMatches, soft_match
+from .alignment import Alignment, align, warp
 from .budget import parse_memory
 from .config import config_context, get_config
+from .local import LocalCostVolume, LocalMatcher, local_cost_volume, local_match
 from .options import MatchOptions
 
 __version__ = "0.1.0"
@@ -20,6 +20,7 @@ __all__ = [
     "Alignment",
     "DenseMatcher",
     "KNNIndex",
+    "LocalCostVolume",
     "LocalMatcher",
     "MatchOptions",
     "Matches",
@@ -30,6 +31,7 @@ __all__ = [
     "config_context",
     "get_config",
     "knn",
+    "local_cost_volume",
     "local_match",
     "match",
     "nearest_prototype",

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from .. import __version__
-from .._align import OBJECTIVES
 from .._match import Matches
 from .._match import run as run_match
 from .._refine import REFINES
+from ..alignment import OBJECTIVES
 from ..metrics import METRICS
 from ..options import MatchOptions
 from ..precision import PRECISIONS, RANKINGS

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._align import align, warp
 from .._distance import nearest_prototype, pairwise_distance
 from .._match import match
+from ..alignment import align, warp
 from .features import dense_features
 from .synthetic import pck
 

@@ -17,10 +17,10 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from .._align import align
 from .._distance import nearest_prototype, pairwise_distance
 from .._match import Matches
 from .._match import run as run_match
+from ..alignment import align
 from ..budget import chunk_rows
 from ..config import resolve_memory
 from ..options import MatchOptions

@@ -1,0 +1,354 @@
+"""Stretch-and-shift alignment of a template into an image, found globally: the public call.
+
+Convention (docs/align.md): template pixel (r, c) looks at image coordinate
+((r + shift_y + 0.5) / scale_h - 0.5, (c + shift_x + 0.5) / scale_w - 0.5), sampled bilinearly:
+the image resized by (scale_h, scale_w) as ``torch.nn.functional.interpolate`` does with
+``scale_factor`` and ``align_corners=False``, then cropped at (shift_y, shift_x).
+
+Because that warp is separable, a warped image is two small matrix products,
+``Ry @ image @ Rx.T``, with Ry (h, H) and Rx (w, W) bilinear weights. The search has three steps:
+
+1. Exhaustive search on a grid: for every scale pair of a fine grid, the squared error (or the
+   NCC) at every integer shift at once, as FFT correlations of the stretched image with the
+   template; at half resolution for templates of 48 pixels and more.
+2. The best local minima over the scale grid become candidates.
+3. Each candidate is refined continuously (Levenberg-Marquardt on the four parameters, with
+   gain and bias for NCC) at full resolution, and the best by the requested objective wins.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..budget import chunk_rows
+from ..checks import as_tensor, check_choice, check_finite, compute_dtype
+from ..config import resolve_memory
+from ..threads import share_out, share_size, workers_for
+from .refine import objective_at, refine
+from .search import downsample, grid_search, scale_grid
+from .warp import as_image, warp_batch
+
+__all__ = ["OBJECTIVES", "Alignment", "align"]
+
+OBJECTIVES = ("l1", "l2", "ncc")
+
+
+@dataclass
+class Alignment:
+    """The result of :func:`align`.
+
+    Attributes
+    ----------
+    scale_h, scale_w, shift_y, shift_x : float, or Tensor of shape (B,) for batches
+        The warp, in the convention of :func:`align`.
+    error : float, or Tensor of shape (B,)
+        The objective at the answer, a weighted mean per template pixel (and channel): mean
+        absolute difference for "l1", mean squared difference for "l2", 1 - NCC for "ncc".
+    warped : Tensor
+        The stretched and cropped image, shaped like the template.
+    landscape : Tensor of shape (B, n_h, n_w)
+        The grid search's best error for each (scale_h, scale_w) of the grid (squared error,
+        or 1 - NCC), at the search resolution: the error landscape, for pictures.
+    scales_h, scales_w : Tensor of shape (n_h,) and (n_w,)
+        The grid's scales.
+    at_bound : tuple of str, or list of them for batches
+        The scales found at an end of their range ("scale_h", "scale_w"): the truth may lie
+        beyond it (:func:`align` warns, naming the range to widen).
+    """
+
+    scale_h: float | torch.Tensor
+    scale_w: float | torch.Tensor
+    shift_y: float | torch.Tensor
+    shift_x: float | torch.Tensor
+    error: float | torch.Tensor
+    warped: torch.Tensor
+    landscape: torch.Tensor
+    scales_h: torch.Tensor
+    scales_w: torch.Tensor
+    at_bound: tuple[str, ...] | list[tuple[str, ...]] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The warp and error as plain Python numbers (lists for batches), and ``at_bound``."""
+        out: dict[str, Any] = {
+            k: (v.tolist() if isinstance(v, torch.Tensor) else v)
+            for k, v in (
+                ("scale_h", self.scale_h),
+                ("scale_w", self.scale_w),
+                ("shift_y", self.shift_y),
+                ("shift_x", self.shift_x),
+                ("error", self.error),
+            )
+        }
+        bound = self.at_bound
+        out["at_bound"] = [list(b) for b in bound] if isinstance(bound, list) else list(bound)
+        return out
+
+
+def _check_range(value: Any, name: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a pair (low, high) of positive floats, got {value!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi < lo:
+        raise ValueError(f"{name} must be a pair (low, high) with 0 < low <= high, got {value!r}")
+    return lo, hi
+
+
+def _check_fits(
+    tpl: tuple[int, int], img: tuple[int, int], range_h: tuple[float, float], range_w: tuple[float, float]
+) -> None:
+    """The template must lie inside the image stretched by every scale searched: h <= H * s_h
+    and w <= W * s_w. Raises a ValueError giving the smallest scales that work, or saying that
+    none in the range does (the template larger than the image at the largest scale: often
+    template and image swapped)."""
+    needs = []
+    for axis, size, whole, (lo, hi) in (("h", tpl[0], img[0], range_h), ("w", tpl[1], img[1], range_w)):
+        if size > whole * lo:
+            needs.append((axis, size, whole, lo, hi, size / whole))
+    if not needs:
+        return
+    if any(least > hi for *_, hi, least in needs):
+        detail = "; ".join(
+            f"{size} > {whole} x {hi} on {axis}" for axis, size, whole, _, hi, least in needs if least > hi
+        )
+        raise ValueError(
+            f"template of {tpl[0]}x{tpl[1]} does not fit in the image of {img[0]}x{img[1]} even at the "
+            f"largest scales ({detail}): the template must be a view inside the image (were template "
+            "and image swapped?), or widen the scale range past those ratios"
+        )
+    fix = ", ".join(
+        f"scale_{axis} from at least {least:.4g} ({size} / {whole})" for axis, size, whole, *_, least in needs
+    )
+    raise ValueError(
+        f"template of {tpl[0]}x{tpl[1]} does not fit in the image of {img[0]}x{img[1]} stretched by the "
+        f"smallest scales ({range_h[0]:g}, {range_w[0]:g}): it needs h <= H x scale_h and w <= W x scale_w; "
+        f"raise the smallest scales: {fix} (scale_h=, scale_w=; on the command line --scale-h, --scale-w)"
+    )
+
+
+def align(
+    template: Any,
+    image: Any,
+    *,
+    scale_h: tuple[float, float] = (0.8, 1.2),
+    scale_w: tuple[float, float] = (0.8, 1.2),
+    objective: str = "l1",
+    template_mask: Any = None,
+    memory: int | str | None = None,
+) -> Alignment:
+    """Find the stretch and shift that fit `template` into `image`, globally, to sub-pixel precision.
+
+    Parameters
+    ----------
+    template : Tensor or ndarray of shape (h, w), (B, h, w) or (B, C, h, w)
+        Float, or integer (scaled to [0, 1] by the type's maximum), or bool.
+    image : Tensor or ndarray of shape (H, W), (B, H, W) or (B, C, H, W)
+        The same layout, B and C as `template`.
+    scale_h, scale_w : (float, float), default=(0.8, 1.2)
+        The ranges searched, inclusive.
+    objective : {"l1", "l2", "ncc"}, default="l1"
+        Mean absolute or squared difference, or zero-mean normalised cross-correlation (robust to
+        brightness and contrast).
+    template_mask : Tensor or ndarray of shape (h, w), or (B, h, w) for batches, optional
+        Non-negative weights of template pixels (shared by the channels); 0 ignores a pixel.
+    memory : int or str, optional
+        Cap on the grid search's working memory; batches are searched in chunks that fit.
+
+    Returns
+    -------
+    Alignment
+        ``scale_h``, ``scale_w``, ``shift_y``, ``shift_x`` and ``error`` (floats, or (B,) tensors
+        for batched input), ``warped`` shaped like the template, and the search's landscape.
+
+    Notes
+    -----
+    Convention: template pixel (r, c) looks at image coordinate ((r + shift_y + 0.5) / scale_h - 0.5,
+    (c + shift_x + 0.5) / scale_w - 0.5), bilinear; only placements with the template wholly inside
+    the stretched image count: 0 <= shift_y <= H * scale_h - h, and likewise for x.
+
+    The grid search is exhaustive over shifts and dense in scale (steps of at most one pixel of
+    stretch across the template at the search resolution), so it finds the basin of the global
+    optimum; refinement then reaches sub-pixel precision. For "l1" the refinement minimises the
+    squared error and the candidates are ranked by the absolute error.
+
+    Examples
+    --------
+    >>> from densematch import warp
+    >>> img = torch.rand(60, 60)
+    >>> tpl = warp(img, 1.1, 0.9, 4.25, 3.5, (48, 40))
+    >>> a = align(tpl, img)
+    >>> round(a.scale_h, 3), round(a.scale_w, 3), round(a.shift_y, 2), round(a.shift_x, 2)
+    (1.1, 0.9, 4.25, 3.5)
+    """
+    objective = check_choice(objective, "objective", OBJECTIVES)
+    lo_h, hi_h = _check_range(scale_h, "scale_h")
+    lo_w, hi_w = _check_range(scale_w, "scale_w")
+    t = as_image(template, "template")
+    x = as_image(image, "image")
+    if t.ndim not in (2, 3, 4):
+        raise ValueError(f"template must have shape (h, w), (B, h, w) or (B, C, h, w), got {tuple(t.shape)}")
+    if x.ndim != t.ndim:
+        raise ValueError(
+            f"image must have the template's layout ({t.ndim} dims, as {tuple(t.shape)}), got {tuple(x.shape)}"
+        )
+    if t.shape[: t.ndim - 2] != x.shape[: x.ndim - 2]:
+        raise ValueError(
+            f"template and image must have the same batch and channels, got {tuple(t.shape[:-2])} "
+            f"and {tuple(x.shape[:-2])}"
+        )
+    if t.numel() == 0 or x.numel() == 0:
+        raise ValueError(f"template and image must not be empty, got {tuple(t.shape)} and {tuple(x.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"template and image must be on one device, got {t.device} and {x.device}")
+    check_finite(t, "template")
+    check_finite(x, "image")
+    h, w = t.shape[-2:]
+    hh, ww = x.shape[-2:]
+    _check_fits((h, w), (hh, ww), (lo_h, hi_h), (lo_w, hi_w))
+    dtype = compute_dtype(t, x)
+    t4 = t.to(dtype).reshape(-1, *t.shape[-3:]) if t.ndim == 4 else t.to(dtype).reshape(-1, 1, h, w)
+    x4 = x.to(dtype).reshape(-1, *x.shape[-3:]) if x.ndim == 4 else x.to(dtype).reshape(-1, 1, hh, ww)
+    mask = _check_template_mask(template_mask, t4, t.shape, dtype)
+    budget = resolve_memory(memory, x.device)
+
+    with torch.inference_mode():
+        # one power of two brings both to unit amplitude, exactly: the search's and the
+        # refinement's fixed epsilons then mean the same for images of any amplitude or dtype
+        unit = _unit_scale(t4, x4)
+        found = _search(
+            t4 * unit, x4 * unit, mask, (lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None
+        )
+    warped = (found.warped / unit).reshape(t.shape)
+    err = found.error
+    # 1 - NCC is never below 0; rounding of a perfect fit may put it a hair under
+    err = {"l1": err / unit, "l2": err / unit**2, "ncc": err.clamp_min(0.0)}[objective]
+    # the grid search's squared error, or 1 - NCC
+    landscape = found.landscape if objective == "ncc" else found.landscape / unit**2
+    warp_params = (found.scale_h, found.scale_w, found.shift_y, found.shift_x)
+    bounds = _at_bound(found.scale_h, found.scale_w, (lo_h, hi_h), (lo_w, hi_w))
+    grids = (found.grid_h, found.grid_w)
+    if t.ndim == 2:
+        sh, sw, sy, sx = (float(v.item()) for v in warp_params)
+        return Alignment(sh, sw, sy, sx, err.item(), warped, landscape, *grids, bounds[0])
+    return Alignment(*warp_params, err, warped, landscape, *grids, bounds)
+
+
+def _at_bound(
+    sh: torch.Tensor, sw: torch.Tensor, range_h: tuple[float, float], range_w: tuple[float, float]
+) -> list[tuple[str, ...]]:
+    """Per item, the scales found at an end of their range (within 1e-4 of it: the refinement
+    stops on the boundary), with one warning for the call naming the ranges to widen."""
+    found = []
+    for h, w in zip(sh.tolist(), sw.tolist(), strict=True):
+        found.append(
+            tuple(
+                name
+                for name, value, (lo, hi) in (("scale_h", h, range_h), ("scale_w", w, range_w))
+                if lo < hi and min(value - lo, hi - value) <= 1e-4 * hi
+            )
+        )
+    hit = sorted({name for names in found for name in names})
+    if hit:
+        ranges = ", ".join(f"{n}={range_h if n == 'scale_h' else range_w}" for n in hit)
+        verb = "lies" if len(hit) == 1 else "lie"
+        warnings.warn(
+            f"the best {' and '.join(hit)} {verb} at an end of the range searched ({ranges}): the truth may lie "
+            f"beyond it; widen {', '.join(n + '=' for n in hit)} (on the command line "
+            f"{', '.join('--' + n.replace('_', '-') for n in hit)})",
+            stacklevel=3,
+        )
+    return found
+
+
+def _unit_scale(t: torch.Tensor, x: torch.Tensor) -> float:
+    """The power of two that brings the larger of the two images' peak amplitudes into [1, 2)."""
+    peak = max(float(t.abs().amax()), float(x.abs().amax()))
+    return 1.0 if peak == 0 else 2.0 ** -math.floor(math.log2(peak))
+
+
+def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Weights of shape (B, 1, h, w): ones when no mask is given."""
+    b, _, h, w = t4.shape
+    if mask is None:
+        return torch.ones(b, 1, h, w, dtype=dtype, device=t4.device)
+    m = as_tensor(mask, "template_mask").to(t4.device, dtype)
+    allowed = [(h, w), (b, h, w)] if len(shape) >= 3 else [(h, w)]
+    if tuple(m.shape) not in allowed:
+        listed = " or ".join(str(a) for a in allowed)
+        raise ValueError(f"template_mask must have shape {listed}, one weight per pixel, got {tuple(m.shape)}")
+    m = m.expand(b, h, w)
+    check_finite(m, "template_mask")
+    if (m < 0).any():
+        raise ValueError("template_mask must hold non-negative weights, got negative values")
+    if (m.reshape(b, -1).sum(1) <= 0).any():
+        raise ValueError("template_mask must keep some pixels: it is all zero (for at least one pair)")
+    return m.reshape(b, 1, h, w).contiguous()
+
+
+@dataclass
+class _Found:
+    """What the search found for each pair (B,) at unit amplitude, with the grid it searched."""
+
+    scale_h: torch.Tensor
+    scale_w: torch.Tensor
+    shift_y: torch.Tensor
+    shift_x: torch.Tensor
+    error: torch.Tensor
+    warped: torch.Tensor
+    landscape: torch.Tensor
+    grid_h: torch.Tensor
+    grid_w: torch.Tensor
+
+
+def _search(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    range_h: tuple[float, float],
+    range_w: tuple[float, float],
+    objective: str,
+    budget: int,
+    uniform: bool,
+) -> _Found:
+    b, c, h, w = t.shape
+    factor = 2 if min(h, w) >= 48 else 1
+    tc, xc = downsample(t, factor), downsample(x, factor)
+    mc = None if uniform else downsample(mask, factor)
+    grid_h = scale_grid(*range_h, tc.shape[-2], x.device, x.dtype)
+    grid_w = scale_grid(*range_w, tc.shape[-1], x.device, x.dtype)
+    cand, landscape = grid_search(tc, xc, mc, grid_h, grid_w, objective == "ncc", budget)
+    # candidates at full resolution: scales carry over, shifts scale with the factor
+    m = cand.shape[1]
+    cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, factor, factor], dtype=cand.dtype, device=cand.device)
+    owner = torch.arange(b, device=x.device).repeat_interleave(m)
+    n_par = 6 if objective == "ncc" else 4
+    hh, ww = x.shape[-2:]
+    # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
+    per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
+    step = chunk_rows(budget, per_cand, "the refinement of one candidate")
+    workers = workers_for(x.device)
+    if workers > 1 and b > 1:
+        # shared out by whole pairs, a few chunks per worker: every chunk pays the refinement's
+        # per-iteration overhead once, so a pair's candidates stay together
+        step = min(step, m * share_size(b, workers))
+    starts = range(0, b * m, step)
+    params: list[torch.Tensor] = [cand] * len(starts)
+    errs: list[torch.Tensor] = [cand] * len(starts)
+
+    def refine_chunk(n: int) -> None:
+        part = slice(starts[n], starts[n] + step)
+        p = refine(t, x, mask, owner[part], cand[part], range_h, range_w, objective == "ncc")
+        params[n] = torch.stack(p, 1)
+        errs[n] = objective_at(t, x, mask, owner[part], p, objective)
+
+    share_out(range(len(starts)), refine_chunk, workers, name="densematch-align")
+    err = torch.cat(errs)
+    pick = torch.arange(b, device=x.device) * m + err.view(b, m).argmin(1)
+    sh, sw, sy, sx = torch.cat(params)[pick].unbind(1)
+    warped = warp_batch(x, sh, sw, sy, sx, (h, w))
+    return _Found(sh, sw, sy, sx, err[pick], warped, landscape, grid_h, grid_w)

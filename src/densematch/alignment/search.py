@@ -1,0 +1,192 @@
+"""Step 1 and 2 of :func:`densematch.align`: the exhaustive grid search (every scale pair of a
+fine grid, every integer shift at once through FFT correlations) and the candidates it keeps."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..budget import chunk_rows
+from ..threads import share_out, share_size, workers_for
+from .warp import sampling_matrix
+
+__all__ = ["downsample", "grid_search", "pick_candidates", "scale_grid"]
+
+_CANDIDATES = 4
+_CPU_CHUNK = 64 * 2**20
+_MAX_STEP = 0.02
+_EDGE_STEP = 1.0
+
+
+def scale_grid(lo: float, hi: float, n_pixels: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Scales from lo to hi, so that neighbours move the template's far edge by <= 1 pixel."""
+    if hi == lo:
+        return torch.tensor([lo], dtype=dtype, device=device)
+    step = min(_MAX_STEP, _EDGE_STEP / max(n_pixels, 1))
+    n = math.ceil((hi - lo) / step) + 1
+    return torch.linspace(lo, hi, n, dtype=dtype, device=device)
+
+
+def downsample(v: torch.Tensor, factor: int) -> torch.Tensor:
+    if factor == 1:
+        return v
+    hh, ww = (v.shape[-2] // factor) * factor, (v.shape[-1] // factor) * factor
+    return F.avg_pool2d(v[..., :hh, :ww], factor)
+
+
+def grid_search(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    grid_h: torch.Tensor,
+    grid_w: torch.Tensor,
+    ncc: bool,
+    budget: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x) and the landscape (B, nh, nw)."""
+    b, c, h, w = t.shape
+    hh, ww = x.shape[-2:]
+    nh, nw = grid_h.numel(), grid_w.numel()
+    uniform = mask is None
+    if mask is None:
+        mask = torch.ones(b, 1, h, w, dtype=t.dtype, device=t.device)
+    # rows and columns of the stretched image that any valid crop can touch
+    rows = math.floor(hh * grid_h.max().item())
+    cols = math.floor(ww * grid_w.max().item())
+    zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
+    ry = sampling_matrix(rows, hh, grid_h, zeros_h)  # (nh, rows, H)
+    rx = sampling_matrix(cols, ww, grid_w, zeros_w)  # (nw, cols, W)
+    # valid integer shifts: 0 <= s <= H * scale - h
+    max_y = torch.floor(hh * grid_h - h + 1e-6).long()
+    max_x = torch.floor(ww * grid_w - w + 1e-6).long()
+    n_y, n_x = int(max_y.max().item()) + 1, int(max_x.max().item()) + 1
+    ok_y = torch.arange(n_y, device=x.device) <= max_y[:, None]  # (nh, n_y)
+    ok_x = torch.arange(n_x, device=x.device) <= max_x[:, None]  # (nw, n_x)
+    valid = ok_y[:, None, :, None] & ok_x[None, :, None, :]  # (nh, nw, n_y, n_x)
+    # FFT size covering every crop without wrap-around, rounded up to a fast length
+    fh, fw = _fast_length(rows), _fast_length(cols)
+    item = x.element_size()
+    per_pair = fh * fw * item * (6 * c + 8)  # one pair, one scale pair: images, squares, spectra
+    stretch = f"({grid_h.max().item():g}, {grid_w.max().item():g})"
+    what = f"the search of one scale pair of a {hh}x{ww} image stretched up to {stretch}"
+    chunk_rows(budget, per_pair, what, fix="raise memory or narrow the scale ranges")
+    # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
+    cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
+    pairs = chunk_rows(cap, per_pair, what)
+    workers = workers_for(x.device)
+    if workers > 1:  # a few chunks per worker, so that a slowed one leaves little behind
+        pairs = min(pairs, share_size(b * nh * nw, workers))
+    step_w = min(nw, pairs)
+    step_h = min(nh, max(1, pairs // step_w))
+    step_b = max(1, min(b, pairs // (nh * nw)))
+    chunks = [(s, r, col) for s in range(0, b, step_b) for r in range(0, nh, step_h) for col in range(0, nw, step_w)]
+    found: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def search(chunk: tuple[int, int, int]) -> None:
+        s, r, col = chunk
+        e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
+        args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform)
+        score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
+        found[chunk] = score.flatten(3).min(3)  # best and where, (bc, rows, cols of the scale grid)
+
+    share_out(chunks, search, workers, name="densematch-align")
+    land, cands = [], []
+    for s in range(0, b, step_b):
+        rows_of = [[found[(s, r, col)] for col in range(0, nw, step_w)] for r in range(0, nh, step_h)]
+        best = torch.cat([torch.cat([bw[0] for bw in row], 2) for row in rows_of], 1)
+        where = torch.cat([torch.cat([bw[1] for bw in row], 2) for row in rows_of], 1)
+        land.append(best)
+        cands.append(pick_candidates(best, where, grid_h, grid_w, n_x))
+    return torch.cat(cands), torch.cat(land)
+
+
+def _fast_length(n: int) -> int:
+    """The smallest length >= n whose only prime factors are 2, 3 and 5 (fast FFT sizes)."""
+    while True:
+        m = n
+        for f in (2, 3, 5):
+            while m % f == 0:
+                m //= f
+        if m == 1:
+            return n
+        n += 1
+
+
+def _window_sums(v: torch.Tensor, size: tuple[int, int], n_shift: tuple[int, int]) -> torch.Tensor:
+    """Sums of v over every (h, w) window at shifts [0, n_y) x [0, n_x), from an integral image."""
+    ii = F.pad(v.cumsum(-1).cumsum(-2), (1, 0, 1, 0))
+    (h, w), (ny, nx) = size, n_shift
+    return ii[..., h : h + ny, w : w + nx] - ii[..., :ny, w : w + nx] - ii[..., h : h + ny, :nx] + ii[..., :ny, :nx]
+
+
+def _shift_scores(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    ry: torch.Tensor,
+    rx: torch.Tensor,
+    fft_size: tuple[int, int],
+    n_shift: tuple[int, int],
+    ncc: bool,
+    uniform: bool,
+) -> torch.Tensor:
+    """(B, nh, nw, n_y, n_x): weighted squared error, or 1 - NCC, at every integer shift.
+
+    sum_w (T - S)^2 = sum_w T^2 - 2 sum_w T S + sum_w S^2: the cross term is an FFT correlation;
+    the last is a window sum of S^2 when the weights are uniform, another correlation if not.
+    """
+    _b, c, h, w = t.shape
+    # stretched images (B, C, nh, nw, rows, cols), by two batched matrix products
+    s = torch.einsum("hrH,bcHW->bchrW", ry, x)
+    s = torch.einsum("bchrW,wkW->bchwrk", s, rx)
+
+    def spec(v: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft2(v, s=fft_size)
+
+    def corr(img_spec: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        # circular cross-correlation, valid for shifts that keep the kernel inside the image
+        k = spec(kernel)[:, :, None, None].conj()
+        out = torch.fft.irfft2(img_spec * k, s=fft_size)
+        return out[..., : n_shift[0], : n_shift[1]]
+
+    def weighted_sum(v: torch.Tensor) -> torch.Tensor:  # sum_w v over the window at each shift
+        if uniform:
+            return _window_sums(v, (h, w), n_shift).sum(1)
+        return corr(spec(v), mask.expand_as(t)).sum(1)
+
+    s_spec = spec(s)
+    wt = mask * t
+    cross = corr(s_spec, wt).sum(1)  # sum_w T S
+    energy = weighted_sum(s * s)  # sum_w S^2
+    total = mask.sum((1, 2, 3)) * c  # sum of weights over pixels and channels
+    if not ncc:
+        tt = (wt * t).sum((1, 2, 3))
+        return (tt[:, None, None, None, None] - 2 * cross + energy).clamp_min(0) / total[:, None, None, None, None]
+    mean_s = weighted_sum(s) / total[:, None, None, None, None]
+    mean_t = wt.sum((1, 2, 3)) / total
+    var_t = (wt * t).sum((1, 2, 3)) / total - mean_t**2
+    cov = cross / total[:, None, None, None, None] - mean_s * mean_t[:, None, None, None, None]
+    var_s = (energy / total[:, None, None, None, None] - mean_s**2).clamp_min(0)
+    denom = (var_s * var_t[:, None, None, None, None]).sqrt().clamp_min(1e-12)
+    return 1 - cov / denom
+
+
+def pick_candidates(
+    best: torch.Tensor, where: torch.Tensor, grid_h: torch.Tensor, grid_w: torch.Tensor, n_x: int
+) -> torch.Tensor:
+    """The best local minima of the (scale_h, scale_w) landscape, as (B, M, 4) parameters."""
+    _b, nh, nw = best.shape
+    pooled = -F.max_pool2d(-best[:, None], 3, stride=1, padding=1)[:, 0]
+    minima = best <= pooled
+    ranked = torch.where(minima, best, math.inf).flatten(1)
+    m = min(_CANDIDATES, nh * nw)
+    _, idx = ranked.topk(m, dim=1, largest=False)
+    # where a landscape has fewer minima than M, fill from the plain ranking
+    fallback = best.flatten(1).topk(m, dim=1, largest=False).indices
+    idx = torch.where(torch.isfinite(ranked.gather(1, idx)), idx, fallback)
+    ih, iw = idx // nw, idx % nw
+    shift = where.flatten(1).gather(1, idx)
+    sy, sx = (shift // n_x).to(grid_h.dtype), (shift % n_x).to(grid_h.dtype)
+    return torch.stack((grid_h[ih], grid_w[iw], sy, sx), dim=-1)

@@ -1,0 +1,78 @@
+"""The best k candidates of every pixel's window, exactly, ties to the lower offset."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .._match import Matches
+from ..metrics import Metric
+from .volume import band, band_rows, values
+from .windows import Window
+
+__all__ = ["topk"]
+
+
+def topk(
+    win: Window,
+    ra: torch.Tensor,
+    rb: torch.Tensor,
+    flow: torch.Tensor | None,
+    k: int,
+    metric: Metric,
+    budget: int,
+    batched: bool,
+) -> Matches:
+    """The k best candidates of every pixel, ranked without gradients, ties to the lower
+    offset; their values recomputed through :class:`_Values` where the inputs need gradients."""
+    nb, h, w, _ = win.shape
+    rows = band_rows(win, ra, budget)
+    dev = ra.device
+    k_all, k = k, min(k, len(win.offsets))  # slots past the reachable offsets stay empty
+    best = torch.empty((nb, h, w, k), dtype=torch.int64, device=dev)
+    score = torch.empty((nb, h, w, k), dtype=ra.dtype, device=dev)
+    valid = torch.empty((nb, h, w, k), dtype=torch.bool, device=dev)
+    sign = 1.0 if metric.higher_is_better else -1.0
+    with torch.no_grad():
+        for y0 in range(0, h, rows):
+            y1 = min(h, y0 + rows)
+            v, ok = band(win, ra, rb, flow, y0, y1, win.offsets)
+            ranked = torch.where(ok, v * sign, -math.inf)
+            if k == 1:  # argmax takes the first of equal maxima: ties to the lower offset
+                order = ranked.argmax(1, keepdim=True)
+            else:
+                order = ranked.sort(dim=1, descending=True, stable=True).indices[:, :k]
+            best[:, y0:y1] = order.permute(0, 2, 3, 1)
+            score[:, y0:y1] = v.gather(1, order).permute(0, 2, 3, 1)
+            valid[:, y0:y1] = ok.gather(1, order).permute(0, 2, 3, 1)
+    offsets = torch.tensor(win.offsets, dtype=torch.int64, device=dev).reshape(-1, 2)[best]  # (B, H, W, k, 2)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (ra, rb, flow)):
+
+        def picks(y0: int, y1: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [(offsets[:, y0:y1, :, j, 0], offsets[:, y0:y1, :, j, 1]) for j in range(k)]
+
+        score = values(win, ra, rb, flow, picks, rows, math.nan).permute(0, 2, 3, 1)
+    centre = torch.stack(torch.meshgrid(torch.arange(h, device=dev), torch.arange(w, device=dev), indexing="ij"), -1)
+    coords = centre[None, :, :, None] + offsets
+    if flow is not None:
+        coords = coords + flow[:, :, :, None]
+    near = (coords + 0.5).floor().long() if coords.is_floating_point() else coords
+    index = torch.where(valid, near[..., 0] * w + near[..., 1], -1)
+    score = torch.where(valid, score, math.nan)
+    coords = torch.where(valid[..., None], coords, math.nan if coords.is_floating_point() else -1)
+    if k_all > k:
+        extra = k_all - k
+        index = F.pad(index, (0, extra), value=-1)
+        score = F.pad(score, (0, extra), value=math.nan)
+        valid = F.pad(valid, (0, extra), value=False)
+        coords = F.pad(coords, (0, 0, 0, extra), value=math.nan if coords.is_floating_point() else -1)
+        k = k_all
+    shape = (*((nb,) if batched else ()), h, w, *((k,) if k > 1 else ()))
+    return Matches(
+        index=index.reshape(shape),
+        coords=coords.reshape(*shape, 2),
+        score=score.reshape(shape),
+        valid=valid.reshape(shape),
+    )

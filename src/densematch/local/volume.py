@@ -1,0 +1,136 @@
+"""The values of local matching, one band of rows and one offset at a time, differentiable.
+
+The backward recomputes each (band, offset) and differentiates it alone, its inputs cut loose as
+leaves: memory never holds a copy of a per offset, as the unfold recipe does, and no slice's
+gradient is spread over a zero tensor of the whole input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..budget import chunk_rows
+from .windows import Offsets, Window
+
+__all__ = ["band", "band_rows", "values"]
+
+# bytes per (pixel, offset) of the ranking's bookkeeping: value, score, validity, index
+_BOOK_BYTES = 24
+
+
+def band_rows(win: Window, ra: torch.Tensor, budget: int) -> int:
+    """Rows of a per band: one offset's working copies (the candidates read, the metric's
+    temporary and its gradient; for a flow the gathered copies, four and their blend for
+    bilinear sampling) plus the band's values and validity at every offset."""
+    nb, h, w, c = win.shape
+    copies = {None: 3, "nearest": 4, "bilinear": 9}[win.flow_kind]
+    per_pixel = copies * c * ra.element_size() + _BOOK_BYTES * len(win.offsets)
+    return min(h, chunk_rows(budget, nb * w * per_pixel, "one row of windows"))
+
+
+class _Values(torch.autograd.Function):
+    """(B, m, H, W) values of m offsets per pixel, ``fill`` where a pixel has no candidate. The
+    backward recomputes each (band, offset) and differentiates it alone."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        ra: torch.Tensor,
+        rb: torch.Tensor,
+        flow: torch.Tensor | None,
+        win: Window,
+        offsets: Offsets,
+        rows: int,
+        fill: float,
+    ) -> torch.Tensor:
+        nb, h, w, _ = win.shape
+        out: torch.Tensor | None = None
+        for y0 in range(0, h, rows):
+            y1 = min(h, y0 + rows)
+            v, ok = band(win, ra, rb, flow, y0, y1, offsets(y0, y1))
+            if out is None:
+                out = ra.new_empty((nb, v.shape[1], h, w))
+            out[:, :, y0:y1] = v.masked_fill_(~ok, fill)
+        assert out is not None
+        ctx.save_for_backward(ra, rb, flow)
+        ctx.win, ctx.offsets, ctx.rows = win, offsets, rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ra, rb, flow = ctx.saved_tensors
+        win: Window = ctx.win
+        track = tuple(ctx.needs_input_grad[:3])
+        grads = [torch.zeros_like(t) if need else None for t, need in zip((ra, rb, flow), track, strict=True)]
+        h, c = win.shape[1], win.shape[3]
+        for y0 in range(0, h, ctx.rows):
+            y1 = min(h, y0 + ctx.rows)
+            for j, (oy, ox) in enumerate(ctx.offsets(y0, y1)):
+                read = win.read(y0, y1, oy, ox, flow)
+                if read.out is None:
+                    continue
+                g = grad[:, j, y0:y1][read.out] * read.valid[read.out]
+                if win.linear and read.b is not None and read.a is not None:
+                    # a shifted dot product: its gradients directly, with no recomputation
+                    if grads[0] is not None:
+                        grads[0][read.a].addcmul_(g[..., None], rb[read.b])
+                    if grads[1] is not None:
+                        grads[1][read.b].addcmul_(g[..., None], ra[read.a])
+                    continue
+                with torch.enable_grad():
+                    v, sources = win.evaluate(read, ra, rb, flow, track)
+                    leaves = [x for x in sources if x is not None and x.requires_grad]
+                    found = iter(torch.autograd.grad(v, leaves, g))
+                _, *parts, fl = sources
+                if grads[0] is not None and read.a is not None:
+                    grads[0][read.a] += next(found)
+                if grads[1] is not None:
+                    for k in range(len(parts)):
+                        got = next(found)
+                        if read.b is not None:
+                            grads[1][read.b] += got
+                        else:
+                            grads[1].view(-1, c).index_add_(0, read.index[k], got.reshape(-1, c))
+                if grads[2] is not None and fl is not None:
+                    grads[2][:, y0:y1] += next(found)
+        return (*grads, None, None, None, None)
+
+
+def values(
+    win: Window,
+    ra: torch.Tensor,
+    rb: torch.Tensor,
+    flow: torch.Tensor | None,
+    offsets: Offsets,
+    rows: int,
+    fill: float,
+) -> torch.Tensor:
+    out = _Values.apply(ra, rb, flow, win, offsets, rows, fill)  # type: ignore[no-untyped-call]
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def band(
+    win: Window,
+    ra: torch.Tensor,
+    rb: torch.Tensor,
+    flow: torch.Tensor | None,
+    y0: int,
+    y1: int,
+    offsets: Sequence[tuple[Any, Any]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, m, y1 - y0, W) values of rows y0:y1 of a at each of m offsets, NaN where a pixel has
+    no candidate, and where it has one."""
+    nb, _, w, _ = win.shape
+    vals = ra.new_full((nb, len(offsets), y1 - y0, w), math.nan)
+    valid = torch.zeros(vals.shape, dtype=torch.bool, device=vals.device)
+    for j, (oy, ox) in enumerate(offsets):
+        read = win.read(y0, y1, oy, ox, flow)
+        if read.out is not None:
+            vals[:, j][read.out] = win.evaluate(read, ra, rb, flow)[0]
+            valid[:, j] = read.valid
+    return vals, valid
