@@ -3,9 +3,11 @@ torch's kernels where they cannot run."""
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,11 +276,11 @@ def test_prototype_gradient_does_not_depend_on_which_worker_finishes_first(monke
     original = densematch.metrics.Minkowski.bank_grads
     calls = []
 
-    def late_every_third(self, bank, xt, gt, dt):
+    def late_every_third(self, bank, xt, gt, dt, **kwargs):
         calls.append(None)
         if len(calls) % 3 == 1:
             time.sleep(0.003)
-        return original(self, bank, xt, gt, dt)
+        return original(self, bank, xt, gt, dt, **kwargs)
 
     grads = []
     for patched in (False, True):
@@ -326,6 +328,72 @@ class TestBuild:
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         assert library.read_bytes() == whole  # rebuilt in place
+
+    @needs_library
+    def test_every_level_this_cpu_runs_computes_the_same_bits(self, tmp_path):
+        # -ffp-contract=off and the kernels' fixed vector width: an AVX-512 machine and an AVX2 one
+        # (or one without FMA) give the same distances, gradients and pair values, to the last bit
+        from densematch.kernels import build
+
+        runnable = build.levels()[build.levels().index(build.level()) :]
+        code = (
+            "import hashlib, torch, densematch\n"
+            "from densematch.kernels import native\n"
+            "g = torch.Generator().manual_seed(3)\n"
+            "x = torch.randn(2, 37, 9, 11, generator=g, requires_grad=True)\n"
+            "p = torch.randn(13, 37, generator=g, requires_grad=True)\n"
+            "h = hashlib.sha256()\n"
+            "for metric in ('l1', 'linf', 'l2'):\n"
+            "    d = densematch.pairwise_distance(x, p, metric)\n"
+            "    gx, gp = torch.autograd.grad(d.square().sum(), (x, p))\n"
+            "    for t in (d, gx, gp):\n"
+            "        h.update(t.detach().numpy().tobytes())\n"
+            "q, r = torch.randn(50, 37, generator=g), torch.randn(60, 37, generator=g)\n"
+            "idx = torch.randint(0, 60, (50, 4), generator=g)\n"
+            "for kind in ('sqdiff', 'absdiff', 'maxabs', 'dot', 'cosine'):\n"
+            "    h.update(native.pair_values(q, r, idx, kind).numpy().tobytes())\n"
+            "print(native.status()['level'], h.hexdigest())\n"
+        )
+        digests = {}
+        for level in runnable:
+            env = {**os.environ, "DENSEMATCH_CACHE": str(tmp_path), "DENSEMATCH_NATIVE_LEVEL": level}
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            loaded, digest = done.stdout.split()
+            assert loaded == level
+            digests[level] = digest
+        assert len(set(digests.values())) == 1, digests
+
+    @needs_library
+    def test_the_package_ships_one_library_per_level_and_loads_it(self, tmp_path):
+        from densematch.kernels import build
+
+        built = build.build_all(tmp_path)
+        assert [p.name for p in built] == [build.library_name(level) for level in build.levels()]
+        kernels = tmp_path / "densematch" / "kernels"
+        kernels.mkdir(parents=True)
+        source = Path(native.__file__).parent
+        for name in ("__init__.py", "native.py", "build.py", "native.c"):
+            shutil.copy(source / name, kernels / name)
+        for path in built:
+            shutil.copy(path, kernels / path.name)
+            shutil.copy(path.with_suffix(".sha256"), kernels / path.with_suffix(".sha256").name)
+        # the copied kernels package, loaded on its own: the shipped library is the one used,
+        # and no compiler is needed for it
+        env = {**os.environ, "CC": "false", "DENSEMATCH_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
+        package = str(tmp_path / "densematch")
+        code = (
+            "import sys, types\n"
+            "sys.modules['densematch'] = types.ModuleType('densematch')\n"
+            f"sys.modules['densematch'].__path__ = [{package!r}]\n"
+            "from densematch.kernels import native\n"
+            "assert native.library() is not None\n"
+            "print(native.status()['built'], native.status()['library'])\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("with the package") and str(kernels) in done.stdout
+        assert not (tmp_path / "cache").exists()
 
     def test_without_a_compiler_a_warning_says_so_once(self, tmp_path):
         env = {**os.environ, "DENSEMATCH_CACHE": str(tmp_path), "CC": "false"}

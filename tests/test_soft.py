@@ -191,7 +191,8 @@ def test_the_default_temperature_finds_a_photos_shift():
     # temperature="auto" is scale-free: on the library's own patch features of a pure shift
     # (synthetic.match_pairs()'s first pair) it matches like the hard argmax, where the old
     # fixed default of 0.1 put every pixel tens of pixels off (PCK@1 0%)
-    from densematch import match, synthetic
+    from densematch import match
+    from densematch.app import synthetic
     from densematch.app.features import dense_features
 
     pair = synthetic.match_pairs()[0]

@@ -16,7 +16,13 @@ from .kernels import native, triton_available
 from .precision import _cpu_has_amx, cpu_capabilities, device_half
 
 # the environment variables densematch reads, beside config_context
-ENVIRONMENT = ("DENSEMATCH_MEMORY", "DENSEMATCH_NATIVE", "DENSEMATCH_CACHE", "DENSEMATCH_KERNEL_BLOCKS")
+ENVIRONMENT = (
+    "DENSEMATCH_MEMORY",
+    "DENSEMATCH_NATIVE",
+    "DENSEMATCH_NATIVE_LEVEL",
+    "DENSEMATCH_CACHE",
+    "DENSEMATCH_KERNEL_BLOCKS",
+)
 
 
 def _cpu() -> tuple[str, str]:

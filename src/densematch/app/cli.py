@@ -63,7 +63,7 @@ def _is_first_rank() -> bool:
 
 
 def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The keywords of :mod:`densematch.tasks`' function for ``task`` that the command's
+    """The keywords of :mod:`densematch.app.tasks`' function for ``task`` that the command's
     options set (shared by the single-pair commands and ``batch``)."""
     if task == "align":
         return {

@@ -42,21 +42,21 @@
 DEFINE_VECTORS(float, int32_t, f32)
 DEFINE_VECTORS(double, int64_t, f64)
 typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four words */
-#define STEP(T) (2 * (long)(32 / sizeof(T))) /* values per step: two vectors */
+#define STEP(T) (2 * (int64_t)(32 / sizeof(T))) /* values per step: two vectors */
 
 #define DEFINE_KERNELS(T, SUF, PB, ABS)                                                            \
     /* acc[i][j] over d for rows y0..y0+FB-1 and the PB columns at x (row stride ldx): PB is two   \
      * vectors, so the FB x 2 accumulators stay in registers (GCC kept the scalar form's in        \
      * memory, a load and a store per step) */                                                     \
     static inline __attribute__((always_inline)) void block_##SUF(                                 \
-        const T *y, long ldy, int nf, const T *x, long ldx, long D, int linf, T acc[FB][PB]) {     \
+        const T *y, int64_t ldy, int nf, const T *x, int64_t ldx, int64_t D, int linf, T acc[FB][PB]) {     \
         enum { HALF = PB / 2 };                                                                    \
         const T *yr[FB];                                                                           \
         for (int i = 0; i < FB; i++) yr[i] = y + (i < nf ? i : nf - 1) * ldy;                      \
         vec_##SUF v[FB][2];                                                                        \
         for (int i = 0; i < FB; i++) v[i][0] = v[i][1] = (vec_##SUF){};                            \
         if (linf) {                                                                                \
-            for (long d = 0; d < D; d++) {                                                         \
+            for (int64_t d = 0; d < D; d++) {                                                         \
                 const vec_##SUF x0 = load_##SUF(x + d * ldx), x1 = load_##SUF(x + d * ldx + HALF); \
                 for (int i = 0; i < FB; i++) {                                                     \
                     const vec_##SUF a0 = vabs_##SUF(x0 - yr[i][d]), a1 = vabs_##SUF(x1 - yr[i][d]); \
@@ -65,7 +65,7 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
                 }                                                                                  \
             }                                                                                      \
         } else {                                                                                   \
-            for (long d = 0; d < D; d++) {                                                         \
+            for (int64_t d = 0; d < D; d++) {                                                         \
                 const vec_##SUF x0 = load_##SUF(x + d * ldx), x1 = load_##SUF(x + d * ldx + HALF); \
                 for (int i = 0; i < FB; i++) {                                                     \
                     v[i][0] += vabs_##SUF(x0 - yr[i][d]);                                          \
@@ -81,22 +81,22 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
                                                                                                    \
     /* out[f * osf + p * osp] = scale * (sum or max over d of |x[d * ldx + p] - y[f * ldy + d]|).  \
      * Returns 0, or -1 when scratch memory ran out. */                                            \
-    int dm_minkowski_##SUF(const T *y, long ldy, const T *x, long ldx, T *out, long osf, long osp, \
-                           long F, long D, long P, int linf, double scale) {                       \
+    int dm_minkowski_##SUF(const T *y, int64_t ldy, const T *x, int64_t ldx, T *out, int64_t osf, int64_t osp, \
+                           int64_t F, int64_t D, int64_t P, int linf, double scale) {                       \
         T acc[FB][PB];                                                                             \
         T *pad = NULL;                                                                             \
-        for (long p0 = 0; p0 < P; p0 += PB) {                                                      \
+        for (int64_t p0 = 0; p0 < P; p0 += PB) {                                                      \
             const int pn = P - p0 < PB ? (int)(P - p0) : PB;                                       \
             const T *xb = x + p0;                                                                  \
-            long ld = ldx;                                                                         \
+            int64_t ld = ldx;                                                                         \
             if (pn < PB) { /* the last columns, copied into a zero-padded block */                 \
                 pad = calloc((size_t)D * PB, sizeof(T));                                           \
                 if (pad == NULL) return -1;                                                        \
-                for (long d = 0; d < D; d++) memcpy(pad + d * PB, x + d * ldx + p0, pn * sizeof(T)); \
+                for (int64_t d = 0; d < D; d++) memcpy(pad + d * PB, x + d * ldx + p0, pn * sizeof(T)); \
                 xb = pad;                                                                          \
                 ld = PB;                                                                           \
             }                                                                                      \
-            for (long f0 = 0; f0 < F; f0 += FB) {                                                  \
+            for (int64_t f0 = 0; f0 < F; f0 += FB) {                                                  \
                 const int nf = F - f0 < FB ? (int)(F - f0) : FB;                                   \
                 block_##SUF(y + f0 * ldy, ldy, nf, xb, ld, D, linf, acc);                          \
                 for (int i = 0; i < nf; i++) {                                                     \
@@ -130,29 +130,29 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
      * (every such d, as torch.cdist's gradient does), else 0. g and dist: (F, P), row stride ldg. \
      * Sums run in one order: gx over f, gy over p in lanes of PB then the lanes in order.         \
      */                                                                                            \
-    void dm_minkowski_grad_##SUF(const T *y, long ldy, const T *x, long ldx, const T *g,           \
-                                 const T *dist, long ldg, T *gx, long ldgx, T *gy, long ldgy,      \
-                                 long F, long D, long P, int linf) {                               \
+    void dm_minkowski_grad_##SUF(const T *y, int64_t ldy, const T *x, int64_t ldx, const T *g,           \
+                                 const T *dist, int64_t ldg, T *gx, int64_t ldgx, T *gy, int64_t ldgy,      \
+                                 int64_t F, int64_t D, int64_t P, int linf) {                               \
         enum { HALF = PB / 2 };                                                                    \
-        const long full = P - P % PB;                                                              \
+        const int64_t full = P - P % PB;                                                              \
         const vec_##SUF zero = {};                                                                 \
-        for (long d = 0; d < D; d++) {                                                             \
+        for (int64_t d = 0; d < D; d++) {                                                             \
             const T *xr = x + d * ldx;                                                             \
             T *gxr = gx + d * ldgx;                                                                \
-            for (long p = 0; p < P; p++) gxr[p] = 0;                                               \
-            for (long f0 = 0; f0 < F; f0 += FB) {                                                  \
+            for (int64_t p = 0; p < P; p++) gxr[p] = 0;                                               \
+            for (int64_t f0 = 0; f0 < F; f0 += FB) {                                                  \
                 const int nf = F - f0 < FB ? (int)(F - f0) : FB;                                   \
                 vec_##SUF part[FB][2];                                                             \
                 T yv[FB];                                                                          \
                 const T *gr[FB], *dr[FB];                                                          \
                 for (int i = 0; i < FB; i++) {                                                     \
-                    const long f = f0 + (i < nf ? i : nf - 1);                                     \
+                    const int64_t f = f0 + (i < nf ? i : nf - 1);                                     \
                     yv[i] = y[f * ldy + d];                                                        \
                     gr[i] = g + f * ldg;                                                           \
                     dr[i] = dist + f * ldg;                                                        \
                     part[i][0] = part[i][1] = zero;                                                \
                 }                                                                                  \
-                for (long p0 = 0; p0 < full; p0 += PB) {                                           \
+                for (int64_t p0 = 0; p0 < full; p0 += PB) {                                           \
                     const vec_##SUF x0 = load_##SUF(xr + p0), x1 = load_##SUF(xr + p0 + HALF);     \
                     vec_##SUF acc0 = load_##SUF(gxr + p0), acc1 = load_##SUF(gxr + p0 + HALF);     \
                     _Pragma("GCC unroll 4") for (int i = 0; i < FB; i++) {                         \
@@ -174,7 +174,7 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
                     T sum = 0;                                                                     \
                     for (int h = 0; h < 2; h++)                                                    \
                         for (int j = 0; j < HALF; j++) sum += part[i][h][j];                       \
-                    for (long p = full; p < P; p++) {                                              \
+                    for (int64_t p = full; p < P; p++) {                                              \
                         const T s = weight_##SUF(xr[p] - yv[i], gr[i][p], linf ? dr[i][p] : 0, linf); \
                         gxr[p] += s;                                                               \
                         sum += s;                                                                  \
@@ -192,8 +192,8 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
  */
 #define DEFINE_L2(T, SUF, SQRT)                                                                    \
     static inline __attribute__((always_inline)) void finish_row_##SUF(                            \
-        const T *tr, T rv, const T *cols, T *o, long osp, long P, int root, T *colmin) {           \
-        for (long p = 0; p < P; p++) {                                                             \
+        const T *tr, T rv, const T *cols, T *o, int64_t osp, int64_t P, int root, T *colmin) {           \
+        for (int64_t p = 0; p < P; p++) {                                                             \
             const T v = (rv - 2 * tr[p]) + cols[p];                                                \
             colmin[p] = colmin[p] < v ? colmin[p] : v;                                             \
             const T c = v < 0 ? 0 : v; /* NaN stays */                                             \
@@ -202,18 +202,18 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
     }                                                                                              \
                                                                                                    \
     /* out[p] = sum over d of x[d * ldx + p]^2, in that order */                                   \
-    void dm_sqnorms_##SUF(const T *x, long ldx, T *out, long D, long P) {                          \
-        for (long p = 0; p < P; p++) out[p] = 0;                                                   \
-        for (long d = 0; d < D; d++) {                                                             \
+    void dm_sqnorms_##SUF(const T *x, int64_t ldx, T *out, int64_t D, int64_t P) {                          \
+        for (int64_t p = 0; p < P; p++) out[p] = 0;                                                   \
+        for (int64_t d = 0; d < D; d++) {                                                             \
             const T *xr = x + d * ldx;                                                             \
-            for (long p = 0; p < P; p++) out[p] += xr[p] * xr[p];                                  \
+            for (int64_t p = 0; p < P; p++) out[p] += xr[p] * xr[p];                                  \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    void dm_l2_finish_##SUF(const T *t, long ldt, const T *rows, const T *cols, T *out, long osf,  \
-                            long osp, long F, long P, int root, T *colmin) {                       \
-        for (long p = 0; p < P; p++) colmin[p] = INFINITY;                                         \
-        for (long f = 0; f < F; f++) {                                                             \
+    void dm_l2_finish_##SUF(const T *t, int64_t ldt, const T *rows, const T *cols, T *out, int64_t osf,  \
+                            int64_t osp, int64_t F, int64_t P, int root, T *colmin) {                       \
+        for (int64_t p = 0; p < P; p++) colmin[p] = INFINITY;                                         \
+        for (int64_t f = 0; f < F; f++) {                                                             \
             /* constant arguments let each call be specialised and vectorised */                   \
             if (osp == 1 && root)                                                                  \
                 finish_row_##SUF(t + f * ldt, rows[f], cols, out + f * osf, 1, P, 1, colmin);      \
@@ -228,9 +228,9 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
      * into w (F x P, contiguous), with their sums per column (colsum) and per row (rowsum). g and \
      * dist may have any strides (an expanded gradient has stride 0). */                           \
     static inline __attribute__((always_inline)) T weights_row_##SUF(                              \
-        const T *gr, long gsp, const T *dr, long dsp, T *wr, T *colsum, long P, int root) {        \
+        const T *gr, int64_t gsp, const T *dr, int64_t dsp, T *wr, T *colsum, int64_t P, int root) {        \
         T part[16] = {0};                                                                          \
-        long p = 0;                                                                                \
+        int64_t p = 0;                                                                                \
         for (; p + 16 <= P; p += 16)                                                               \
             for (int j = 0; j < 16; j++) {                                                         \
                 const T gv = gr[(p + j) * gsp], dv = dr[(p + j) * dsp];                            \
@@ -252,10 +252,10 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
         return sum;                                                                                \
     }                                                                                              \
                                                                                                    \
-    void dm_l2_weights_##SUF(const T *g, long gsf, long gsp, const T *dist, long dsf, long dsp,    \
-                             T *w, T *colsum, T *rowsum, long F, long P, int root) {               \
-        for (long p = 0; p < P; p++) colsum[p] = 0;                                                \
-        for (long f = 0; f < F; f++) {                                                             \
+    void dm_l2_weights_##SUF(const T *g, int64_t gsf, int64_t gsp, const T *dist, int64_t dsf, int64_t dsp,    \
+                             T *w, T *colsum, T *rowsum, int64_t F, int64_t P, int root) {               \
+        for (int64_t p = 0; p < P; p++) colsum[p] = 0;                                                \
+        for (int64_t f = 0; f < F; f++) {                                                             \
             const T *gr = g + f * gsf, *dr = dist + f * dsf;                                       \
             T *wr = w + f * P;                                                                     \
             /* constant arguments specialise the common cases: contiguous gradients, and the       \
@@ -294,12 +294,12 @@ DEFINE_L2(double, f64, sqrt)
  */
 #define DEFINE_MERGE(T, SUF)                                                                       \
     enum { CHUNK_##SUF = (int)(2 * STEP(T)) }; /* values per chunk: four vectors */                \
-    static inline int better_##SUF(T v, long i, T w, long j) { return v > w || (v == w && i < j); } \
+    static inline int better_##SUF(T v, int64_t i, T w, int64_t j) { return v > w || (v == w && i < j); } \
     /* list the pair (idx, v) in a row's candidate slots (cap of them, *count used): a full list   \
      * keeps only what still reaches floor, and a row whose every slot still does is marked over.  \
      * Returns whether the row goes on listing. */                                                 \
-    static inline int list_##SUF(int64_t *cc, T *cv, int *count, long cap, unsigned char *over, T floor,\
-                                 long idx, T v) {                                                  \
+    static inline int list_##SUF(int64_t *cc, T *cv, int *count, int64_t cap, unsigned char *over, T floor,\
+                                 int64_t idx, T v) {                                                  \
         if (*count == cap) {                                                                       \
             int kept = 0;                                                                          \
             for (int t = 0; t < cap; t++)                                                          \
@@ -320,9 +320,9 @@ DEFINE_L2(double, f64, sqrt)
         return 1;                                                                                  \
     }                                                                                              \
     /* (v, idx) into a row's running top-k (bv, bi; best first) if it beats the k-th; whether it did */\
-    static inline int insert_##SUF(T *bv, int64_t *bi, long k, T v, long idx) {                    \
+    static inline int insert_##SUF(T *bv, int64_t *bi, int64_t k, T v, int64_t idx) {                    \
         if (!better_##SUF(v, idx, bv[k - 1], bi[k - 1])) return 0;                                 \
-        long t = k - 1;                                                                            \
+        int64_t t = k - 1;                                                                            \
         while (t > 0 && better_##SUF(v, idx, bv[t - 1], bi[t - 1])) {                              \
             bv[t] = bv[t - 1];                                                                     \
             bi[t] = bi[t - 1];                                                                     \
@@ -342,10 +342,10 @@ DEFINE_L2(double, f64, sqrt)
         return (w[0] | w[1] | w[2] | w[3]) != 0;                                                   \
     }                                                                                              \
                                                                                                    \
-    void dm_merge_##SUF(const T *s, long lds, long m, long n, long offset, T *best_v, int64_t *best_i, \
-                        long k, const T *margin, long cap, int64_t *cand_cols, T *cand_vals,       \
+    void dm_merge_##SUF(const T *s, int64_t lds, int64_t m, int64_t n, int64_t offset, T *best_v, int64_t *best_i, \
+                        int64_t k, const T *margin, int64_t cap, int64_t *cand_cols, T *cand_vals,       \
                         int *counts, unsigned char *over) {                                        \
-        for (long r = 0; r < m; r++) {                                                             \
+        for (int64_t r = 0; r < m; r++) {                                                             \
             const T *row = s + r * lds;                                                            \
             T *bv = best_v + r * k;                                                                \
             int64_t *bi = best_i + r * k;                                                          \
@@ -354,13 +354,13 @@ DEFINE_L2(double, f64, sqrt)
             int listing = margin != NULL && !over[r];                                              \
             int64_t *cc = listing ? cand_cols + r * cap : NULL;                                    \
             T *cv = listing ? cand_vals + r * cap : NULL;                                          \
-            for (long c = 0; c < n; c += CHUNK_##SUF) {                                            \
-                const long end = c + CHUNK_##SUF < n ? c + CHUNK_##SUF : n;                        \
+            for (int64_t c = 0; c < n; c += CHUNK_##SUF) {                                            \
+                const int64_t end = c + CHUNK_##SUF < n ? c + CHUNK_##SUF : n;                        \
                 if (end - c == CHUNK_##SUF && !reaches_##SUF(row + c, floor)) continue;            \
-                for (long q = c; q < end; q++) {                                                   \
+                for (int64_t q = c; q < end; q++) {                                                   \
                     const T v = row[q];                                                            \
                     if (!(v >= floor)) continue;                                                   \
-                    const long idx = offset + q;                                                   \
+                    const int64_t idx = offset + q;                                                   \
                     if (listing)                                                                   \
                         listing = list_##SUF(cc, cv, &counts[r], cap, &over[r], floor, idx, v);    \
                     if (insert_##SUF(bv, bi, k, v, idx)) floor = bv[k - 1] - slack;                \
@@ -389,13 +389,13 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
-void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long offset, const float *bias,
+void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias,
                              const float *qt, const float *rt, float rounding, float *best_v, int64_t *best_i,
-                             long k, long cap, int64_t *cand_cols, float *cand_vals, int *counts,
+                             int64_t k, int64_t cap, int64_t *cand_cols, float *cand_vals, int *counts,
                              unsigned char *over) {
     enum { CB = 32 };
     float ev[CB], uv[CB];
-    for (long r = 0; r < m; r++) {
+    for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = h + r * ldh;
         float *bv = best_v + r * k;
         int64_t *bi = best_i + r * k;
@@ -403,22 +403,22 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
         float *cv = cand_vals + r * cap;
         const float x = qt[3 * r], z = qt[3 * r + 1], one = qt[3 * r + 2];
         int listing = !over[r];
-        for (long c0 = 0; c0 < n; c0 += CB) {
-            const long cn = n - c0 < CB ? n - c0 : CB;
+        for (int64_t c0 = 0; c0 < n; c0 += CB) {
+            const int64_t cn = n - c0 < CB ? n - c0 : CB;
             /* the chunk's bounds in a branch-free loop (vectorised); the chunk is skipped unless
              * an upper bound reaches the floor (NaN does: it proves nothing). After the first
              * tiles few do, and only their pairs pay for the merge and the listing. */
             int hit = 0;
-            for (long t = 0; t < cn; t++) {
-                const long c = c0 + t;
+            for (int64_t t = 0; t < cn; t++) {
+                const int64_t c = c0 + t;
                 const float hv = bf16_to_f32(row[c]);
                 ev[t] = x * rt[3 * c] + z * rt[3 * c + 1] + one * rt[3 * c + 2] + rounding * fabsf(hv);
                 uv[t] = (hv + ev[t]) + (bias ? bias[c] : 0.0f);
                 hit |= !(uv[t] < bv[k - 1]);
             }
             if (!hit) continue;
-            for (long t = 0; t < cn; t++) {
-                const long c = c0 + t, idx = offset + c;
+            for (int64_t t = 0; t < cn; t++) {
+                const int64_t c = c0 + t, idx = offset + c;
                 const float hv = bf16_to_f32(row[c]);
                 float low = (hv - ev[t]) + (bias ? bias[c] : 0.0f), up = uv[t];
                 if (low != low) low = -INFINITY;
@@ -469,16 +469,16 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
     }                                                                                              \
                                                                                                    \
     /* the norm of a * sa */                                                                       \
-    static inline T scaled_norm_##SUF(const T *a, const T sa[2], long C) {                         \
-        const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
+    static inline T scaled_norm_##SUF(const T *a, const T sa[2], int64_t C) {                         \
+        const int64_t full = C - C % STEP(T), half = STEP(T) / 2;                                     \
         vec_##SUF squares[2] = {{0}, {0}};                                                         \
-        for (long c = 0; c < full; c += STEP(T))                                                   \
+        for (int64_t c = 0; c < full; c += STEP(T))                                                   \
             for (int h = 0; h < 2; h++) {                                                          \
                 const vec_##SUF x = load_##SUF(a + c + h * half) * sa[0] * sa[1];                  \
                 squares[h] += x * x;                                                               \
             }                                                                                      \
         T norm = lanes_##SUF(squares);                                                             \
-        for (long c = full; c < C; c++) {                                                          \
+        for (int64_t c = full; c < C; c++) {                                                          \
             const T x = a[c] * sa[0] * sa[1];                                                      \
             norm += x * x;                                                                         \
         }                                                                                          \
@@ -486,15 +486,15 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
     }                                                                                              \
                                                                                                    \
     /* cos(a, b) for a scaled by sa with norm anorm after it (sa 0 and anorm 1 for a zero row) */  \
-    static inline T cosine_##SUF(const T *a, const T sa[2], T anorm, const T *b, long C) {         \
+    static inline T cosine_##SUF(const T *a, const T sa[2], T anorm, const T *b, int64_t C) {         \
         const T peak = peak_##SUF(b, b, C);                                                        \
         if (peak != peak) return peak;                                                             \
         if (peak == 0) return 0;                                                                   \
         T sb[2];                                                                                   \
         unit_scale_##SUF(peak, sb);                                                                \
-        const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
+        const int64_t full = C - C % STEP(T), half = STEP(T) / 2;                                     \
         vec_##SUF dots[2] = {{0}, {0}}, squares[2] = {{0}, {0}};                                   \
-        for (long c = 0; c < full; c += STEP(T))                                                   \
+        for (int64_t c = 0; c < full; c += STEP(T))                                                   \
             for (int h = 0; h < 2; h++) {                                                          \
                 const vec_##SUF x = load_##SUF(a + c + h * half) * sa[0] * sa[1];                  \
                 const vec_##SUF y = load_##SUF(b + c + h * half) * sb[0] * sb[1];                  \
@@ -502,7 +502,7 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
                 squares[h] += y * y;                                                               \
             }                                                                                      \
         T dot = lanes_##SUF(dots), norm = lanes_##SUF(squares);                                    \
-        for (long c = full; c < C; c++) {                                                          \
+        for (int64_t c = full; c < C; c++) {                                                          \
             const T x = a[c] * sa[0] * sa[1], y = b[c] * sb[0] * sb[1];                            \
             dot += x * y;                                                                          \
             norm += y * y;                                                                         \
@@ -510,15 +510,15 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
         return dot / (anorm * SQRT(norm));                                                         \
     }                                                                                              \
                                                                                                    \
-    void dm_pair_values_##SUF(const T *q, long ldq, const int64_t *qidx, const T *r, long ldr,     \
-                              const int64_t *idx, long m, long k, long C, int kind, T *out) {      \
-        T (*const pair)(const T *, const T *, long) = kind == 0   ? dot_##SUF                      \
+    void dm_pair_values_##SUF(const T *q, int64_t ldq, const int64_t *qidx, const T *r, int64_t ldr,     \
+                              const int64_t *idx, int64_t m, int64_t k, int64_t C, int kind, T *out) {      \
+        T (*const pair)(const T *, const T *, int64_t) = kind == 0   ? dot_##SUF                      \
                                                       : kind == 1 ? sqdiff_##SUF                   \
                                                       : kind == 2 ? absdiff_##SUF                  \
                                                                   : maxabs_##SUF;                  \
         const T *last = NULL; /* cosine: the query row whose scale and norm are known */           \
         T qpeak = 0, sa[2] = {0, 0}, anorm = 1;                                                    \
-        for (long i = 0; i < m; i++) {                                                             \
+        for (int64_t i = 0; i < m; i++) {                                                             \
             const T *a = q + (qidx ? qidx[i] : i) * ldq;                                           \
             if (kind == 4 && a != last) {                                                          \
                 last = a;                                                                          \
@@ -530,8 +530,8 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
                     anorm = scaled_norm_##SUF(a, sa, C);                                           \
                 }                                                                                  \
             }                                                                                      \
-            for (long j = 0; j < k; j++) {                                                         \
-                const long t = i * k + j;                                                          \
+            for (int64_t j = 0; j < k; j++) {                                                         \
+                const int64_t t = i * k + j;                                                          \
                 const T *b = r + (idx ? idx[t] : t) * ldr;                                         \
                 if (kind != 4)                                                                     \
                     out[t] = pair(a, b, C);                                                        \
@@ -543,16 +543,16 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
 
 /* the sum over c of EXPR (VEXPR on vectors) of x = a[c], y = b[c] */
 #define PAIR_SUM(T, SUF, NAME, VEXPR, EXPR)                                                        \
-    static inline T NAME(const T *a, const T *b, long C) {                                         \
-        const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
+    static inline T NAME(const T *a, const T *b, int64_t C) {                                         \
+        const int64_t full = C - C % STEP(T), half = STEP(T) / 2;                                     \
         vec_##SUF acc[2] = {{0}, {0}};                                                             \
-        for (long c = 0; c < full; c += STEP(T))                                                   \
+        for (int64_t c = 0; c < full; c += STEP(T))                                                   \
             for (int h = 0; h < 2; h++) {                                                          \
                 const vec_##SUF x = load_##SUF(a + c + h * half), y = load_##SUF(b + c + h * half); \
                 acc[h] += VEXPR;                                                                   \
             }                                                                                      \
         T sum = lanes_##SUF(acc);                                                                  \
-        for (long c = full; c < C; c++) {                                                          \
+        for (int64_t c = full; c < C; c++) {                                                          \
             const T x = a[c], y = b[c];                                                            \
             sum += EXPR;                                                                           \
         }                                                                                          \
@@ -562,10 +562,10 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
 /* the largest of the non-negative EXPR, NaN if any is NaN: the vectors' maximum drops NaNs, so a
  * sum of the same values (NaN exactly when one is) says whether there was one */
 #define PAIR_MAX(T, SUF, NAME, VEXPR, EXPR)                                                        \
-    static inline T NAME(const T *a, const T *b, long C) {                                         \
-        const long full = C - C % STEP(T), half = STEP(T) / 2;                                     \
+    static inline T NAME(const T *a, const T *b, int64_t C) {                                         \
+        const int64_t full = C - C % STEP(T), half = STEP(T) / 2;                                     \
         vec_##SUF top[2] = {{0}, {0}}, all[2] = {{0}, {0}};                                        \
-        for (long c = 0; c < full; c += STEP(T))                                                   \
+        for (int64_t c = 0; c < full; c += STEP(T))                                                   \
             for (int h = 0; h < 2; h++) {                                                          \
                 const vec_##SUF x = load_##SUF(a + c + h * half), y = load_##SUF(b + c + h * half); \
                 const vec_##SUF v = VEXPR;                                                         \
@@ -576,7 +576,7 @@ void dm_merge_certified_bf16(const uint16_t *h, long ldh, long m, long n, long o
         T most = 0, sum = lanes_##SUF(all);                                                        \
         for (int h = 0; h < 2; h++)                                                                \
             for (unsigned j = 0; j < 32 / sizeof(T); j++) most = most > top[h][j] ? most : top[h][j]; \
-        for (long c = full; c < C; c++) {                                                          \
+        for (int64_t c = full; c < C; c++) {                                                          \
             const T x = a[c], y = b[c], v = EXPR;                                                  \
             (void)x;                                                                               \
             most = most > v ? most : v;                                                            \

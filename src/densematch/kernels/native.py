@@ -1,4 +1,4 @@
-"""densematch's C kernels for the CPU, compiled once per machine and called through ctypes: l1 /
+"""densematch's C kernels for the CPU, called through ctypes: l1 /
 linf distances and their gradients, the elementwise passes around l2's product, the engine's tile
 merge with its candidate listing (float32 scores, and the certified bfloat16 step with its
 bounds), and the values of chosen row pairs.
@@ -8,13 +8,14 @@ kernels of ``native.c`` keep a block of pairs in registers and vectorise across 
 (4x faster on one thread here, with the same sums in the same order). ctypes lets go of the GIL
 for the call, so :func:`densematch.threads.share_out`'s workers run tiles side by side.
 
-The library is built with the system's C compiler (``$CC``, else ``cc``) the first time it is
-wanted on a machine, about a second, and kept in ``$DENSEMATCH_CACHE`` (default
-``~/.cache/densematch``) under a name drawn from the source, the flags, the compiler and the CPU,
-so a shared home directory never hands one CPU's build to another. ``make`` builds it while
+The package ships one library per instruction-set level, built with it
+(:mod:`densematch.kernels.build`, run by setup.py), and a process loads the highest its CPU runs.
+Where none was shipped (an editable install, a source tree), the same level's library is built
+with the system's C compiler (``$CC``, else ``cc``) the first time it is wanted, about a second,
+and kept in ``$DENSEMATCH_CACHE`` (default ``~/.cache/densematch``); ``make`` builds it while
 setting up (``python -m densematch.kernels.native``). A library whose SHA-256 (written beside
-it by the build) no longer matches is rebuilt, never loaded. Without a compiler (a RuntimeWarning
-says so once), with ``DENSEMATCH_NATIVE=0``, or under ``config_context(kernel="torch")``, callers
+it by the build) no longer matches is never loaded. Without either (a RuntimeWarning says so
+once), with ``DENSEMATCH_NATIVE=0``, or under ``config_context(kernel="torch")``, callers
 fall back to torch's kernels: :func:`usable` says which applies, :func:`status` why.
 """
 
@@ -25,13 +26,12 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+
+from . import build as kernel_build
 
 __all__ = [
     "Candidates",
@@ -50,8 +50,7 @@ __all__ = [
     "usable",
 ]
 
-SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11")
+SOURCE = kernel_build.SOURCE
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _status: dict[str, str] = {}  # why the library could not be loaded, once it was tried
 
@@ -62,39 +61,24 @@ def _switched_off() -> bool:
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept: ``$DENSEMATCH_CACHE``, else ``$XDG_CACHE_HOME/densematch``,
-    else ``~/.cache/densematch``."""
+    """Where libraries built at run time are kept: ``$DENSEMATCH_CACHE``, else
+    ``$XDG_CACHE_HOME/densematch``, else ``~/.cache/densematch``."""
     if os.environ.get("DENSEMATCH_CACHE"):
         return Path(os.environ["DENSEMATCH_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "densematch"
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-
-
-def _cpu() -> str:
-    """The CPU's model and instruction sets, as the first processor of /proc/cpuinfo lists them."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(line for line in text.split("\n\n")[0].splitlines() if line.startswith(wanted))
-
-
-def _library_path(compiler: str) -> Path:
-    stat = Path(compiler).resolve().stat()
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), f"{compiler}:{stat.st_mtime_ns}".encode()):
-        key.update(part)
-    key.update(f"{platform.machine()}\n{_cpu()}".encode())
-    return cache_dir() / f"native-{key.hexdigest()[:16]}.so"
-
-
-def _digest(path: Path | str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def _level() -> str:
+    """The instruction-set level this process loads: ``$DENSEMATCH_NATIVE_LEVEL`` where set (one
+    of :func:`densematch.kernels.build.levels`; the tests force each), else the highest this CPU
+    runs (:func:`densematch.kernels.build.level`)."""
+    forced = os.environ.get("DENSEMATCH_NATIVE_LEVEL")
+    if not forced:
+        return kernel_build.level(torch_capability=torch.backends.cpu.get_cpu_capability())
+    if forced not in kernel_build.levels():
+        raise RuntimeError(f"DENSEMATCH_NATIVE_LEVEL must be one of {', '.join(kernel_build.levels())}, got {forced!r}")
+    return forced
 
 
 def _intact(path: Path) -> bool:
@@ -102,39 +86,43 @@ def _intact(path: Path) -> bool:
     beside it. A library cut short (a full disk, an interrupted copy) would otherwise be mapped
     by ctypes and kill the process with SIGBUS at its first call."""
     try:
-        return path.with_suffix(".sha256").read_text().strip() == _digest(path)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        return path.with_suffix(".sha256").read_text().strip() == digest
     except OSError:
         return False
 
 
+def shipped() -> Path | None:
+    """The library the package was installed with for this CPU's level, where it is whole."""
+    path = Path(__file__).with_name(kernel_build.library_name(_level()))
+    return path if path.exists() and _intact(path) else None
+
+
+def _cached_path(compiler: str) -> Path:
+    """Where this machine's run-time build goes: named by the source, the level's flags and the
+    compiler, so that a shared home directory hands each CPU level its own build."""
+    stat = Path(compiler).resolve().stat()
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(kernel_build.flags(_level())).encode()):
+        key.update(part)
+    key.update(f"{compiler}:{stat.st_mtime_ns}:{platform.machine()}".encode())
+    return cache_dir() / f"native-{key.hexdigest()[:16]}.so"
+
+
 def build() -> Path:
-    """The library's path, compiling it first if this machine has none yet, or none that is
-    whole (:func:`_intact`). Raises a RuntimeError saying why when there is no compiler or the
+    """The library's path: the one the package shipped for this CPU, else one compiled into
+    :func:`cache_dir` (once per machine and source; again where it is not whole). Raises a
+    RuntimeError saying why when there is neither a shipped library nor a compiler, or the
     compilation fails."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
-    path = _library_path(compiler)
-    if path.exists() and _intact(path):
+    path = shipped()
+    if path is not None:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # compiled beside its final name and renamed into it, its digest written first: a process
-    # that races this one, or one that dies half-way, never leaves a library that passes as whole
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
-        digest = _digest(tmp)
-        sidecar = path.with_suffix(".sha256")
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as fh:
-            fh.write(digest)
-        os.replace(fh.name, sidecar)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    compiler = kernel_build.compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found and none shipped with the package (set CC, or install gcc or clang)")
+    path = _cached_path(compiler)
+    if not (path.exists() and _intact(path)):
+        kernel_build.compile_library(compiler, _level(), path)
     return path
 
 
@@ -155,7 +143,7 @@ def library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    n, ptr, flag = ctypes.c_long, ctypes.c_void_p, ctypes.c_int  # sizes and strides, data, switches
+    n, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int  # sizes and strides, data, switches
     signatures = {
         "dm_minkowski": ([ptr, n, ptr, n, ptr, n, n, n, n, n, flag, ctypes.c_double], flag),
         "dm_minkowski_grad": ([ptr, n, ptr, n, ptr, ptr, n, ptr, n, ptr, n, n, n, n, flag], None),
@@ -199,12 +187,13 @@ def status() -> dict[str, str]:
         return {"kernels": "off (DENSEMATCH_NATIVE=0)"}
     if library() is None:
         return {"kernels": f"unavailable: {_status.get('reason', 'unknown')}"}
-    compiler = _compiler() or "?"
+    where = shipped()
     return {
         "kernels": "in use",
-        "library": str(_library_path(compiler)),
-        "flags": " ".join(FLAGS),
-        "compiler": compiler,
+        "library": str(where or _cached_path(kernel_build.compiler() or "cc")),
+        "built": "with the package" if where is not None else "at first use, in the cache",
+        "level": _level(),
+        "flags": " ".join(kernel_build.flags(_level())),
     }
 
 

@@ -1,0 +1,128 @@
+"""Building native.c: one shared library per instruction-set level, the same flags everywhere.
+
+Standard library only, so that the package build (setup.py, which runs this file by its path
+before densematch or torch can be imported) and the run-time fallback (:mod:`.native`, which
+builds into a cache where a package shipped none) compile with one rule.
+
+Levels, not ``-march=native``: an x86-64 build comes in the psABI levels v4 (AVX-512), v3
+(AVX2, FMA) and v2 (SSE4.2), and a process loads the highest its CPU runs (:func:`level`), so one
+installed package serves every machine of a cluster. ``-ffp-contract=off`` keeps the compiler
+from fusing a multiply and an add where an ISA has FMA: the kernels' explicit 32-byte vectors
+fix the order of every sum, so each level computes the same bits, and a distance does not change
+in its last place between an AVX2 and an AVX-512 machine.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11")
+# x86-64 psABI levels, highest first, with the /proc/cpuinfo flags each needs
+X86_LEVELS = {
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+    "x86-64-v3": ("avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"),
+    "x86-64-v2": ("sse4_2", "popcnt", "ssse3", "sse4_1", "cx16"),
+}
+# what torch's own dispatch calls each level, where /proc/cpuinfo cannot be read
+_TORCH_NAMES = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
+
+
+def levels() -> tuple[str, ...]:
+    """The levels this machine's architecture is built in: three on x86-64, one elsewhere."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return (*X86_LEVELS, "x86-64")
+    return ("generic",)
+
+
+def level(cpu_flags: set[str] | None = None, torch_capability: str | None = None) -> str:
+    """The highest level this CPU runs, from its flags (default: /proc/cpuinfo's), else from
+    torch's CPU capability ("AVX512", "AVX2", "DEFAULT")."""
+    if levels() == ("generic",):
+        return "generic"
+    if cpu_flags is None:
+        cpu_flags = _cpu_flags()
+    if cpu_flags:
+        return next((name for name, needs in X86_LEVELS.items() if set(needs) <= cpu_flags), "x86-64")
+    return _TORCH_NAMES.get(torch_capability or "", "x86-64")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def flags(name: str) -> tuple[str, ...]:
+    """The compiler flags of one level."""
+    return FLAGS if name == "generic" else (*FLAGS, f"-march={name}")
+
+
+def library_name(name: str) -> str:
+    """The file name a level's library is shipped under, beside native.py."""
+    return f"_native-{name}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
+
+
+def compiler() -> str | None:
+    """The C compiler: ``$CC``, else cc, gcc or clang on the PATH."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def compile_library(cc: str, name: str, path: Path) -> None:
+    """Compile the level ``name`` to ``path``, atomically: compiled beside it and renamed, its
+    SHA-256 written to ``path.with_suffix('.sha256')`` first, so that a process racing this one,
+    or one that dies half-way, never leaves a library that passes as whole. Raises a
+    RuntimeError with the compiler's message when it fails."""
+    import hashlib
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags(name), "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {SOURCE.name} ({name}): {done.stderr.strip()[-2000:]}")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as fh:
+            fh.write(digest)
+        os.replace(fh.name, path.with_suffix(".sha256"))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_all(out_dir: Path) -> list[Path]:
+    """Every level's library into ``out_dir`` (the package build). A level the compiler cannot
+    target is left out with a message on stderr; the run-time fallback covers it."""
+    cc = compiler()
+    if cc is None:
+        print("densematch: no C compiler: the C kernels will be built at first use, if one appears", file=sys.stderr)
+        return []
+    built = []
+    for name in levels():
+        path = Path(out_dir) / library_name(name)
+        try:
+            compile_library(cc, name, path)
+        except RuntimeError as err:
+            print(f"densematch: {err}", file=sys.stderr)
+            continue
+        built.append(path)
+    return built
+
+
+if __name__ == "__main__":  # python build.py OUT_DIR
+    for p in build_all(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent)):
+        print(p)
