@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import densematch
 from densematch import LocalCostVolume, LocalMatcher, local_cost_volume, local_match
+from densematch.kernels import native
 
 from ._reference import METRICS, assert_same_up_to_ties, reference_scores, reported, tolerance
 from .conftest import patch_features
@@ -119,13 +120,41 @@ def check_topk(a, b, radius, metric, k=1, dilation=1, flow=None, mask_b=None):
     assert torch.equal(coords[ok], torch.stack((index // w, index % w), -1)[ok])
 
 
+# the C kernel values shifted windows by default; torch's elementwise passes are the other path
+KERNELS = ("auto", "torch")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("metric", METRICS)
-def test_topk_on_photo_features_matches_the_windowed_reference(camera_small, metric):
+def test_topk_on_photo_features_matches_the_windowed_reference(camera_small, metric, kernel):
     img = camera_small[:20, :24]
     a = patch_features(img, 5)
     b = torch.roll(a, (2, -1), (0, 1)) + 0.01 * torch.randn(a.shape)
-    for radius, dilation, k in ((0, 1, 1), (3, 1, 2), ((2, 5), (2, 1), 3), (7, 1, 1)):
-        check_topk(a, b, radius, metric, k=k, dilation=dilation)
+    with densematch.config_context(kernel=kernel):
+        for radius, dilation, k in ((0, 1, 1), (3, 1, 2), ((2, 5), (2, 1), 3), (7, 1, 1)):
+            check_topk(a, b, radius, metric, k=k, dilation=dilation)
+
+
+@pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="no C kernels here")
+@pytest.mark.parametrize("metric", METRICS)
+def test_the_c_windows_value_each_pair_as_the_engine_does(metric):
+    # one reduction order for a pair wherever it is valued: the window's value and the engine's
+    # re-scoring of the same two features are equal to the last bit
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(7, 9, 37, generator=g), torch.randn(7, 9, 37, generator=g)
+    vol = local_cost_volume(a, b, (2, 3), metric=metric, fill=math.nan).reshape(-1, 63)
+    # cosine windows are dot products of unit rows
+    m = densematch.metrics.get_metric("dot" if metric == "cosine" else metric)
+    ra, rb = (
+        densematch.metrics.unit_rows(x.reshape(-1, 37)) if metric == "cosine" else x.reshape(-1, 37) for x in (a, b)
+    )
+    y, x = torch.arange(63) // 9, torch.arange(63) % 9
+    for slot, (oy, ox) in enumerate((i, j) for i in range(-2, 3) for j in range(-3, 4)):
+        inside = (y + oy >= 0) & (y + oy < 7) & (x + ox >= 0) & (x + ox < 9)
+        idx = ((y + oy) * 9 + x + ox)[inside][:, None]
+        engine = m.pair_values(ra, rb, idx, q_rows=torch.arange(63)[inside], use_c=True)[:, 0]
+        assert torch.equal(vol[slot][inside], engine), (metric, oy, ox)
+        assert vol[slot][~inside].isnan().all()
 
 
 @settings(max_examples=25, deadline=None)
@@ -138,9 +167,15 @@ def test_topk_on_photo_features_matches_the_windowed_reference(camera_small, met
     metric=st.sampled_from(METRICS),
     integer=st.booleans(),
     seed=st.integers(0, 2**16),
+    kernel=st.sampled_from(KERNELS),
     data=st.data(),
 )
-def test_property_volume_and_topk_equal_the_reference(h, w, c, radius, dilation, metric, integer, seed, data):
+def test_property_volume_and_topk_equal_the_reference(h, w, c, radius, dilation, metric, integer, seed, kernel, data):
+    with densematch.config_context(kernel=kernel):
+        _volume_and_topk_equal_the_reference(h, w, c, radius, dilation, metric, integer, seed, data)
+
+
+def _volume_and_topk_equal_the_reference(h, w, c, radius, dilation, metric, integer, seed, data):
     g = torch.Generator().manual_seed(seed)
     a, b = torch.randn(h, w, c, generator=g), torch.randn(h, w, c, generator=g)
     if integer:  # small integers: exact ties everywhere, which must go to the lower offset

@@ -237,7 +237,7 @@ class Metric:
         Tensor of shape (m, k)
         """
         v = self._pair_kernel(q, r, idx, q_rows, use_c)
-        return self._kernel_value(v) if v is not None else self.pair_value(*self._pairs(q, r, idx, q_rows))
+        return self.kernel_value(v) if v is not None else self.pair_value(*self._pairs(q, r, idx, q_rows))
 
     def direct_scores(
         self,
@@ -272,8 +272,8 @@ class Metric:
             return None
         return native.pair_values(q, r, idx, self.pair_kind, q_rows=q_rows)
 
-    def _kernel_value(self, v: torch.Tensor) -> torch.Tensor:
-        """The reported value from the kernel's reduction (in place)."""
+    def kernel_value(self, v: torch.Tensor) -> torch.Tensor:
+        """The reported value from the C kernel's reduction of :attr:`pair_kind` (in place)."""
         return v
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -441,7 +441,7 @@ class Euclidean(Metric):
 
     pair_kind = "sqdiff"
 
-    def _kernel_value(self, v: torch.Tensor) -> torch.Tensor:
+    def kernel_value(self, v: torch.Tensor) -> torch.Tensor:
         return self._finish(v)
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

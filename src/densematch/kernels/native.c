@@ -587,3 +587,38 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
 
 DEFINE_PAIRS(float, f32, fabsf, sqrtf, frexpf, ldexpf)
 DEFINE_PAIRS(double, f64, fabs, sqrt, frexp, ldexp)
+
+/* Local windows (densematch.local_match, local_cost_volume): the values of rows y0..y1 of a
+ * against b at m offsets (oy[j], ox[j]), a and b (H, W, C) with a pixel stride of C, out
+ * (m, y1 - y0, W), NaN where an offset leaves the grid. Each value is one pair of the kernels
+ * above (kind as in dm_pair_values, cosine aside: its rows come unit already), reduced in their
+ * one order, so a window's value equals the engine's value of the same pair. */
+#define LOCAL_ROW(FN)                                                                              \
+    for (int64_t x = xs; x < xe; x++) o[x] = FN(pa + x * C, pb + x * C, C)
+
+#define DEFINE_LOCAL(T, SUF)                                                                       \
+    void dm_local_values_##SUF(const T *a, const T *b, int64_t H, int64_t W, int64_t C,            \
+                               const int64_t *oy, const int64_t *ox, int64_t m, int64_t y0,        \
+                               int64_t y1, int kind, T *out) {                                     \
+        const int64_t rows = y1 - y0;                                                              \
+        for (int64_t y = y0; y < y1; y++)                                                          \
+            for (int64_t j = 0; j < m; j++) {                                                      \
+                T *o = out + (j * rows + (y - y0)) * W;                                            \
+                const int64_t yy = y + oy[j], dx = ox[j];                                          \
+                const int64_t xs = yy < 0 || yy >= H ? W : (dx < 0 ? -dx : 0);                     \
+                const int64_t xe = yy < 0 || yy >= H ? W : (dx > 0 ? W - dx : W);                  \
+                for (int64_t x = 0; x < xs; x++) o[x] = (T)NAN;                                    \
+                for (int64_t x = xe > xs ? xe : xs; x < W; x++) o[x] = (T)NAN;                     \
+                if (xs >= xe) continue;                                                            \
+                const T *pa = a + y * W * C, *pb = b + (yy * W + dx) * C;                          \
+                switch (kind) {                                                                    \
+                case 0: LOCAL_ROW(dot_##SUF); break;                                               \
+                case 1: LOCAL_ROW(sqdiff_##SUF); break;                                            \
+                case 2: LOCAL_ROW(absdiff_##SUF); break;                                           \
+                default: LOCAL_ROW(maxabs_##SUF); break;                                           \
+                }                                                                                  \
+            }                                                                                      \
+    }
+
+DEFINE_LOCAL(float, f32)
+DEFINE_LOCAL(double, f64)

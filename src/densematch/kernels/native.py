@@ -40,6 +40,7 @@ __all__ = [
     "l2_finish",
     "l2_weights",
     "library",
+    "local_values",
     "merge",
     "merge_certified",
     "minkowski",
@@ -103,7 +104,7 @@ def _cached_path(compiler: str) -> Path:
     compiler, so that a shared home directory hands each CPU level its own build."""
     stat = Path(compiler).resolve().stat()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(kernel_build.flags(_level())).encode()):
+    for part in (SOURCE.read_bytes(), " ".join(kernel_build.flags(_level(), here=True)).encode()):
         key.update(part)
     key.update(f"{compiler}:{stat.st_mtime_ns}:{platform.machine()}".encode())
     return cache_dir() / f"native-{key.hexdigest()[:16]}.so"
@@ -122,7 +123,7 @@ def build() -> Path:
         raise RuntimeError("no C compiler found and none shipped with the package (set CC, or install gcc or clang)")
     path = _cached_path(compiler)
     if not (path.exists() and _intact(path)):
-        kernel_build.compile_library(compiler, _level(), path)
+        kernel_build.compile_library(compiler, _level(), path, here=True)
     return path
 
 
@@ -152,6 +153,7 @@ def library() -> ctypes.CDLL | None:
         "dm_l2_weights": ([ptr, n, n, ptr, n, n, ptr, ptr, ptr, n, n, flag], None),
         "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
         "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr], None),
+        "dm_local_values": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], None),
     }
     for name, (args, result) in signatures.items():
         for suffix in _SUFFIX.values():
@@ -193,7 +195,7 @@ def status() -> dict[str, str]:
         "library": str(where or _cached_path(kernel_build.compiler() or "cc")),
         "built": "with the package" if where is not None else "at first use, in the cache",
         "level": _level(),
-        "flags": " ".join(kernel_build.flags(_level())),
+        "flags": " ".join(kernel_build.flags(_level(), here=where is None)),
     }
 
 
@@ -440,6 +442,27 @@ def pair_values(
         q.data_ptr(), q.stride(0), None if q_rows is None else q_rows.data_ptr(),
         r.data_ptr(), r.stride(0), None if ridx is None else ridx.data_ptr(),
         m, k, q.shape[1], PAIR_KINDS[kind], out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def local_values(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, y0: int, y1: int, kind: str) -> torch.Tensor:
+    """(m, y1 - y0, W) values of rows y0:y1 of a (H, W, C) against b (H, W, C) at the m offsets
+    (m, 2) int64 (row, col), NaN where an offset leaves the grid: "dot", "sqdiff", "absdiff" or
+    "maxabs", each pair as :func:`pair_values` reduces it. On this thread."""
+    lib = _loaded("local_values")
+    _require(
+        a.dtype == b.dtype and a.shape == b.shape and a.ndim == 3 and a.is_contiguous() and b.is_contiguous(),
+        "a and b must be contiguous (H, W, C) maps of one dtype and shape",
+    )
+    _require(kind in PAIR_KINDS and kind != "cosine", f"kind must be dot, sqdiff, absdiff or maxabs, got {kind!r}")
+    _require(0 <= y0 <= y1 <= a.shape[0], f"rows {y0}:{y1} must lie in 0:{a.shape[0]}")
+    h, w, c = a.shape
+    oy, ox = (offsets[:, i].to(torch.int64).contiguous() for i in (0, 1))
+    out = torch.empty((len(offsets), y1 - y0, w), dtype=a.dtype)
+    getattr(lib, f"dm_local_values_{_SUFFIX[a.dtype]}")(
+        a.data_ptr(), b.data_ptr(), h, w, c, oy.data_ptr(), ox.data_ptr(), len(offsets), y0, y1,
+        PAIR_KINDS[kind], out.data_ptr(),
     )  # fmt: skip
     return out
 

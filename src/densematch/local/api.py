@@ -13,7 +13,7 @@ from torch import nn
 from .._match import Matches
 from ..budget import parse_memory
 from ..checks import check_choice, check_int, check_real
-from ..config import resolve_memory
+from ..config import kernel_setting, resolve_memory
 from ..metrics import get_metric
 from .topk import topk
 from .volume import band_rows, values
@@ -100,7 +100,9 @@ def local_match(
     """
     sampling = check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
-    win, (ra, rb, moved), batched = prepare(a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b)
+    win, (ra, rb, moved), batched = prepare(
+        a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=kernel_setting() != "torch"
+    )
     k = check_int(k, "k", 1, win.window[0] * win.window[1])
     return topk(win, ra, rb, moved, k, m, resolve_memory(memory, ra.device), batched)
 
@@ -126,33 +128,12 @@ def local_cost_volume(
 
     Parameters
     ----------
-    a, b : Tensor or ndarray
-        Features of one grid, (H, W, C) or (B, H, W, C) for layout="hwc", (C, H, W) or
-        (B, C, H, W) for "chw"; any float dtype (computed in float32, float64 for float64 inputs).
-    radius : int or (int, int)
-        The window's half size per (row, col) axis, >= 0: (2 ry + 1) x (2 rx + 1) candidates.
-        (0, r) searches along rows only, as rectified stereo does. Offsets that reach no pixel
-        of b (beyond the maps, the flow included) cost nothing: they are missing everywhere.
-    dilation : int or (int, int), default=1
-        Step between candidates per axis (spatial-correlation-sampler's ``dilation_patch``).
-    flow : Tensor or ndarray of shape (B, H, W, 2) or (H, W, 2), optional
-        A displacement (d_row, d_col) per pixel of a that moves its window's centre. Note the
-        order: flow from RAFT or OpenCV is (dx, dy); pass ``flow.flip(-1)``.
-    sampling : {"nearest", "bilinear"}, default="nearest"
-        How a fractional flow places the window: rounded to the nearest pixel (halves up), or
-        b bilinearly interpolated at the exact positions (differentiable in the flow too); a
-        position counts as inside b while it lies within [0, H - 1] x [0, W - 1].
-    metric : {"cosine", "dot", "l2", "sqeuclidean", "l1", "linf"}, default="cosine"
-        As in :func:`densematch.match`; every value is computed directly from the two features.
-    layout : {"hwc", "chw"}, default="hwc"
-    mask_a, mask_b : bool Tensor or ndarray of shape (B, H, W) or (H, W), optional
-        Pixels of a to match, pixels of b that may be chosen (masked-out pixels may hold NaN).
+    a, b, radius, dilation, flow, sampling, metric, layout, mask_a, mask_b, memory
+        As in :func:`local_match`.
     fill : float, optional
-        The value where a candidate is missing (outside b, masked out,
-        or a masked-out pixel of a). Default 0 for cosine and dot (the zero padding of
-        spatial-correlation-sampler), inf for the distances.
-    memory : int or str, optional
-        Cap on the working memory, as in :func:`densematch.match`.
+        The value where a candidate is missing (outside b, masked out, or a masked-out pixel
+        of a). Default 0 for cosine and dot (the zero padding of spatial-correlation-sampler),
+        inf for the distances.
 
     Returns
     -------
@@ -164,12 +145,8 @@ def local_cost_volume(
 
     Raises
     ------
-    ValueError
-        Grids, channels, batch sizes or devices that differ, a bad radius, dilation, flow
-        shape, metric, sampling or layout, NaN or Inf, masks of the wrong shape, or a
-        budget that cannot hold one row of windows.
-    TypeError
-        Integer features, non-boolean masks, inputs of another type.
+    ValueError, TypeError
+        As :func:`local_match` raises (k aside).
 
     Examples
     --------
@@ -179,7 +156,9 @@ def local_cost_volume(
     """
     sampling = check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
-    win, (ra, rb, moved), batched = prepare(a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b)
+    win, (ra, rb, moved), batched = prepare(
+        a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=kernel_setting() != "torch"
+    )
     missing = (0.0 if m.higher_is_better else math.inf) if fill is None else _check_fill(fill)
     budget = resolve_memory(memory, ra.device)
     nb, h, w, _ = win.shape

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..budget import chunk_rows
+from ..kernels import native
 from .windows import Offsets, Window
 
 __all__ = ["band", "band_rows", "values"]
@@ -126,6 +127,9 @@ def band(
     """(B, m, y1 - y0, W) values of rows y0:y1 of a at each of m offsets, NaN where a pixel has
     no candidate, and where it has one."""
     nb, _, w, _ = win.shape
+    shifted = flow is None and all(isinstance(oy, int) for oy, _ in offsets)  # not per-pixel picks
+    if win.kernel is not None and shifted and native.usable(ra.device, ra.dtype):
+        return _band_c(win, ra, rb, y0, y1, offsets)
     vals = ra.new_full((nb, len(offsets), y1 - y0, w), math.nan)
     valid = torch.zeros(vals.shape, dtype=torch.bool, device=vals.device)
     for j, (oy, ox) in enumerate(offsets):
@@ -133,4 +137,20 @@ def band(
         if read.out is not None:
             vals[:, j][read.out] = win.evaluate(read, ra, rb, flow)[0]
             valid[:, j] = read.valid
+    return vals, valid
+
+
+def _band_c(
+    win: Window, ra: torch.Tensor, rb: torch.Tensor, y0: int, y1: int, offsets: Sequence[tuple[Any, Any]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`band` of shifted windows through the C kernel: one pass over the band per batch
+    item, every offset's pairs reduced in registers, with no product tensor per offset."""
+    assert win.kernel is not None
+    table = torch.tensor(offsets, dtype=torch.int64).reshape(-1, 2)
+    vals = torch.stack(
+        [native.local_values(ra[i].detach(), rb[i].detach(), table, y0, y1, win.kernel) for i in range(ra.shape[0])]
+    )
+    if win.finish is not None:
+        vals = win.finish(vals)
+    valid = torch.stack([win.read(y0, y1, int(oy), int(ox), None).valid for oy, ox in offsets], 1)
     return vals, valid

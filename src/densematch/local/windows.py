@@ -72,6 +72,10 @@ class Window:
     pair: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
     linear: bool = False  # the pair's value is a plain dot product (dot, and cosine of unit rows)
+    # the C kernel's reduction of a pair where it may run (shifted windows of float rows on a
+    # CPU: :func:`densematch.kernels.native.local_values`), and how its value is finished
+    kernel: str | None = None
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def read(self, y0: int, y1: int, oy: Any, ox: Any, flow: torch.Tensor | None) -> Read:
         """Where the candidates at offset (oy, ox) of rows y0:y1 come from."""
@@ -185,9 +189,11 @@ def prepare(
     layout: str,
     mask_a: Any,
     mask_b: Any,
+    use_c: bool = False,
 ) -> tuple[Window, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], bool]:
     """The validated call, and its inputs as (B, H, W, C) rows in the compute dtype (unit rows for cosine,
-    masked-out pixels zeroed, so they pass no NaN into values or gradients)."""
+    masked-out pixels zeroed, so they pass no NaN into values or gradients). ``use_c``: whether
+    the C kernels may value shifted windows (read from the config by the public call)."""
     if layout not in ("hwc", "chw"):
         raise ValueError(f"layout must be 'hwc' or 'chw' (windows need a 2-D grid), got {layout!r}")
     ra, grid, batched = check_features(a, "a", layout, finite=False)
@@ -235,6 +241,9 @@ def prepare(
         device=ra.device,
         linear=metric.name == "dot" or (metric.name == "cosine" and not blended),
     )
+    if use_c and moved is None:
+        window.kernel = "dot" if window.linear else metric.pair_kind
+        window.finish = None if window.linear else metric.kernel_value
     return window, (prepared[0], prepared[1], moved), batched
 
 
