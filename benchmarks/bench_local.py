@@ -2,7 +2,8 @@
 recipe and against the full correlation that RAFT-style code samples windows from, forward and
 forward+backward; the top-k output against the global `match` and the unfold recipe's argmax.
 
-Run: python benchmarks/bench_local.py [--rounds 3] [--side 96 128] [--channels 64] [--radius 4]
+Run: python benchmarks/bench_local.py [--rounds 3] [--side 96 128] [--channels 64] [--radius 4] [--threads 1]
+[--only METHOD ...]
 
 Features: 7x7 patch descriptors of astronaut projected to C channels, and of a shifted, noisy
 crop (benchmarks/_common.photo_features), in (1, C, H, W). Each method runs in its own process
@@ -40,6 +41,17 @@ CHILD = textwrap.dedent(
         n, c, h, w = a.shape
         patches = F.unfold(F.pad(b, (R, R, R, R)), P).view(n, c, P, P, h, w)
         return (a[:, :, None, None] * patches).sum(1)
+
+    def shifted_volume(a, b):
+        # PWC-Net's and RAFT's Python fall-back: b padded by the radius, a times each shifted b,
+        # reduced over C: (2R+1)^2 products
+        n, c, h, w = a.shape
+        bp = F.pad(b, (R, R, R, R))
+        out = [(a * bp[:, :, i : i + h, j : j + w]).sum(1) for i in range(P) for j in range(P)]
+        return torch.stack(out, 1).view(n, P, P, h, w)
+
+    def shifted_topk(a, b):
+        return shifted_volume(F.normalize(a, dim=1), F.normalize(b, dim=1)).flatten(1, 2).argmax(1)
 
     def full_volume(a, b):
         # RAFT's recipe: every pair's product, then each pixel's window read out of it
@@ -79,6 +91,8 @@ CHILD = textwrap.dedent(
         "local_match volume, cosine": ours_cosine,
         "local_match volume, dot, bilinear flow": ours_flow,
         "unfold/pad recipe": unfold_volume,
+        "shifted-products recipe": shifted_volume,
+        "shifted-products recipe + argmax": shifted_topk,
         "full correlation, windows read out": full_volume,
         "local_match topk, cosine": ours_topk,
         "unfold recipe + argmax": unfold_topk,
@@ -97,10 +111,16 @@ VOLUMES = [
     "local_match volume, dot",
     "local_match volume, cosine",
     "local_match volume, dot, bilinear flow",
+    "shifted-products recipe",
     "unfold/pad recipe",
     "full correlation, windows read out",
 ]
-TOPK = ["local_match topk, cosine", "unfold recipe + argmax", "match (global), cosine"]
+TOPK = [
+    "local_match topk, cosine",
+    "shifted-products recipe + argmax",
+    "unfold recipe + argmax",
+    "match (global), cosine",
+]
 
 
 def child(method: str, backward: bool, args: argparse.Namespace) -> dict[str, float]:
@@ -127,8 +147,11 @@ def main() -> None:
     p.add_argument("--radius", type=int, default=4)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--name", default="local")
+    p.add_argument("--only", nargs="+", help="run only these methods (names as in the table)")
     args = p.parse_args()
     cases = [(m, bw) for m in VOLUMES for bw in (False, True)] + [(m, False) for m in TOPK]
+    if args.only:
+        cases = [c for c in cases if c[0] in args.only]
     results: dict[tuple[str, bool], list[dict[str, float]]] = {c: [] for c in cases}
     for r in range(args.rounds):
         for case in cases:

@@ -446,10 +446,19 @@ def pair_values(
     return out
 
 
-def local_values(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, y0: int, y1: int, kind: str) -> torch.Tensor:
+def local_values(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    y0: int,
+    y1: int,
+    kind: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(m, y1 - y0, W) values of rows y0:y1 of a (H, W, C) against b (H, W, C) at the m offsets
     (m, 2) int64 (row, col), NaN where an offset leaves the grid: "dot", "sqdiff", "absdiff" or
-    "maxabs", each pair as :func:`pair_values` reduces it. On this thread."""
+    "maxabs", each pair as :func:`pair_values` reduces it; into ``out`` (contiguous) when given.
+    On this thread."""
     lib = _loaded("local_values")
     _require(
         a.dtype == b.dtype and a.shape == b.shape and a.ndim == 3 and a.is_contiguous() and b.is_contiguous(),
@@ -459,7 +468,10 @@ def local_values(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, y0: in
     _require(0 <= y0 <= y1 <= a.shape[0], f"rows {y0}:{y1} must lie in 0:{a.shape[0]}")
     h, w, c = a.shape
     oy, ox = (offsets[:, i].to(torch.int64).contiguous() for i in (0, 1))
-    out = torch.empty((len(offsets), y1 - y0, w), dtype=a.dtype)
+    shape = (len(offsets), y1 - y0, w)
+    if out is None:
+        out = torch.empty(shape, dtype=a.dtype)
+    _require(out.shape == shape and out.dtype == a.dtype and out.is_contiguous(), f"out must be contiguous {shape}")
     getattr(lib, f"dm_local_values_{_SUFFIX[a.dtype]}")(
         a.data_ptr(), b.data_ptr(), h, w, c, oy.data_ptr(), ox.data_ptr(), len(offsets), y0, y1,
         PAIR_KINDS[kind], out.data_ptr(),

@@ -53,9 +53,13 @@ class _Values(torch.autograd.Function):
         for y0 in range(0, h, rows):
             y1 = min(h, y0 + rows)
             v, ok = band(win, ra, rb, flow, y0, y1, offsets(y0, y1))
+            v.masked_fill_(~ok, fill)
+            if rows >= h:  # one band: it is the output
+                out = v
+                break
             if out is None:
                 out = ra.new_empty((nb, v.shape[1], h, w))
-            out[:, :, y0:y1] = v.masked_fill_(~ok, fill)
+            out[:, :, y0:y1] = v
         assert out is not None
         ctx.save_for_backward(ra, rb, flow)
         ctx.win, ctx.offsets, ctx.rows = win, offsets, rows
@@ -147,9 +151,9 @@ def _band_c(
     item, every offset's pairs reduced in registers, with no product tensor per offset."""
     assert win.kernel is not None
     table = torch.tensor(offsets, dtype=torch.int64).reshape(-1, 2)
-    vals = torch.stack(
-        [native.local_values(ra[i].detach(), rb[i].detach(), table, y0, y1, win.kernel) for i in range(ra.shape[0])]
-    )
+    vals = ra.new_empty((ra.shape[0], len(offsets), y1 - y0, ra.shape[2]))
+    for i in range(ra.shape[0]):
+        native.local_values(ra[i].detach(), rb[i].detach(), table, y0, y1, win.kernel, out=vals[i])
     if win.finish is not None:
         vals = win.finish(vals)
     valid = torch.stack([win.read(y0, y1, int(oy), int(ox), None).valid for oy, ox in offsets], 1)
