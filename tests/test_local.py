@@ -288,6 +288,61 @@ def test_bilinear_flow_reads_b_like_grid_sample(metric):
     assert torch.equal(m.valid.reshape(-1), ok)
 
 
+@pytest.mark.parametrize("sampling", ["nearest", "bilinear"])
+@pytest.mark.parametrize("metric", METRICS)
+def test_flow_windows_agree_on_both_kernels(metric, sampling):
+    # the C kernel against torch's gathers: the same validity (corners outside b or masked out
+    # count only where their weight is not 0), the same values up to rounding, the same picks
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(2, 9, 11, 6, generator=g), torch.randn(2, 9, 11, 6, generator=g)
+    flow = 5 * torch.rand(2, 9, 11, 2, generator=g) - 2.5
+    flow[:, ::3, ::2] = flow[:, ::3, ::2].round()  # whole positions: corners of weight 0 at the edges
+    mask_a, mask_b = torch.rand(2, 9, 11, generator=g) > 0.2, torch.rand(2, 9, 11, generator=g) > 0.2
+    kw = dict(flow=flow, sampling=sampling, metric=metric, mask_a=mask_a, mask_b=mask_b)
+    with densematch.config_context(kernel="torch"):
+        want, want_m = local_cost_volume(a, b, 2, fill=math.nan, **kw), local_match(a, b, 2, k=3, **kw)
+    got, got_m = local_cost_volume(a, b, 2, fill=math.nan, **kw), local_match(a, b, 2, k=3, **kw)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert torch.equal(got_m.valid, want_m.valid)
+    assert torch.allclose(got_m.score, want_m.score, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("sampling", ["nearest", "bilinear"])
+@pytest.mark.parametrize("metric", ["dot", "cosine"])
+def test_flow_window_gradients_agree_on_both_kernels(metric, sampling):
+    g = torch.Generator().manual_seed(12)
+    a, b = torch.randn(2, 8, 9, 5, generator=g), torch.randn(2, 8, 9, 5, generator=g)
+    flow = 4 * torch.rand(2, 8, 9, 2, generator=g) - 2
+    flow[:, ::2, ::3] = flow[:, ::2, ::3].round()  # whole positions: corners of weight 0 at the edges
+    mask_a, mask_b = torch.rand(2, 8, 9, generator=g) > 0.2, torch.rand(2, 8, 9, generator=g) > 0.2
+    w = torch.randn(2, 5, 5, 8, 9, generator=g)
+
+    def grads():
+        x, y, f = (t.clone().requires_grad_(t.is_floating_point()) for t in (a, b, flow))
+        kw = dict(flow=f, sampling=sampling, metric=metric, mask_a=mask_a, mask_b=mask_b, fill=0.0)
+        (local_cost_volume(x, y, 2, **kw) * w).sum().backward()
+        return x.grad, y.grad, f.grad
+
+    with densematch.config_context(kernel="torch"):
+        want = grads()
+    for got, expect in zip(grads(), want):
+        if expect is None or sampling == "nearest" and got is None:
+            continue
+        assert torch.allclose(got, expect, atol=1e-5, rtol=1e-5)
+
+
+def test_bilinear_flow_gradcheck_of_the_dot_kernel():
+    a = torch.randn(1, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(1, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    flow = (0.8 * torch.rand(1, 4, 5, 2, dtype=torch.float64) + 0.1).requires_grad_()  # away from integers
+
+    def vol(a, b, flow):
+        return local_cost_volume(a, b, 1, flow=flow, sampling="bilinear", metric="dot", fill=0.0)
+
+    assert torch.autograd.gradcheck(vol, (a, b, flow), fast_mode=True)
+
+
 def test_bilinear_flow_gradcheck():
     a = torch.randn(1, 4, 5, 3, dtype=torch.float64, requires_grad=True)
     b = torch.randn(1, 4, 5, 3, dtype=torch.float64, requires_grad=True)

@@ -622,3 +622,167 @@ DEFINE_PAIRS(double, f64, fabs, sqrt, frexp, ldexp)
 
 DEFINE_LOCAL(float, f32)
 DEFINE_LOCAL(double, f64)
+
+/* Local windows moved by a flow (H, W, 2) of T: the window of pixel (y, x) sits at
+ * (floor(y + fy) + oy, floor(x + fx) + ox) for each offset (oy, ox): rigidly moved, so every
+ * offset of a pixel shares the fractions wy = (y - floor(y + fy)) + fy and wx (computed in that
+ * order, as densematch.local's torch path does, so both weigh alike to the bit). Nearest
+ * (bilinear 0): the flow holds whole numbers, one pixel per offset. Bilinear: the four pixels
+ * around the position, weighted (1 - wy)(1 - wx), (1 - wy) wx, wy (1 - wx), wy wx; a corner
+ * outside b (or masked out) is harmless where one of its weight's factors is 0. A linear pair
+ * (dot) is the blend of the corners' dot products, and where the offsets are a whole grid of unit
+ * steps (grid_cols > 0 columns, row-major) the (rows + 1) x (cols + 1) dot products of a pixel are
+ * computed once and shared by the offsets (4x fewer); any other pair is the pair of a and the
+ * blended feature. valid gets 1 where every corner that counts exists; out is NaN elsewhere.
+ * Returns 0, or 1 where its scratch could not be allocated. */
+#define DEFINE_LOCAL_FLOW(T, SUF, FLOOR)                                                           \
+    static inline T local_pair_##SUF(int kind, const T *x, const T *y, int64_t C) {                \
+        switch (kind) {                                                                            \
+        case 0: return dot_##SUF(x, y, C);                                                         \
+        case 1: return sqdiff_##SUF(x, y, C);                                                      \
+        case 2: return absdiff_##SUF(x, y, C);                                                     \
+        default: return maxabs_##SUF(x, y, C);                                                     \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    int dm_local_flow_##SUF(const T *a, const T *b, int64_t H, int64_t W, int64_t C, const T *flow, \
+                            int bilinear, const uint8_t *mask_b, const int64_t *oy,               \
+                            const int64_t *ox, int64_t m, int64_t grid_cols, int64_t y0,          \
+                            int64_t y1, int kind, int linear, T *out, uint8_t *valid) {           \
+        const int64_t rows = y1 - y0;                                                              \
+        const int shared = bilinear && linear && grid_cols > 0;                                    \
+        const int64_t tw = shared ? grid_cols + 1 : 0, th = shared ? m / grid_cols + 1 : 0;        \
+        T *blend = malloc(sizeof(T) * (size_t)(C > 0 ? C : 1));                                    \
+        T *table = shared ? malloc(sizeof(T) * (size_t)(tw * th)) : NULL;                          \
+        uint8_t *held = shared ? malloc((size_t)(tw * th)) : NULL;                                 \
+        if (!blend || (shared && (!table || !held))) {                                             \
+            free(blend), free(table), free(held);                                                  \
+            return 1;                                                                              \
+        }                                                                                          \
+        for (int64_t y = y0; y < y1; y++)                                                          \
+            for (int64_t x = 0; x < W; x++) {                                                      \
+                const T *pa = a + (y * W + x) * C, *f = flow + (y * W + x) * 2;                    \
+                const T top = FLOOR((T)y + f[0]), left = FLOOR((T)x + f[1]);                       \
+                const T wy = bilinear ? ((T)y - top) + f[0] : 0;                                   \
+                const T wx = bilinear ? ((T)x - left) + f[1] : 0;                                  \
+                const int64_t ty0 = (int64_t)top, tx0 = (int64_t)left;                             \
+                const T weight[4] = {(1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx}; \
+                const T factor[4][2] = {{1 - wy, 1 - wx}, {1 - wy, wx}, {wy, 1 - wx}, {wy, wx}};    \
+                const int corners = bilinear ? 4 : 1;                                              \
+                if (shared) /* the dot products of the whole moved window, once */                \
+                    for (int64_t r = 0; r < th; r++)                                               \
+                        for (int64_t s = 0; s < tw; s++) {                                         \
+                            const int64_t qy = ty0 + oy[0] + r, qx = tx0 + ox[0] + s;              \
+                            const int in = qy >= 0 && qy < H && qx >= 0 && qx < W &&               \
+                                           (!mask_b || mask_b[qy * W + qx]);                       \
+                            held[r * tw + s] = (uint8_t)in;                                        \
+                            table[r * tw + s] = in ? dot_##SUF(pa, b + (qy * W + qx) * C, C) : 0;  \
+                        }                                                                          \
+                for (int64_t j = 0; j < m; j++) {                                                  \
+                    const int64_t at = (j * rows + (y - y0)) * W + x;                              \
+                    const int64_t ty = ty0 + oy[j], tx = tx0 + ox[j];                              \
+                    int ok = 1;                                                                    \
+                    const T *pb[4] = {NULL, NULL, NULL, NULL};                                     \
+                    T v = 0;                                                                       \
+                    for (int k = 0; k < corners; k++) {                                            \
+                        const int64_t qy = ty + (k >> 1), qx = tx + (k & 1);                       \
+                        int in;                                                                    \
+                        if (shared) {                                                              \
+                            const int64_t cell = (j / grid_cols + (k >> 1)) * tw + j % grid_cols + (k & 1); \
+                            in = held[cell];                                                       \
+                            if (in && weight[k] != 0) v += weight[k] * table[cell];                \
+                        } else {                                                                   \
+                            in = qy >= 0 && qy < H && qx >= 0 && qx < W && (!mask_b || mask_b[qy * W + qx]); \
+                            if (in) pb[k] = b + (qy * W + qx) * C;                                 \
+                        }                                                                          \
+                        if (!in && factor[k][0] != 0 && factor[k][1] != 0) ok = 0;                 \
+                    }                                                                              \
+                    valid[at] = (uint8_t)ok;                                                       \
+                    if (!ok) {                                                                     \
+                        out[at] = (T)NAN;                                                          \
+                    } else if (shared) {                                                           \
+                        out[at] = v;                                                               \
+                    } else if (corners == 1) {                                                     \
+                        out[at] = local_pair_##SUF(kind, pa, pb[0], C);                            \
+                    } else if (linear) {                                                           \
+                        for (int k = 0; k < 4; k++)                                                \
+                            if (pb[k] && weight[k] != 0) v += weight[k] * dot_##SUF(pa, pb[k], C); \
+                        out[at] = v;                                                               \
+                    } else {                                                                       \
+                        for (int64_t c = 0; c < C; c++) blend[c] = 0;                              \
+                        for (int k = 0; k < 4; k++)                                                \
+                            if (pb[k] && weight[k] != 0)                                           \
+                                for (int64_t c = 0; c < C; c++) blend[c] += weight[k] * pb[k][c];  \
+                        out[at] = local_pair_##SUF(kind, pa, blend, C);                            \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        free(blend), free(table), free(held);                                                      \
+        return 0;                                                                                  \
+    }
+
+DEFINE_LOCAL_FLOW(float, f32, floorf)
+DEFINE_LOCAL_FLOW(double, f64, floor)
+
+/* The gradients of dm_local_flow's linear windows (dot): for each pixel and offset with a window
+ * (valid) and an output gradient g, a gets g * sum_k w_k b_k, each corner of b g * w_k * a, and
+ * a bilinear flow g * sum_k dot(a, b_k) dw_k / d(fy, fx). Corners are read at their positions
+ * clamped into b, as the torch path gathers them: a harmless corner outside b has weight 0 but
+ * its derivative counts. ga, gb (H, W, C) and gf (H, W, 2) accumulate; any may be NULL. */
+#define DEFINE_LOCAL_FLOW_GRAD(T, SUF, FLOOR)                                                      \
+    void dm_local_flow_grad_##SUF(const T *a, const T *b, int64_t H, int64_t W, int64_t C,         \
+                                  const T *flow, int bilinear, const uint8_t *mask_b,             \
+                                  const int64_t *oy, const int64_t *ox, int64_t m, int64_t y0,    \
+                                  int64_t y1, const T *grad, T *ga, T *gb, T *gf) {               \
+        const int64_t rows = y1 - y0;                                                              \
+        for (int64_t y = y0; y < y1; y++)                                                          \
+            for (int64_t x = 0; x < W; x++) {                                                      \
+                const T *pa = a + (y * W + x) * C, *f = flow + (y * W + x) * 2;                    \
+                const T top = FLOOR((T)y + f[0]), left = FLOOR((T)x + f[1]);                       \
+                const T wy = bilinear ? ((T)y - top) + f[0] : 0;                                   \
+                const T wx = bilinear ? ((T)x - left) + f[1] : 0;                                  \
+                const int64_t ty0 = (int64_t)top, tx0 = (int64_t)left;                             \
+                const T weight[4] = {(1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx}; \
+                const T factor[4][2] = {{1 - wy, 1 - wx}, {1 - wy, wx}, {wy, 1 - wx}, {wy, wx}};    \
+                const T dwy[4] = {-(1 - wx), -wx, 1 - wx, wx}, dwx[4] = {-(1 - wy), 1 - wy, -wy, wy}; \
+                const int corners = bilinear ? 4 : 1;                                              \
+                for (int64_t j = 0; j < m; j++) {                                                  \
+                    const T g = grad[(j * rows + (y - y0)) * W + x];                               \
+                    if (g == 0) continue;                                                          \
+                    const int64_t ty = ty0 + oy[j], tx = tx0 + ox[j];                              \
+                    int ok = 1;                                                                    \
+                    int64_t q[4];                                                                  \
+                    for (int k = 0; k < corners; k++) {                                            \
+                        const int64_t qy = ty + (k >> 1), qx = tx + (k & 1);                       \
+                        const int in = qy >= 0 && qy < H && qx >= 0 && qx < W &&                   \
+                                       (!mask_b || mask_b[qy * W + qx]);                           \
+                        if (!in && factor[k][0] != 0 && factor[k][1] != 0) ok = 0;                 \
+                        const int64_t cy = qy < 0 ? 0 : qy >= H ? H - 1 : qy;                      \
+                        const int64_t cx = qx < 0 ? 0 : qx >= W ? W - 1 : qx;                      \
+                        q[k] = cy * W + cx;                                                        \
+                    }                                                                              \
+                    if (!ok) continue;                                                             \
+                    T dfy = 0, dfx = 0;                                                            \
+                    for (int k = 0; k < corners; k++) {                                            \
+                        const T *pb = b + q[k] * C, s = g * weight[k];                             \
+                        if (gf && bilinear) {                                                      \
+                            const T d = dot_##SUF(pa, pb, C);                                      \
+                            dfy += d * dwy[k];                                                     \
+                            dfx += d * dwx[k];                                                     \
+                        }                                                                          \
+                        if (s == 0) continue;                                                      \
+                        if (ga)                                                                    \
+                            for (int64_t c = 0; c < C; c++) ga[(y * W + x) * C + c] += s * pb[c];  \
+                        if (gb)                                                                    \
+                            for (int64_t c = 0; c < C; c++) gb[q[k] * C + c] += s * pa[c];         \
+                    }                                                                              \
+                    if (gf && bilinear) {                                                          \
+                        gf[(y * W + x) * 2] += g * dfy;                                            \
+                        gf[(y * W + x) * 2 + 1] += g * dfx;                                        \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+    }
+
+DEFINE_LOCAL_FLOW_GRAD(float, f32, floorf)
+DEFINE_LOCAL_FLOW_GRAD(double, f64, floor)

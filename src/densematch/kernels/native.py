@@ -40,6 +40,8 @@ __all__ = [
     "l2_finish",
     "l2_weights",
     "library",
+    "local_flow_grad",
+    "local_flow_values",
     "local_values",
     "merge",
     "merge_certified",
@@ -154,6 +156,8 @@ def library() -> ctypes.CDLL | None:
         "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
         "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr], None),
         "dm_local_values": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], None),
+        "dm_local_flow_grad": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, ptr, ptr, ptr, ptr], None),
+        "dm_local_flow": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, n, flag, flag, ptr, ptr], flag),
     }
     for name, (args, result) in signatures.items():
         for suffix in _SUFFIX.values():
@@ -477,6 +481,106 @@ def local_values(
         PAIR_KINDS[kind], out.data_ptr(),
     )  # fmt: skip
     return out
+
+
+def local_flow_values(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    flow: torch.Tensor,
+    offsets: torch.Tensor,
+    y0: int,
+    y1: int,
+    kind: str,
+    *,
+    bilinear: bool,
+    linear: bool,
+    mask_b: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`local_values` of windows moved by ``flow`` (H, W, 2) (row, col), each pixel's
+    window rigidly: at (floor(y + fy) + oy, floor(x + fx) + ox), whole numbers unless
+    ``bilinear``: then b's four neighbours of each position are blended with the fractions of
+    y + fy and x + fx (``linear``: the blend of their dot products, shared between the offsets
+    where they are a whole grid of unit steps; else the pair of a and the blended feature).
+    ``mask_b`` (H, W) bool: pixels of b that may be read. Returns the values (m, y1 - y0, W), NaN
+    where a window's position needs a pixel outside b, and that validity (bool). On this thread."""
+    lib = _loaded("local_flow_values")
+    _require(
+        a.dtype == b.dtype and a.shape == b.shape and a.ndim == 3 and a.is_contiguous() and b.is_contiguous(),
+        "a and b must be contiguous (H, W, C) maps of one dtype and shape",
+    )
+    _require(kind in PAIR_KINDS and kind != "cosine", f"kind must be dot, sqdiff, absdiff or maxabs, got {kind!r}")
+    _require(0 <= y0 <= y1 <= a.shape[0], f"rows {y0}:{y1} must lie in 0:{a.shape[0]}")
+    h, w, c = a.shape
+    _require(flow.shape == (h, w, 2), f"flow must have shape {(h, w, 2)}")
+    flow = flow.to(a.dtype).contiguous()
+    mask = None if mask_b is None else mask_b.to(torch.uint8).contiguous()
+    oy, ox = (offsets[:, i].to(torch.int64).contiguous() for i in (0, 1))
+    shape = (len(offsets), y1 - y0, w)
+    if out is None:
+        out = torch.empty(shape, dtype=a.dtype)
+    _require(out.shape == shape and out.dtype == a.dtype and out.is_contiguous(), f"out must be contiguous {shape}")
+    valid = torch.empty(shape, dtype=torch.uint8)
+    code = getattr(lib, f"dm_local_flow_{_SUFFIX[a.dtype]}")(
+        a.data_ptr(), b.data_ptr(), h, w, c, flow.data_ptr(), int(bilinear),
+        None if mask is None else mask.data_ptr(), oy.data_ptr(), ox.data_ptr(), len(offsets),
+        _grid_columns(oy, ox), y0, y1, PAIR_KINDS[kind], int(linear), out.data_ptr(), valid.data_ptr(),
+    )  # fmt: skip
+    if code != 0:
+        raise MemoryError("the local window kernel could not allocate its scratch")
+    return out, valid.bool()
+
+
+def local_flow_grad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    flow: torch.Tensor,
+    offsets: torch.Tensor,
+    y0: int,
+    y1: int,
+    grad: torch.Tensor,
+    *,
+    bilinear: bool,
+    mask_b: torch.Tensor | None = None,
+    ga: torch.Tensor | None = None,
+    gb: torch.Tensor | None = None,
+    gf: torch.Tensor | None = None,
+) -> None:
+    """Accumulate into ``ga``, ``gb`` (H, W, C) and ``gf`` (H, W, 2) (contiguous, a's dtype;
+    any may be None) the gradients of :func:`local_flow_values`' dot products (``linear``) from
+    ``grad`` (m, y1 - y0, W), with b's corners read where the torch path reads them. On this
+    thread."""
+    lib = _loaded("local_flow_grad")
+    h, w, c = a.shape
+    shape = (len(offsets), y1 - y0, w)
+    _require(
+        a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
+        and flow.shape == (h, w, 2) and grad.shape == shape and 0 <= y0 <= y1 <= h,
+        "a and b contiguous (H, W, C) of one dtype, flow (H, W, 2), grad (m, rows, W)",
+    )  # fmt: skip
+    for t, want in ((ga, a.shape), (gb, a.shape), (gf, (h, w, 2))):
+        _require(t is None or (t.shape == want and t.dtype == a.dtype and t.is_contiguous()), "contiguous outputs")
+    flow, grad = flow.to(a.dtype).contiguous(), grad.to(a.dtype).contiguous()
+    mask = None if mask_b is None else mask_b.to(torch.uint8).contiguous()
+    oy, ox = (offsets[:, i].to(torch.int64).contiguous() for i in (0, 1))
+    getattr(lib, f"dm_local_flow_grad_{_SUFFIX[a.dtype]}")(
+        a.data_ptr(), b.data_ptr(), h, w, c, flow.data_ptr(), int(bilinear),
+        None if mask is None else mask.data_ptr(), oy.data_ptr(), ox.data_ptr(), len(offsets), y0, y1,
+        grad.data_ptr(), *(None if t is None else t.data_ptr() for t in (ga, gb, gf)),
+    )  # fmt: skip
+
+
+def _grid_columns(oy: torch.Tensor, ox: torch.Tensor) -> int:
+    """The columns of the offsets where they are a whole row-major grid of unit steps (the
+    moved window's dot products can then be shared), else 0."""
+    if oy.numel() == 0:
+        return 0
+    rows = torch.arange(int(oy[0]), int(oy[-1]) + 1)
+    cols = torch.arange(int(ox[0]), int(ox[-1]) + 1)
+    if rows.numel() * cols.numel() != oy.numel():
+        return 0
+    grid = torch.cartesian_prod(rows, cols)
+    return cols.numel() if torch.equal(grid[:, 0], oy) and torch.equal(grid[:, 1], ox) else 0
 
 
 if __name__ == "__main__":

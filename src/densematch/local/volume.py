@@ -74,7 +74,11 @@ class _Values(torch.autograd.Function):
         h, c = win.shape[1], win.shape[3]
         for y0 in range(0, h, ctx.rows):
             y1 = min(h, y0 + ctx.rows)
-            for j, (oy, ox) in enumerate(ctx.offsets(y0, y1)):
+            offsets = ctx.offsets(y0, y1)
+            if _moved_dot_in_c(win, ra, flow, offsets):
+                _grad_c(win, ra, rb, flow, y0, y1, offsets, grad, grads)
+                continue
+            for j, (oy, ox) in enumerate(offsets):
                 read = win.read(y0, y1, oy, ox, flow)
                 if read.out is None:
                     continue
@@ -131,9 +135,9 @@ def band(
     """(B, m, y1 - y0, W) values of rows y0:y1 of a at each of m offsets, NaN where a pixel has
     no candidate, and where it has one."""
     nb, _, w, _ = win.shape
-    shifted = flow is None and all(isinstance(oy, int) for oy, _ in offsets)  # not per-pixel picks
-    if win.kernel is not None and shifted and native.usable(ra.device, ra.dtype):
-        return _band_c(win, ra, rb, y0, y1, offsets)
+    whole_window = all(isinstance(oy, int) for oy, _ in offsets)  # not per-pixel picks
+    if win.kernel is not None and whole_window and native.usable(ra.device, ra.dtype):
+        return _band_c(win, ra, rb, flow, y0, y1, offsets)
     vals = ra.new_full((nb, len(offsets), y1 - y0, w), math.nan)
     valid = torch.zeros(vals.shape, dtype=torch.bool, device=vals.device)
     for j, (oy, ox) in enumerate(offsets):
@@ -145,16 +149,75 @@ def band(
 
 
 def _band_c(
-    win: Window, ra: torch.Tensor, rb: torch.Tensor, y0: int, y1: int, offsets: Sequence[tuple[Any, Any]]
+    win: Window,
+    ra: torch.Tensor,
+    rb: torch.Tensor,
+    flow: torch.Tensor | None,
+    y0: int,
+    y1: int,
+    offsets: Sequence[tuple[Any, Any]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`band` of shifted windows through the C kernel: one pass over the band per batch
-    item, every offset's pairs reduced in registers, with no product tensor per offset."""
+    """:func:`band` through the C kernels: one pass over the band per batch item, every
+    offset's pairs reduced in registers, with no product tensor or gathered copy per offset."""
     assert win.kernel is not None
     table = torch.tensor(offsets, dtype=torch.int64).reshape(-1, 2)
-    vals = ra.new_empty((ra.shape[0], len(offsets), y1 - y0, ra.shape[2]))
-    for i in range(ra.shape[0]):
-        native.local_values(ra[i].detach(), rb[i].detach(), table, y0, y1, win.kernel, out=vals[i])
+    nb = ra.shape[0]
+    vals = ra.new_empty((nb, len(offsets), y1 - y0, ra.shape[2]))
+    if flow is None:
+        for i in range(nb):
+            native.local_values(ra[i].detach(), rb[i].detach(), table, y0, y1, win.kernel, out=vals[i])
+        valid = torch.stack([win.read(y0, y1, int(oy), int(ox), None).valid for oy, ox in offsets], 1)
+    else:
+        found = []
+        for i in range(nb):
+            mask = None if win.mask_b is None else win.mask_b[i]
+            _, ok = native.local_flow_values(
+                ra[i].detach(), rb[i].detach(), flow[i].detach(), table, y0, y1, win.kernel,
+                bilinear=win.flow_kind == "bilinear", linear=win.linear, mask_b=mask, out=vals[i],
+            )  # fmt: skip
+            found.append(ok)
+        valid = torch.stack(found)
+        if win.mask_a is not None:
+            valid &= win.mask_a[:, None, y0:y1]
     if win.finish is not None:
         vals = win.finish(vals)
-    valid = torch.stack([win.read(y0, y1, int(oy), int(ox), None).valid for oy, ox in offsets], 1)
     return vals, valid
+
+
+def _moved_dot_in_c(
+    win: Window, ra: torch.Tensor, flow: torch.Tensor | None, offsets: Sequence[tuple[Any, Any]]
+) -> bool:
+    """Whether a band's backward runs in C: dot products (dot, cosine of unit rows) of windows
+    moved by a flow, whole windows (not per-pixel picks)."""
+    return (
+        flow is not None
+        and win.kernel == "dot"
+        and all(isinstance(oy, int) for oy, _ in offsets)
+        and native.usable(ra.device, ra.dtype)
+    )
+
+
+def _grad_c(
+    win: Window,
+    ra: torch.Tensor,
+    rb: torch.Tensor,
+    flow: torch.Tensor,
+    y0: int,
+    y1: int,
+    offsets: Sequence[tuple[Any, Any]],
+    grad: torch.Tensor,
+    grads: list[torch.Tensor | None],
+) -> None:
+    """The band's gradients through :func:`densematch.kernels.native.local_flow_grad`, into
+    ``grads`` (for a, b and the flow, each None where not wanted)."""
+    table = torch.tensor(offsets, dtype=torch.int64).reshape(-1, 2)
+    g = grad[:, :, y0:y1]
+    if win.mask_a is not None:  # masked-out pixels of a have no windows
+        g = g * win.mask_a[:, None, y0:y1]
+    for i in range(ra.shape[0]):
+        native.local_flow_grad(
+            ra[i].detach(), rb[i].detach(), flow[i].detach(), table, y0, y1, g[i],
+            bilinear=win.flow_kind == "bilinear", mask_b=None if win.mask_b is None else win.mask_b[i],
+            ga=None if grads[0] is None else grads[0][i], gb=None if grads[1] is None else grads[1][i],
+            gf=None if grads[2] is None or win.flow_kind != "bilinear" else grads[2][i],
+        )  # fmt: skip

@@ -110,10 +110,14 @@ class Window:
         if flow is not None:
             fy, fx = flow[:, y0:y1, :, 0].detach(), flow[:, y0:y1, :, 1].detach()
             if self.flow_kind == "bilinear":
-                top, left = (py + fy).floor(), (px + fx).floor()
-                # a corner's weight is flow + frac: recomputed from the flow in the backward
-                frac = (py - top, px - left)
-                py, px = top.long(), left.long()
+                # the window moves rigidly: every offset shares the fractions of y + fy and
+                # x + fx (as the C kernel computes them); a corner's weight is flow + frac,
+                # recomputed from the flow in the backward
+                y, x = (torch.arange(n, device=dev, dtype=fy.dtype) for n in (h, w))
+                y, x = y[y0:y1][None, :, None], x[None, None, :]
+                top, left = (y + fy).floor(), (x + fx).floor()
+                frac = ((y - top).expand(nb, y1 - y0, w), (x - left).expand(nb, y1 - y0, w))
+                py, px = top.long() + oy, left.long() + ox
                 corners = ((0, 0), (0, 1), (1, 0), (1, 1))
             else:
                 py, px = py + fy, px + fx
@@ -241,7 +245,7 @@ def prepare(
         device=ra.device,
         linear=metric.name == "dot" or (metric.name == "cosine" and not blended),
     )
-    if use_c and moved is None:
+    if use_c and not (metric.name == "cosine" and blended):  # the cosine of a blend: torch's
         window.kernel = "dot" if window.linear else metric.pair_kind
         window.finish = None if window.linear else metric.kernel_value
     return window, (prepared[0], prepared[1], moved), batched
