@@ -2,7 +2,8 @@
 positions) and against torch's fused attention called directly, forward and forward+backward,
 time and peak memory; and soft_match's two paths (fused attention and tiles).
 
-Run: python benchmarks/bench_soft.py [--rounds 3] [--sides 64 128] [--channels 64]
+Run: python benchmarks/bench_soft.py [--rounds 3] [--sides 64 128] [--channels 64] [--mode dual_softmax]
+[--threads 1] [--only METHOD ...]
 
 Random features, temperature 0.1, square maps against maps of the same size. Each method runs
 in its own processes (benchmarks/_common.peak_and_time: the peak above the warm state over the
@@ -31,7 +32,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {here!r})
     from _common import measure_in_child
 
-    SIDE, C, BACKWARD, T = {side}, {c}, {backward}, 0.1
+    SIDE, C, BACKWARD, T, MODE = {side}, {c}, {backward}, 0.1, {mode!r}
 
     def positions(side):
         return torch.stack(torch.meshgrid(torch.arange(side * 1.0), torch.arange(side * 1.0), indexing="ij"), -1)
@@ -39,7 +40,12 @@ CHILD = textwrap.dedent(
     def dense(a, b):
         q = F.normalize(a.reshape(-1, C), dim=1)
         k = F.normalize(b.reshape(-1, C), dim=1)
-        return (q @ k.T / T).softmax(1) @ positions(a.shape[0]).reshape(-1, 2)
+        s = q @ k.T / T
+        if MODE == "softmax":
+            return s.softmax(1) @ positions(a.shape[0]).reshape(-1, 2)
+        # LoFTR's dual softmax, then each row's weights renormalised
+        p = s.softmax(1) * s.softmax(0)
+        return (p / p.sum(1, keepdim=True)) @ positions(a.shape[0]).reshape(-1, 2)
 
     def sdpa(a, b):
         # torch's fused attention called directly: the positions padded to C (the CPU flash
@@ -53,7 +59,7 @@ CHILD = textwrap.dedent(
     def ours(fused):
         def run(a, b):
             _soft._SDPA = fused
-            return densematch.soft_match(a, b, temperature=T).coords
+            return densematch.soft_match(a, b, temperature=T, mode=MODE).coords
         return run
 
     fn = {{
@@ -83,8 +89,11 @@ def main() -> None:
     p.add_argument("--channels", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--name", default="soft")
+    p.add_argument("--mode", default="softmax", choices=("softmax", "dual_softmax"))
+    p.add_argument("--only", nargs="+", choices=METHODS, help="run only these methods")
     args = p.parse_args()
-    cases = [(side, m, bw) for side in args.sides for m in METHODS for bw in (False, True)]
+    methods = args.only or (METHODS if args.mode == "softmax" else ["soft_match (tiles)", "dense"])
+    cases = [(side, m, bw) for side in args.sides for m in methods for bw in (False, True)]
     results: dict[tuple[int, str, bool], list[dict[str, float]]] = {c: [] for c in cases}
     for r in range(args.rounds):
         for side, method, backward in cases:
@@ -96,6 +105,7 @@ def main() -> None:
                 method=method,
                 threads=args.threads,
                 repeats=args.repeats,
+                mode=args.mode,
             )
             results[(side, method, backward)].append(peak_and_time(code))
             print(r, side, method, backward, results[(side, method, backward)][-1], flush=True)

@@ -237,17 +237,10 @@ class _SoftAttention(torch.autograd.Function):
         na, nb = q.shape[0], k.shape[0]
         ta, tb = _tiles(na, nb, q.shape[1], budget)
         col_lse = _row_stats(k, q, scale, tb, ta)[0] if dual else None
-        factor = 2.0 if dual else 1.0
-        lse, best = _row_stats(q, k, factor * scale, ta, tb, col_lse)
-        out = torch.zeros(na, 3, dtype=torch.float64, device=q.device)
-        for i in range(0, na, ta):
-            qi = q[i : i + ta]
-            for j in range(0, nb, tb):
-                w = _weights(qi, k[j : j + tb], factor * scale, lse[i : i + ta], col_lse, j)
-                out[i : i + ta] += w.double() @ v[j : j + tb]
+        lse, best, out, plain_lse = _online(q, k, v, scale, ta, tb, col_lse)
         # the largest weight: exp(best - lse), of P_ij itself in dual mode (which may underflow:
         # a row whose best match is every other row's best too carries little weight)
-        top = torch.exp(best - (_row_stats(q, k, scale, ta, tb)[0] if dual else lse))
+        top = torch.exp(best - (plain_lse if plain_lse is not None else lse))
         ctx.save_for_backward(q, k, v, lse, out, *(() if col_lse is None else (col_lse,)))
         ctx.scale, ctx.dual, ctx.tiles = scale, dual, (ta, tb)
         ctx.mark_non_differentiable(top)
@@ -260,20 +253,24 @@ class _SoftAttention(torch.autograd.Function):
         na, nb = q.shape[0], k.shape[0]
         col_lse = dual_saved[0] if ctx.dual else None
         factor = 2.0 if ctx.dual else 1.0
-        # out_i = sum_j w_ij v_j: the gradient reaches l_ij as w_ij g_ij, g_ij = grad_i . (v_j - out_i)
-        g_v = grad_out.double()
-        d_row = (g_v * out).sum(1)
+        # out_i = sum_j w_ij v_j: the gradient reaches l_ij as w_ij g_ij, g_ij = grad_i . (v_j - out_i).
+        # The tiles are computed in the inputs' dtype, as the dense recipe's autograd computes
+        # them (float32 for float32 features: float64 tiles cost twice the time); the per-row
+        # and per-column sums that many tiles add to are kept in float64.
+        dt = q.dtype
+        g_v, v_t = grad_out.to(dt), v.to(dt)
+        d_row = (grad_out.double() * out).sum(1).to(dt)
 
         def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-            w = _weights(q[i : i + ta], k[j : j + tb], factor * scale, lse[i : i + ta], col_lse, j).double()
-            return w, g_v[i : i + ta] @ v[j : j + tb].T - d_row[i : i + ta, None]
+            w = _weights(q[i : i + ta], k[j : j + tb], factor * scale, lse[i : i + ta], col_lse, j)
+            return w, g_v[i : i + ta] @ v_t[j : j + tb].T - d_row[i : i + ta, None]
 
         col_sum = torch.zeros(nb, dtype=torch.float64, device=q.device)
         if col_lse is not None:  # C_j = sum_i w_ij g_ij: what reaches c_j (negated)
             for i in range(0, na, ta):
                 for j in range(0, nb, tb):
                     w, g = tile(i, j)
-                    col_sum[j : j + tb] += (w * g).sum(0)
+                    col_sum[j : j + tb] += (w * g).sum(0, dtype=torch.float64)
         # accumulated in the rows' own dtype: per-input state the size of the inputs, not twice it
         dq = torch.zeros_like(q)
         dk = torch.zeros_like(k)
@@ -284,13 +281,54 @@ class _SoftAttention(torch.autograd.Function):
                 w, g = tile(i, j)
                 if col_lse is not None:
                     # l = 2 s - c(s), dc_j / ds_ij = A_ij (the column softmax): ds = 2 w g - A C
-                    col = torch.exp(scale * (qi @ kj.T) - col_lse[None, j : j + tb]).double()
-                    ds = 2 * w * g - col * col_sum[None, j : j + tb]
+                    col = torch.exp(scale * (qi @ kj.T) - col_lse[None, j : j + tb])
+                    ds = 2 * w * g - col * col_sum[None, j : j + tb].to(dt)
                 else:
                     ds = w * g
-                dq[i : i + ta] += (scale * (ds @ kj.double())).to(q.dtype)
-                dk[j : j + tb] += (scale * (ds.T @ qi.double())).to(k.dtype)
+                dq[i : i + ta] += scale * (ds @ kj)
+                dk[j : j + tb] += scale * (ds.T @ qi)
         return dq, dk, None, None, None, None
+
+
+def _online(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ta: int, tb: int, col_lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One pass of products for the rows' softmax over l_ij = scale q_i . k_j (the dual's
+    2 scale q_i . k_j - c_j where ``col_lse`` gives c): the log-sum-exp, the largest logit and
+    the moments sum_j w_ij v_j (float64), kept online as each column tile arrives (the sums
+    rescaled to each new maximum), and for the dual also the plain rows' log-sum-exp of
+    scale q_i . k_j, which its largest weight needs."""
+    na, nb = q.shape[0], k.shape[0]
+    factor = 1.0 if col_lse is None else 2.0
+    lse = torch.empty(na, dtype=q.dtype, device=q.device)
+    best = torch.empty_like(lse)
+    plain = None if col_lse is None else torch.empty_like(lse)
+    out = torch.empty(na, v.shape[1], dtype=torch.float64, device=q.device)
+    v_t = v.to(q.dtype)
+    for i in range(0, na, ta):
+        qi = q[i : i + ta]
+        top = torch.full((qi.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
+        total, acc = torch.zeros_like(top), out.new_zeros((qi.shape[0], v.shape[1]))
+        plain_top, plain_total = top.clone(), total.clone()
+        for j in range(0, nb, tb):
+            s = scale * (qi @ k[j : j + tb].T)
+            logit = s if col_lse is None else factor * s - col_lse[None, j : j + tb]
+            new = torch.maximum(top, logit.amax(1))
+            shrink = torch.exp(top - new)
+            w = torch.exp(logit - new[:, None])
+            total = total * shrink + w.sum(1)
+            # each tile's moments in the features' dtype, their sum over tiles in float64
+            acc = acc * shrink.double()[:, None] + (w @ v_t[j : j + tb]).double()
+            top = new
+            if col_lse is not None:
+                plain_new = torch.maximum(plain_top, s.amax(1))
+                plain_total = plain_total * torch.exp(plain_top - plain_new) + torch.exp(s - plain_new[:, None]).sum(1)
+                plain_top = plain_new
+        lse[i : i + ta], best[i : i + ta] = top + total.log(), top
+        out[i : i + ta] = acc / total.double()[:, None]
+        if plain is not None:
+            plain[i : i + ta] = plain_top + plain_total.log()
+    return lse, best, out, plain
 
 
 def _weights(
