@@ -636,6 +636,23 @@ DEFINE_LOCAL(double, f64)
  * blended feature. valid gets 1 where every corner that counts exists; out is NaN elsewhere.
  * Returns 0, or 1 where its scratch could not be allocated. */
 #define DEFINE_LOCAL_FLOW(T, SUF, FLOOR)                                                           \
+    /* where pixel (y, x)'s window sits: its top-left corner and the corners' weights, with each \
+     * weight's two factors (a corner outside b is harmless where one of them is 0) */            \
+    typedef struct {                                                                               \
+        int64_t ty, tx;                                                                            \
+        T weight[4], factor[4][2];                                                                 \
+    } moved_##SUF;                                                                                 \
+                                                                                                   \
+    static inline moved_##SUF moved_at_##SUF(int64_t y, int64_t x, const T *f, int bilinear) {     \
+        const T top = FLOOR((T)y + f[0]), left = FLOOR((T)x + f[1]);                               \
+        const T wy = bilinear ? ((T)y - top) + f[0] : 0, wx = bilinear ? ((T)x - left) + f[1] : 0; \
+        const moved_##SUF m = {(int64_t)top,                                                       \
+                               (int64_t)left,                                                      \
+                               {(1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx},       \
+                               {{1 - wy, 1 - wx}, {1 - wy, wx}, {wy, 1 - wx}, {wy, wx}}};          \
+        return m;                                                                                  \
+    }                                                                                              \
+                                                                                                   \
     static inline T local_pair_##SUF(int kind, const T *x, const T *y, int64_t C) {                \
         switch (kind) {                                                                            \
         case 0: return dot_##SUF(x, y, C);                                                         \
@@ -661,13 +678,10 @@ DEFINE_LOCAL(double, f64)
         }                                                                                          \
         for (int64_t y = y0; y < y1; y++)                                                          \
             for (int64_t x = 0; x < W; x++) {                                                      \
-                const T *pa = a + (y * W + x) * C, *f = flow + (y * W + x) * 2;                    \
-                const T top = FLOOR((T)y + f[0]), left = FLOOR((T)x + f[1]);                       \
-                const T wy = bilinear ? ((T)y - top) + f[0] : 0;                                   \
-                const T wx = bilinear ? ((T)x - left) + f[1] : 0;                                  \
-                const int64_t ty0 = (int64_t)top, tx0 = (int64_t)left;                             \
-                const T weight[4] = {(1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx}; \
-                const T factor[4][2] = {{1 - wy, 1 - wx}, {1 - wy, wx}, {wy, 1 - wx}, {wy, wx}};    \
+                const T *pa = a + (y * W + x) * C;                                                 \
+                const moved_##SUF at0 = moved_at_##SUF(y, x, flow + (y * W + x) * 2, bilinear);    \
+                const int64_t ty0 = at0.ty, tx0 = at0.tx;                                          \
+                const T *weight = at0.weight, (*factor)[2] = at0.factor;                           \
                 const int corners = bilinear ? 4 : 1;                                              \
                 if (shared) /* the dot products of the whole moved window, once */                \
                     for (int64_t r = 0; r < th; r++)                                               \
@@ -729,7 +743,7 @@ DEFINE_LOCAL_FLOW(double, f64, floor)
  * a bilinear flow g * sum_k dot(a, b_k) dw_k / d(fy, fx). Corners are read at their positions
  * clamped into b, as the torch path gathers them: a harmless corner outside b has weight 0 but
  * its derivative counts. ga, gb (H, W, C) and gf (H, W, 2) accumulate; any may be NULL. */
-#define DEFINE_LOCAL_FLOW_GRAD(T, SUF, FLOOR)                                                      \
+#define DEFINE_LOCAL_FLOW_GRAD(T, SUF)                                                             \
     void dm_local_flow_grad_##SUF(const T *a, const T *b, int64_t H, int64_t W, int64_t C,         \
                                   const T *flow, int bilinear, const uint8_t *mask_b,             \
                                   const int64_t *oy, const int64_t *ox, int64_t m, int64_t y0,    \
@@ -737,13 +751,11 @@ DEFINE_LOCAL_FLOW(double, f64, floor)
         const int64_t rows = y1 - y0;                                                              \
         for (int64_t y = y0; y < y1; y++)                                                          \
             for (int64_t x = 0; x < W; x++) {                                                      \
-                const T *pa = a + (y * W + x) * C, *f = flow + (y * W + x) * 2;                    \
-                const T top = FLOOR((T)y + f[0]), left = FLOOR((T)x + f[1]);                       \
-                const T wy = bilinear ? ((T)y - top) + f[0] : 0;                                   \
-                const T wx = bilinear ? ((T)x - left) + f[1] : 0;                                  \
-                const int64_t ty0 = (int64_t)top, tx0 = (int64_t)left;                             \
-                const T weight[4] = {(1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx}; \
-                const T factor[4][2] = {{1 - wy, 1 - wx}, {1 - wy, wx}, {wy, 1 - wx}, {wy, wx}};    \
+                const T *pa = a + (y * W + x) * C;                                                 \
+                const moved_##SUF at0 = moved_at_##SUF(y, x, flow + (y * W + x) * 2, bilinear);    \
+                const int64_t ty0 = at0.ty, tx0 = at0.tx;                                          \
+                const T *weight = at0.weight, (*factor)[2] = at0.factor;                           \
+                const T wy = factor[3][0], wx = factor[3][1];                                      \
                 const T dwy[4] = {-(1 - wx), -wx, 1 - wx, wx}, dwx[4] = {-(1 - wy), 1 - wy, -wy, wy}; \
                 const int corners = bilinear ? 4 : 1;                                              \
                 for (int64_t j = 0; j < m; j++) {                                                  \
@@ -784,5 +796,5 @@ DEFINE_LOCAL_FLOW(double, f64, floor)
             }                                                                                      \
     }
 
-DEFINE_LOCAL_FLOW_GRAD(float, f32, floorf)
-DEFINE_LOCAL_FLOW_GRAD(double, f64, floor)
+DEFINE_LOCAL_FLOW_GRAD(float, f32)
+DEFINE_LOCAL_FLOW_GRAD(double, f64)

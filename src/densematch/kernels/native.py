@@ -464,23 +464,32 @@ def local_values(
     "maxabs", each pair as :func:`pair_values` reduces it; into ``out`` (contiguous) when given.
     On this thread."""
     lib = _loaded("local_values")
+    oy, ox, out = _window_args(a, b, offsets, y0, y1, kind, out)
+    h, w, c = a.shape
+    getattr(lib, f"dm_local_values_{_SUFFIX[a.dtype]}")(
+        a.data_ptr(), b.data_ptr(), h, w, c, oy.data_ptr(), ox.data_ptr(), len(offsets), y0, y1,
+        PAIR_KINDS[kind], out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def _window_args(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, y0: int, y1: int, kind: str, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The local kernels' checked arguments: the offsets' rows and columns (int64) and the
+    output (m, y1 - y0, W), made where not given."""
     _require(
         a.dtype == b.dtype and a.shape == b.shape and a.ndim == 3 and a.is_contiguous() and b.is_contiguous(),
         "a and b must be contiguous (H, W, C) maps of one dtype and shape",
     )
     _require(kind in PAIR_KINDS and kind != "cosine", f"kind must be dot, sqdiff, absdiff or maxabs, got {kind!r}")
     _require(0 <= y0 <= y1 <= a.shape[0], f"rows {y0}:{y1} must lie in 0:{a.shape[0]}")
-    h, w, c = a.shape
-    oy, ox = (offsets[:, i].to(torch.int64).contiguous() for i in (0, 1))
-    shape = (len(offsets), y1 - y0, w)
+    shape = (len(offsets), y1 - y0, a.shape[1])
     if out is None:
         out = torch.empty(shape, dtype=a.dtype)
     _require(out.shape == shape and out.dtype == a.dtype and out.is_contiguous(), f"out must be contiguous {shape}")
-    getattr(lib, f"dm_local_values_{_SUFFIX[a.dtype]}")(
-        a.data_ptr(), b.data_ptr(), h, w, c, oy.data_ptr(), ox.data_ptr(), len(offsets), y0, y1,
-        PAIR_KINDS[kind], out.data_ptr(),
-    )  # fmt: skip
-    return out
+    oy, ox = (offsets[:, i].to(torch.int64).contiguous() for i in (0, 1))
+    return oy, ox, out
 
 
 def local_flow_values(
@@ -505,22 +514,12 @@ def local_flow_values(
     ``mask_b`` (H, W) bool: pixels of b that may be read. Returns the values (m, y1 - y0, W), NaN
     where a window's position needs a pixel outside b, and that validity (bool). On this thread."""
     lib = _loaded("local_flow_values")
-    _require(
-        a.dtype == b.dtype and a.shape == b.shape and a.ndim == 3 and a.is_contiguous() and b.is_contiguous(),
-        "a and b must be contiguous (H, W, C) maps of one dtype and shape",
-    )
-    _require(kind in PAIR_KINDS and kind != "cosine", f"kind must be dot, sqdiff, absdiff or maxabs, got {kind!r}")
-    _require(0 <= y0 <= y1 <= a.shape[0], f"rows {y0}:{y1} must lie in 0:{a.shape[0]}")
+    oy, ox, out = _window_args(a, b, offsets, y0, y1, kind, out)
     h, w, c = a.shape
     _require(flow.shape == (h, w, 2), f"flow must have shape {(h, w, 2)}")
     flow = flow.to(a.dtype).contiguous()
     mask = None if mask_b is None else mask_b.to(torch.uint8).contiguous()
-    oy, ox = (offsets[:, i].to(torch.int64).contiguous() for i in (0, 1))
-    shape = (len(offsets), y1 - y0, w)
-    if out is None:
-        out = torch.empty(shape, dtype=a.dtype)
-    _require(out.shape == shape and out.dtype == a.dtype and out.is_contiguous(), f"out must be contiguous {shape}")
-    valid = torch.empty(shape, dtype=torch.uint8)
+    valid = torch.empty(out.shape, dtype=torch.uint8)
     code = getattr(lib, f"dm_local_flow_{_SUFFIX[a.dtype]}")(
         a.data_ptr(), b.data_ptr(), h, w, c, flow.data_ptr(), int(bilinear),
         None if mask is None else mask.data_ptr(), oy.data_ptr(), ox.data_ptr(), len(offsets),
@@ -551,18 +550,13 @@ def local_flow_grad(
     ``grad`` (m, y1 - y0, W), with b's corners read where the torch path reads them. On this
     thread."""
     lib = _loaded("local_flow_grad")
+    oy, ox, grad = _window_args(a, b, offsets, y0, y1, "dot", grad.to(a.dtype).contiguous())
     h, w, c = a.shape
-    shape = (len(offsets), y1 - y0, w)
-    _require(
-        a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
-        and flow.shape == (h, w, 2) and grad.shape == shape and 0 <= y0 <= y1 <= h,
-        "a and b contiguous (H, W, C) of one dtype, flow (H, W, 2), grad (m, rows, W)",
-    )  # fmt: skip
+    _require(flow.shape == (h, w, 2), f"flow must have shape {(h, w, 2)}")
     for t, want in ((ga, a.shape), (gb, a.shape), (gf, (h, w, 2))):
         _require(t is None or (t.shape == want and t.dtype == a.dtype and t.is_contiguous()), "contiguous outputs")
-    flow, grad = flow.to(a.dtype).contiguous(), grad.to(a.dtype).contiguous()
+    flow = flow.to(a.dtype).contiguous()
     mask = None if mask_b is None else mask_b.to(torch.uint8).contiguous()
-    oy, ox = (offsets[:, i].to(torch.int64).contiguous() for i in (0, 1))
     getattr(lib, f"dm_local_flow_grad_{_SUFFIX[a.dtype]}")(
         a.data_ptr(), b.data_ptr(), h, w, c, flow.data_ptr(), int(bilinear),
         None if mask is None else mask.data_ptr(), oy.data_ptr(), ox.data_ptr(), len(offsets), y0, y1,
