@@ -308,9 +308,9 @@ def test_flow_windows_agree_on_both_kernels(metric, sampling):
     assert torch.allclose(got_m.score, want_m.score, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("sampling", ["nearest", "bilinear"])
+@pytest.mark.parametrize("sampling", [None, "nearest", "bilinear"])  # None: shifted windows, no flow
 @pytest.mark.parametrize("metric", ["dot", "cosine"])
-def test_flow_window_gradients_agree_on_both_kernels(metric, sampling):
+def test_window_gradients_agree_on_both_kernels(metric, sampling):
     g = torch.Generator().manual_seed(12)
     a, b = torch.randn(2, 8, 9, 5, generator=g), torch.randn(2, 8, 9, 5, generator=g)
     flow = 4 * torch.rand(2, 8, 9, 2, generator=g) - 2
@@ -320,14 +320,15 @@ def test_flow_window_gradients_agree_on_both_kernels(metric, sampling):
 
     def grads():
         x, y, f = (t.clone().requires_grad_(t.is_floating_point()) for t in (a, b, flow))
-        kw = dict(flow=f, sampling=sampling, metric=metric, mask_a=mask_a, mask_b=mask_b, fill=0.0)
+        moved = dict(flow=f, sampling=sampling) if sampling else {}
+        kw = dict(**moved, metric=metric, mask_a=mask_a, mask_b=mask_b, fill=0.0)
         (local_cost_volume(x, y, 2, **kw) * w).sum().backward()
         return x.grad, y.grad, f.grad
 
     with densematch.config_context(kernel="torch"):
         want = grads()
     for got, expect in zip(grads(), want, strict=True):
-        if expect is None:  # a nearest flow has no gradient
+        if expect is None:  # a nearest flow has no gradient, nor an unused one
             assert got is None
             continue
         assert torch.allclose(got, expect, atol=1e-5, rtol=1e-5)

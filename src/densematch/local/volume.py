@@ -75,7 +75,7 @@ class _Values(torch.autograd.Function):
         for y0 in range(0, h, ctx.rows):
             y1 = min(h, y0 + ctx.rows)
             offsets = ctx.offsets(y0, y1)
-            if _moved_dot_in_c(win, ra, flow, offsets):
+            if _dot_grad_in_c(win, ra, flow, offsets):
                 _grad_c(win, ra, rb, flow, y0, y1, offsets, grad, grads)
                 continue
             for j, (oy, ox) in enumerate(offsets):
@@ -184,14 +184,13 @@ def _band_c(
     return vals, valid
 
 
-def _moved_dot_in_c(
+def _dot_grad_in_c(
     win: Window, ra: torch.Tensor, flow: torch.Tensor | None, offsets: Sequence[tuple[Any, Any]]
 ) -> bool:
-    """Whether a band's backward runs in C: dot products (dot, cosine of unit rows) of windows
-    moved by a flow, whole windows (not per-pixel picks)."""
+    """Whether a band's backward runs in C: dot products (dot, cosine of unit rows) of whole
+    windows (not per-pixel picks), shifted or moved by a flow."""
     return (
-        flow is not None
-        and win.kernel == "dot"
+        win.kernel == "dot"
         and all(isinstance(oy, int) for oy, _ in offsets)
         and native.usable(ra.device, ra.dtype)
     )
@@ -201,7 +200,7 @@ def _grad_c(
     win: Window,
     ra: torch.Tensor,
     rb: torch.Tensor,
-    flow: torch.Tensor,
+    flow: torch.Tensor | None,
     y0: int,
     y1: int,
     offsets: Sequence[tuple[Any, Any]],
@@ -209,8 +208,11 @@ def _grad_c(
     grads: list[torch.Tensor | None],
 ) -> None:
     """The band's gradients through :func:`densematch.kernels.native.local_flow_grad`, into
-    ``grads`` (for a, b and the flow, each None where not wanted)."""
+    ``grads`` (for a, b and the flow, each None where not wanted); shifted windows are windows
+    moved by a flow of zeros."""
     table = torch.tensor(offsets, dtype=torch.int64).reshape(-1, 2)
+    if flow is None:
+        flow = ra.new_zeros((ra.shape[0], ra.shape[1], ra.shape[2], 2))
     g = grad[:, :, y0:y1]
     if win.mask_a is not None:  # masked-out pixels of a have no windows
         g = g * win.mask_a[:, None, y0:y1]
