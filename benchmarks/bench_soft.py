@@ -128,7 +128,7 @@ def main() -> None:
     print(f"C={args.channels}, {args.threads} threads\n")
     print("| maps | method | forward s | peak MiB | forward + backward s | peak MiB |\n|---|---|---|---|---|---|")
     for side in args.sides:
-        for method in METHODS:
+        for method in methods:
             cells = []
             for backward in (False, True):
                 row = next(r for r in rows if (r["side"], r["method"], r["backward"]) == (side, method, backward))

@@ -261,15 +261,16 @@ class _SoftAttention(torch.autograd.Function):
         g_v, v_t = grad_out.to(dt), v.to(dt)
         d_row = (grad_out.double() * out).sum(1).to(dt)
 
-        def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-            w = _weights(q[i : i + ta], k[j : j + tb], factor * scale, lse[i : i + ta], col_lse, j)
-            return w, g_v[i : i + ta] @ v_t[j : j + tb].T - d_row[i : i + ta, None]
+        def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            s = scale * (q[i : i + ta] @ k[j : j + tb].T)
+            w = _weights(s, factor, lse[i : i + ta], col_lse, j)
+            return s, w, g_v[i : i + ta] @ v_t[j : j + tb].T - d_row[i : i + ta, None]
 
         col_sum = torch.zeros(nb, dtype=torch.float64, device=q.device)
         if col_lse is not None:  # C_j = sum_i w_ij g_ij: what reaches c_j (negated)
             for i in range(0, na, ta):
                 for j in range(0, nb, tb):
-                    w, g = tile(i, j)
+                    _, w, g = tile(i, j)
                     col_sum[j : j + tb] += (w * g).sum(0, dtype=torch.float64)
         # accumulated in the rows' own dtype: per-input state the size of the inputs, not twice it
         dq = torch.zeros_like(q)
@@ -278,10 +279,10 @@ class _SoftAttention(torch.autograd.Function):
             qi = q[i : i + ta]
             for j in range(0, nb, tb):
                 kj = k[j : j + tb]
-                w, g = tile(i, j)
+                s, w, g = tile(i, j)
                 if col_lse is not None:
                     # l = 2 s - c(s), dc_j / ds_ij = A_ij (the column softmax): ds = 2 w g - A C
-                    col = torch.exp(scale * (qi @ kj.T) - col_lse[None, j : j + tb])
+                    col = torch.exp(s - col_lse[None, j : j + tb])
                     ds = 2 * w * g - col * col_sum[None, j : j + tb].to(dt)
                 else:
                     ds = w * g
@@ -331,14 +332,11 @@ def _online(
     return lse, best, out, plain
 
 
-def _weights(
-    qi: torch.Tensor, kj: torch.Tensor, scale: float, lse: torch.Tensor, bias: torch.Tensor | None, j: int
-) -> torch.Tensor:
-    """One tile of weights exp(scale qi kj^T - bias_j - lse_i) (bias: the dual's c_j)."""
-    s = scale * (qi @ kj.T)
-    if bias is not None:
-        s = s - bias[None, j : j + kj.shape[0]]
-    return torch.exp(s - lse[:, None])
+def _weights(s: torch.Tensor, factor: float, lse: torch.Tensor, bias: torch.Tensor | None, j: int) -> torch.Tensor:
+    """One tile of weights exp(factor s_ij - bias_j - lse_i) from its scaled products s (bias:
+    the dual's c_j, with factor 2)."""
+    logit = factor * s if bias is None else factor * s - bias[None, j : j + s.shape[1]]
+    return torch.exp(logit - lse[:, None])
 
 
 def _row_stats(
