@@ -189,11 +189,7 @@ def _dot_grad_in_c(
 ) -> bool:
     """Whether a band's backward runs in C: dot products (dot, cosine of unit rows) of whole
     windows (not per-pixel picks), shifted or moved by a flow."""
-    return (
-        win.kernel == "dot"
-        and all(isinstance(oy, int) for oy, _ in offsets)
-        and native.usable(ra.device, ra.dtype)
-    )
+    return win.kernel == "dot" and all(isinstance(oy, int) for oy, _ in offsets) and native.usable(ra.device, ra.dtype)
 
 
 def _grad_c(
