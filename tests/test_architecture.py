@@ -87,3 +87,10 @@ def test_the_engine_takes_its_settings_from_the_precision_alone(monkeypatch):
                 a, b, metric=get_metric(metric), k=2, budget=1 << 20, precision=Precision(backend="torch")
             )
         assert torch.equal(got[1], want[1]) and torch.equal(torch_only[1], want[1])
+
+
+def test_the_application_modules_keep_their_old_names():
+    from densematch import app, synthetic
+    from densematch.app import batch
+
+    assert synthetic is app.synthetic and densematch.batch is batch and densematch.batch.run is batch.run

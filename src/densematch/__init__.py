@@ -43,9 +43,11 @@ __all__ = [
 ]
 
 
-# submodules with optional dependencies or their own start-up, imported when first used (the
-# batch runner lives in the application layer, densematch.app)
-_LAZY = {"batch": ".app.batch", "distributed": ".distributed", "kornia": ".kornia"}
+# submodules with optional dependencies or their own start-up, imported when first used; the
+# application layer's modules (densematch.app) stay reachable under their old names too
+# (``densematch.batch.run``, ``from densematch import synthetic``)
+_APP = ("batch", "cli", "demo", "features", "io", "synthetic", "tasks", "viz")
+_LAZY = {"distributed": ".distributed", "kornia": ".kornia", **{name: f".app.{name}" for name in _APP}}
 
 
 def __getattr__(name: str) -> Any:
