@@ -39,9 +39,9 @@ def topk(
         for y0 in range(0, h, rows):
             y1 = min(h, y0 + rows)
             v, ok = band(win, ra, rb, flow, y0, y1, win.offsets)
-            ranked = torch.where(ok, v * sign, -math.inf)
-            if k == 1:  # argmax takes the first of equal maxima: ties to the lower offset
-                order = ranked.argmax(1, keepdim=True)
+            ranked = (v if sign > 0 else -v).masked_fill(~ok, -math.inf)
+            if k == 1:
+                order = _first_best(ranked)
             else:
                 order = ranked.sort(dim=1, descending=True, stable=True).indices[:, :k]
             best[:, y0:y1] = order.permute(0, 2, 3, 1)
@@ -76,3 +76,16 @@ def topk(
         score=score.reshape(shape),
         valid=valid.reshape(shape),
     )
+
+
+def _first_best(ranked: torch.Tensor) -> torch.Tensor:
+    """(B, 1, rows, W) the first offset of the highest value along dim 1 of (B, m, rows, W):
+    ties to the lower offset. A running maximum over the offsets, each step a contiguous pass
+    over the band's pixels (argmax reduces across the strided offset axis several times slower)."""
+    top = ranked[:, 0].clone()
+    at = torch.zeros(top.shape, dtype=torch.int64, device=ranked.device)
+    for j in range(1, ranked.shape[1]):
+        better = ranked[:, j] > top
+        top = torch.where(better, ranked[:, j], top)
+        at.masked_fill_(better, j)
+    return at[:, None]
