@@ -635,6 +635,11 @@ DEFINE_LOCAL(double, f64)
  * computed once and shared by the offsets (4x fewer); any other pair is the pair of a and the
  * blended feature. valid gets 1 where every corner that counts exists; out is NaN elsewhere.
  * Returns 0, or 1 where its scratch could not be allocated. */
+/* whether pixel (qy, qx) of b may be read: inside the grid and not masked out */
+static inline int local_inside(int64_t qy, int64_t qx, int64_t H, int64_t W, const uint8_t *mask_b) {
+    return qy >= 0 && qy < H && qx >= 0 && qx < W && (!mask_b || mask_b[qy * W + qx]);
+}
+
 #define DEFINE_LOCAL_FLOW(T, SUF, FLOOR)                                                           \
     /* where pixel (y, x)'s window sits: its top-left corner and the corners' weights, with each \
      * weight's two factors (a corner outside b is harmless where one of them is 0) */            \
@@ -687,8 +692,7 @@ DEFINE_LOCAL(double, f64)
                     for (int64_t r = 0; r < th; r++)                                               \
                         for (int64_t s = 0; s < tw; s++) {                                         \
                             const int64_t qy = ty0 + oy[0] + r, qx = tx0 + ox[0] + s;              \
-                            const int in = qy >= 0 && qy < H && qx >= 0 && qx < W &&               \
-                                           (!mask_b || mask_b[qy * W + qx]);                       \
+                            const int in = local_inside(qy, qx, H, W, mask_b);                     \
                             held[r * tw + s] = (uint8_t)in;                                        \
                             table[r * tw + s] = in ? dot_##SUF(pa, b + (qy * W + qx) * C, C) : 0;  \
                         }                                                                          \
@@ -706,7 +710,7 @@ DEFINE_LOCAL(double, f64)
                             in = held[cell];                                                       \
                             if (in && weight[k] != 0) v += weight[k] * table[cell];                \
                         } else {                                                                   \
-                            in = qy >= 0 && qy < H && qx >= 0 && qx < W && (!mask_b || mask_b[qy * W + qx]); \
+                            in = local_inside(qy, qx, H, W, mask_b);                               \
                             if (in) pb[k] = b + (qy * W + qx) * C;                                 \
                         }                                                                          \
                         if (!in && factor[k][0] != 0 && factor[k][1] != 0) ok = 0;                 \
@@ -766,8 +770,7 @@ DEFINE_LOCAL_FLOW(double, f64, floor)
                     int64_t q[4];                                                                  \
                     for (int k = 0; k < corners; k++) {                                            \
                         const int64_t qy = ty + (k >> 1), qx = tx + (k & 1);                       \
-                        const int in = qy >= 0 && qy < H && qx >= 0 && qx < W &&                   \
-                                       (!mask_b || mask_b[qy * W + qx]);                           \
+                        const int in = local_inside(qy, qx, H, W, mask_b);                         \
                         if (!in && factor[k][0] != 0 && factor[k][1] != 0) ok = 0;                 \
                         const int64_t cy = qy < 0 ? 0 : qy >= H ? H - 1 : qy;                      \
                         const int64_t cx = qx < 0 ? 0 : qx >= W ? W - 1 : qx;                      \
