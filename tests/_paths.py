@@ -19,6 +19,8 @@ import densematch
 # name: (precision=, config_context settings); kernel="torch" keeps the C kernels out too
 PATHS: dict[str, tuple[str, dict[str, str]]] = {
     "float32": ("float32", {"half": "off", "kernel": "torch"}),
+    # the AVX2 default: float32 scores, the C merge and the C pair values
+    "float32-c": ("exact", {"half": "off", "kernel": "auto"}),
     "bfloat16": ("exact", {"half": "bfloat16", "kernel": "torch"}),
     # the AMX default: bfloat16 products, bounds, merge and listing in one C call per tile
     "bfloat16-c": ("exact", {"half": "bfloat16", "kernel": "auto"}),
