@@ -2,8 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from densematch import align, warp
-from densematch.app.synthetic import SIZES, alignment_cases, reference_warp
+from densematch import align, config_context, warp
+from densematch.alignment.refine import refine
+from densematch.alignment.search import _best_shifts, pick_candidates
+from densematch.app.synthetic import PHOTOS, SIZES, alignment_cases, reference_warp
+from densematch.kernels import native
 
 
 def within(a, case, scale_tol=0.005, shift_tol=0.5) -> bool:
@@ -87,8 +90,8 @@ class TestAlign:
             torch.testing.assert_close(tight.landscape, free.landscape)
         with pytest.raises(ValueError, match=r"memory=1048576 bytes cannot hold the refinement of one candidate"):
             align(t, x, memory="1MiB")
-        with pytest.raises(ValueError, match=r"memory=102400 bytes cannot hold the search of one scale pair"):
-            align(t, x, memory="100KiB")
+        with pytest.raises(ValueError, match=r"memory=51200 bytes cannot hold the search of one scale pair"):
+            align(t, x, memory="50KiB")
 
     def test_integer_and_numpy_images(self):
         c = next(alignment_cases(1, seed=11, kinds=("photo",), noise=(0.0,)))
@@ -157,3 +160,78 @@ def test_a_template_that_cannot_fit_gets_the_bound_that_works():
     # swapped: no scale of the range fits, and the message says so
     with pytest.raises(ValueError, match=r"even at the largest scales.*were template and image swapped"):
         align(torch.rand(160, 160), torch.rand(100, 100))
+
+
+class TestSearch:
+    """The pyramid: an exhaustive grid at the coarse level, refinement level by level, in C on a CPU."""
+
+    @pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+    @pytest.mark.parametrize("photometric", [False, True])
+    def test_the_c_refinement_is_the_torch_iteration(self, photometric):
+        gen = torch.Generator().manual_seed(3)
+        cases = list(alignment_cases(2, seed=21, kinds=("photo",), sizes=(SIZES[1],), noise=(0.02,)))
+        # two channels (the second a brightness-shifted copy) and uneven pixel weights
+        t = torch.stack([torch.stack((c.template, 0.5 * c.template + 0.2)) for c in cases])
+        x = torch.stack([torch.stack((c.image, 0.5 * c.image + 0.2)) for c in cases])
+        mask = torch.rand(2, 1, *t.shape[-2:], generator=gen) + 0.25
+        truth = torch.tensor([[c.scale_h, c.scale_w, c.shift_y, c.shift_x] for c in cases])
+        owner = torch.tensor([0, 1, 1])
+        moved = torch.tensor([[0.01, -0.01, 1.2, -0.7], [-0.012, 0.0, -1.0, 1.0], [0.0, 0.015, 0.5, 0.5]])
+        start = truth[owner] + moved
+        box = ((0.8, 1.2), (0.8, 1.2))
+        p_torch, sums_torch = refine(t, x, mask, owner, start, *box, photometric)
+        p_c, sums_c = refine(t, x, mask, owner, start, *box, photometric, use_c=True)
+        torch.testing.assert_close(p_c, p_torch, atol=2e-3, rtol=0)
+        torch.testing.assert_close(sums_c, sums_torch, atol=1e-4, rtol=1e-3)
+        assert (p_c - truth[owner]).abs().max() < 0.05  # and both found the truth
+
+    def test_torch_and_c_give_the_same_alignments(self):
+        cases = list(alignment_cases(4, seed=5))
+        for c in cases:
+            default = align(c.template, c.image)
+            with config_context(kernel="torch"):
+                forced = align(c.template, c.image)
+            assert within(default, c) and within(forced, c)
+            assert abs(default.scale_w - forced.scale_w) < 1e-3 and abs(default.shift_x - forced.shift_x) < 0.02
+
+    def test_every_photo_over_the_whole_default_range(self):
+        # the issue's cases: 2x2-pooled photographs, 100x100 from 125x125, scales anywhere in
+        # (0.8, 1.2), noise 0.01; every one of the 12 photographs twice, the truth always found
+        cases = list(
+            alignment_cases(
+                24,
+                seed=30,
+                kinds=("photo",),
+                sizes=(SIZES[0],),
+                noise=(0.01,),
+                scale_range=(0.8, 1.2),
+                pooled=2,
+                cycle=True,
+            )
+        )
+        assert {c.source for c in cases} == set(PHOTOS)
+        found = [align(c.template, c.image) for c in cases]
+        misses = [(c.source, a.as_dict()) for a, c in zip(found, cases, strict=True) if not within(a, c)]
+        assert not misses, misses
+
+    def test_candidates_are_distinct_and_keep_a_basin_outranked_by_its_neighbours(self):
+        grid = torch.linspace(0.8, 1.2, 11)
+        best = torch.full((1, 11, 11, 1), 5.0)
+        where = torch.zeros(1, 11, 11, 1, dtype=torch.long)
+        best[0, 3:6, 3:6, 0] = torch.arange(9.0).reshape(3, 3) / 10  # one wide basin: 9 cells below 1
+        best[0, 9, 1, 0] = 1.5  # another, 10th in the plain ranking
+        cand = pick_candidates(best, where, grid, grid, 13)[0]
+        assert tuple(cand[0, :2].tolist()) == pytest.approx((0.92, 0.92))  # the lowest first
+        assert any(torch.allclose(c[:2], torch.tensor([1.16, 0.84])) for c in cand)
+        apart = (cand[:, None, :2] - cand[None, :, :2]).abs().amax(-1) > 0.06 + 1e-6
+        assert apart[~torch.eye(len(cand), dtype=torch.bool)].all()
+
+    def test_several_shifts_of_one_scale_pair_are_kept(self):
+        # a periodic texture has several good shifts at one scale: the best two local minima over
+        # the shifts both stay candidates (a plain minimum per scale pair kept only one)
+        score = torch.full((1, 1, 1, 9, 9), 3.0)
+        score[0, 0, 0, 1, 1], score[0, 0, 0, 1, 2] = 0.5, 0.6  # one basin (two cells)
+        score[0, 0, 0, 7, 6] = 0.7  # another
+        best, where = _best_shifts(score)
+        assert best[0, 0, 0, :2].tolist() == pytest.approx([0.5, 0.7])
+        assert where[0, 0, 0, :2].tolist() == [1 * 9 + 1, 7 * 9 + 6]

@@ -374,7 +374,7 @@ class TestBuild:
         kernels = tmp_path / "densematch" / "kernels"
         kernels.mkdir(parents=True)
         source = Path(native.__file__).parent
-        for name in ("__init__.py", "native.py", "build.py", "native.c"):
+        for name in ("__init__.py", "native.py", "build.py", "native.c", "align.c"):
             shutil.copy(source / name, kernels / name)
         for path in built:
             shutil.copy(path, kernels / path.name)

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from ..budget import chunk_rows
 from ..checks import as_tensor, check_choice, check_finite, compute_dtype
-from ..config import resolve_memory
+from ..config import kernel_setting, resolve_memory
 from ..threads import share_out, share_size, workers_for
 from .refine import objective_at, refine
 from .search import downsample, grid_search, scale_grid
@@ -36,6 +36,8 @@ from .warp import as_image, warp_batch
 __all__ = ["OBJECTIVES", "Alignment", "align"]
 
 OBJECTIVES = ("l1", "l2", "ncc")
+_COARSE_SIDE = 24  # the grid's template side, at least: coarser levels lose the photographs' detail
+_KEEP = (4, 2)  # candidates each pair keeps after the grid's level, then after each finer one
 
 
 @dataclass
@@ -220,8 +222,16 @@ def align(
         # one power of two brings both to unit amplitude, exactly: the search's and the
         # refinement's fixed epsilons then mean the same for images of any amplitude or dtype
         unit = _unit_scale(t4, x4)
-        found = _search(
-            t4 * unit, x4 * unit, mask, (lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None
+        found = _search_pairs(
+            t4 * unit,
+            x4 * unit,
+            mask,
+            (lo_h, hi_h),
+            (lo_w, hi_w),
+            objective,
+            budget,
+            template_mask is None,
+            kernel_setting() != "torch",
         )
     warped = (found.warped / unit).reshape(t.shape)
     err = found.error
@@ -305,6 +315,39 @@ class _Found:
     grid_w: torch.Tensor
 
 
+def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, *args: Any) -> _Found:
+    """:func:`_search` over the pairs, a few at a time on each worker thread: one pair's search is
+    a few milliseconds of small steps, which threads inside it would only slow down."""
+    b = t.shape[0]
+    workers = workers_for(x.device)
+    step = share_size(b, workers) if workers > 1 else b
+    starts = range(0, b, step)
+    parts: dict[int, _Found] = {}
+
+    def search(i: int) -> None:
+        part = slice(starts[i], starts[i] + step)
+        parts[i] = _search(t[part], x[part], mask[part], *args)
+
+    share_out(range(len(starts)), search, workers, name="densematch-align")
+    done = [parts[i] for i in range(len(starts))]
+    shared = ("grid_h", "grid_w")  # the same for every pair
+    return _Found(
+        **{
+            f.name: getattr(done[0], f.name) if f.name in shared else torch.cat([getattr(d, f.name) for d in done])
+            for f in fields(_Found)
+        }
+    )
+
+
+def _levels(h: int, w: int) -> list[int]:
+    """The pyramid's downsampling factors, coarsest first: the grid searches a template of
+    _COARSE_SIDE pixels or more on its shorter side, then each level halves the factor to 1."""
+    f = 1
+    while min(h, w) // (2 * f) >= _COARSE_SIDE:
+        f *= 2
+    return [f >> i for i in range(f.bit_length())]
+
+
 def _search(
     t: torch.Tensor,
     x: torch.Tensor,
@@ -314,41 +357,73 @@ def _search(
     objective: str,
     budget: int,
     uniform: bool,
+    use_c: bool,
 ) -> _Found:
     b, c, h, w = t.shape
-    factor = 2 if min(h, w) >= 48 else 1
-    tc, xc = downsample(t, factor), downsample(x, factor)
-    mc = None if uniform else downsample(mask, factor)
+    levels = _levels(h, w)
+    coarse = levels[0]
+    tc, xc = downsample(t, coarse), downsample(x, coarse)
     grid_h = scale_grid(*range_h, tc.shape[-2], x.device, x.dtype)
     grid_w = scale_grid(*range_w, tc.shape[-1], x.device, x.dtype)
+    mc = None if uniform else downsample(mask, coarse)
     cand, landscape = grid_search(tc, xc, mc, grid_h, grid_w, objective == "ncc", budget)
-    # candidates at full resolution: scales carry over, shifts scale with the factor
     m = cand.shape[1]
-    cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, factor, factor], dtype=cand.dtype, device=cand.device)
+    cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, coarse, coarse], dtype=cand.dtype, device=cand.device)
     owner = torch.arange(b, device=x.device).repeat_interleave(m)
-    n_par = 6 if objective == "ncc" else 4
+    photometric = objective == "ncc"
+    for i, f in enumerate(levels):
+        # each level refines what the coarser one kept, in its own pixels (shifts scale by 1 / f)
+        tf, xf, mf = downsample(t, f), downsample(x, f), downsample(mask, f)
+        scale = torch.tensor([1.0, 1.0, f, f], dtype=cand.dtype, device=cand.device)
+        found, sums = _refine_all(tf, xf, mf, owner, cand / scale, range_h, range_w, photometric, budget, use_c)
+        cand = found * scale
+        if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
+            cand, owner = _best_per_pair(cand, owner, sums[:, 0], b, _KEEP[min(i, len(_KEEP) - 1)])
+    if objective == "ncc":
+        err = objective_at(t, x, mask, owner, (cand[:, 0], cand[:, 1], cand[:, 2], cand[:, 3]), objective)
+    else:
+        total = (mask.sum((1, 2, 3)) * c)[owner]
+        err = sums[:, 0 if objective == "l2" else 1] / total
+    per_pair = cand.shape[0] // b
+    pick = torch.arange(b, device=x.device) * per_pair + err.view(b, per_pair).argmin(1)
+    sh, sw, sy, sx = cand[pick].unbind(1)
+    warped = warp_batch(x, sh, sw, sy, sx, (h, w))
+    return _Found(sh, sw, sy, sx, err[pick], warped, landscape, grid_h, grid_w)
+
+
+def _best_per_pair(
+    cand: torch.Tensor, owner: torch.Tensor, err: torch.Tensor, b: int, keep: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's ``keep`` lowest-error candidates (candidates are grouped by pair, in order)."""
+    per_pair = cand.shape[0] // b
+    keep = min(keep, per_pair)
+    idx = err.view(b, per_pair).topk(keep, dim=1, largest=False).indices
+    idx = (idx + torch.arange(b, device=cand.device)[:, None] * per_pair).reshape(-1)
+    return cand[idx], owner[idx]
+
+
+def _refine_all(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    owner: torch.Tensor,
+    cand: torch.Tensor,
+    range_h: tuple[float, float],
+    range_w: tuple[float, float],
+    photometric: bool,
+    budget: int,
+    use_c: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every candidate refined (M, 4), with its residuals' sums (M, 2), in chunks that fit the budget."""
+    _b, c, h, w = t.shape
     hh, ww = x.shape[-2:]
+    n = cand.shape[0]
+    n_par = 6 if photometric else 4
     # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
     per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
     step = chunk_rows(budget, per_cand, "the refinement of one candidate")
-    workers = workers_for(x.device)
-    if workers > 1 and b > 1:
-        # shared out by whole pairs, a few chunks per worker: every chunk pays the refinement's
-        # per-iteration overhead once, so a pair's candidates stay together
-        step = min(step, m * share_size(b, workers))
-    starts = range(0, b * m, step)
-    params: list[torch.Tensor] = [cand] * len(starts)
-    errs: list[torch.Tensor] = [cand] * len(starts)
-
-    def refine_chunk(n: int) -> None:
-        part = slice(starts[n], starts[n] + step)
-        p = refine(t, x, mask, owner[part], cand[part], range_h, range_w, objective == "ncc")
-        params[n] = torch.stack(p, 1)
-        errs[n] = objective_at(t, x, mask, owner[part], p, objective)
-
-    share_out(range(len(starts)), refine_chunk, workers, name="densematch-align")
-    err = torch.cat(errs)
-    pick = torch.arange(b, device=x.device) * m + err.view(b, m).argmin(1)
-    sh, sw, sy, sx = torch.cat(params)[pick].unbind(1)
-    warped = warp_batch(x, sh, sw, sy, sx, (h, w))
-    return _Found(sh, sw, sy, sx, err[pick], warped, landscape, grid_h, grid_w)
+    parts = [
+        refine(t, x, mask, owner[s : s + step], cand[s : s + step], range_h, range_w, photometric, use_c=use_c)
+        for s in range(0, n, step)
+    ]
+    return torch.cat([p for p, _ in parts]), torch.cat([e for _, e in parts])

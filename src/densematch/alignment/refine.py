@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import native
 from .warp import sampling_matrix, warp_batch
 
 __all__ = ["objective_at", "refine"]
@@ -21,10 +22,18 @@ def refine(
     range_h: tuple[float, float],
     range_w: tuple[float, float],
     photometric: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    *,
+    use_c: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Levenberg-Marquardt on (scale_h, scale_w, shift_y, shift_x) [+ gain, bias], batched.
 
-    Candidate i starts at ``start[i]`` (M, 4) and fits template ``owner[i]`` into its image."""
+    Candidate i starts at ``start[i]`` (M, 4) and fits template ``owner[i]`` into its image.
+    Returns the warps (M, 4) and, at each, the weighted sums of squared and of absolute residuals
+    (M, 2) of the model fitted (after gain and bias where ``photometric``). ``use_c``: each
+    candidate in C (kernels/align.c, the same iteration) where the C kernels can run; torch's
+    batched steps otherwise (and on a GPU)."""
+    if use_c and native.usable(x.device, x.dtype):
+        return _refine_c(t, x, mask, owner, start, range_h, range_w, photometric)
     m = owner.numel()
     h, w = t.shape[-2:]
     hh, ww = x.shape[-2:]
@@ -46,8 +55,11 @@ def refine(
         q[:, 3] = torch.minimum(q[:, 3].clamp_min(0), ww * q[:, 1] - w)
         return q
 
-    def residual(q: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Cost (n,), J^T J (n, P, P) and J^T r (n, P) of the candidates ``sel`` at ``q``."""
+    def residual(
+        q: torch.Tensor, sel: torch.Tensor, absolute: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cost (n,), J^T J (n, P, P) and J^T r (n, P) of the candidates ``sel`` at ``q``; with
+        ``absolute``, the costs as (n, 2) sums of squared and absolute residuals instead."""
         pair = owner[sel]
         xs, ts, ws = x[pair], t[pair], sqrt_w[pair]
         n = q.shape[0]
@@ -65,6 +77,8 @@ def refine(
         else:
             model = warped
         res = (ws * (model - ts)).reshape(n, -1)
+        if absolute:
+            return torch.stack((res.square().sum(1), (ws * res.reshape(model.shape).abs()).sum((1, 2, 3))), 1), res, res
         dy_dsh = -(r_idx + q[:, 2, None] + 0.5) / q[:, 0, None] ** 2  # (n, h)
         dx_dsw = -(c_idx + q[:, 3, None] + 0.5) / q[:, 1, None] ** 2
         cols = [
@@ -106,7 +120,26 @@ def refine(
         active = active[~done]
         if active.numel() == 0:
             break
-    return p[:, 0], p[:, 1], p[:, 2], p[:, 3]
+    return p[:, :4], residual(p, every, absolute=True)[0]
+
+
+def _refine_c(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    owner: torch.Tensor,
+    start: torch.Tensor,
+    range_h: tuple[float, float],
+    range_w: tuple[float, float],
+    photometric: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    used, owner = torch.unique(owner, return_inverse=True)  # only the pairs these candidates fit
+    t64, x64, w64 = (v[used].double().contiguous() for v in (t, x, mask[:, 0]))
+    start = start.double()
+    if photometric:
+        start = torch.cat((start, torch.ones_like(start[:, :1]), torch.zeros_like(start[:, :1])), 1)
+    p, sums = native.align_refine(t64, x64, w64, owner, start.contiguous(), (*range_h, *range_w), _ITERATIONS)
+    return p[:, :4].to(x.dtype), sums.to(x.dtype)
 
 
 def objective_at(

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..budget import chunk_rows
-from ..threads import share_out, share_size, workers_for
 from .warp import sampling_matrix
 
 __all__ = ["downsample", "grid_search", "pick_candidates", "scale_grid"]
 
-_CANDIDATES = 4
+_CANDIDATES = 8
+_SHIFTS = 3  # local minima over the shifts kept per scale pair
 _CPU_CHUNK = 64 * 2**20
-_MAX_STEP = 0.02
+_MAX_STEP = 0.05
 _EDGE_STEP = 1.0
 
 
@@ -59,8 +60,9 @@ def grid_search(
     ry = sampling_matrix(rows, hh, grid_h, zeros_h)  # (nh, rows, H)
     rx = sampling_matrix(cols, ww, grid_w, zeros_w)  # (nw, cols, W)
     # valid integer shifts: 0 <= s <= H * scale - h
-    max_y = torch.floor(hh * grid_h - h + 1e-6).long()
-    max_x = torch.floor(ww * grid_w - w + 1e-6).long()
+    # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
+    max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
+    max_x = torch.floor(ww * grid_w - w + 1e-6).long().clamp_min(0)
     n_y, n_x = int(max_y.max().item()) + 1, int(max_x.max().item()) + 1
     ok_y = torch.arange(n_y, device=x.device) <= max_y[:, None]  # (nh, n_y)
     ok_x = torch.arange(n_x, device=x.device) <= max_x[:, None]  # (nw, n_x)
@@ -75,9 +77,6 @@ def grid_search(
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
     pairs = chunk_rows(cap, per_pair, what)
-    workers = workers_for(x.device)
-    if workers > 1:  # a few chunks per worker, so that a slowed one leaves little behind
-        pairs = min(pairs, share_size(b * nh * nw, workers))
     step_w = min(nw, pairs)
     step_h = min(nh, max(1, pairs // step_w))
     step_b = max(1, min(b, pairs // (nh * nw)))
@@ -89,15 +88,16 @@ def grid_search(
         e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
         args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform)
         score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
-        found[chunk] = score.flatten(3).min(3)  # best and where, (bc, rows, cols of the scale grid)
+        found[chunk] = _best_shifts(score)
 
-    share_out(chunks, search, workers, name="densematch-align")
+    for chunk in chunks:
+        search(chunk)
     land, cands = [], []
     for s in range(0, b, step_b):
         rows_of = [[found[(s, r, col)] for col in range(0, nw, step_w)] for r in range(0, nh, step_h)]
         best = torch.cat([torch.cat([bw[0] for bw in row], 2) for row in rows_of], 1)
         where = torch.cat([torch.cat([bw[1] for bw in row], 2) for row in rows_of], 1)
-        land.append(best)
+        land.append(best[..., 0])
         cands.append(pick_candidates(best, where, grid_h, grid_w, n_x))
     return torch.cat(cands), torch.cat(land)
 
@@ -134,13 +134,14 @@ def _shift_scores(
 ) -> torch.Tensor:
     """(B, nh, nw, n_y, n_x): weighted squared error, or 1 - NCC, at every integer shift.
 
-    sum_w (T - S)^2 = sum_w T^2 - 2 sum_w T S + sum_w S^2: the cross term is an FFT correlation;
-    the last is a window sum of S^2 when the weights are uniform, another correlation if not.
+    sum_w (T - S)^2 = sum_w T^2 - 2 sum_w T S + sum_w S^2: the cross term is an FFT correlation,
+    or two matrix products where those cost less (uniform weights); the last is a window sum of
+    S^2 when the weights are uniform, another correlation if not.
     """
     _b, c, h, w = t.shape
     # stretched images (B, C, nh, nw, rows, cols), by two batched matrix products
-    s = torch.einsum("hrH,bcHW->bchrW", ry, x)
-    s = torch.einsum("bchrW,wkW->bchwrk", s, rx)
+    along_y = torch.einsum("hrH,bcHW->bchrW", ry, x)
+    s = torch.einsum("bchrW,wkW->bchwrk", along_y, rx)
 
     def spec(v: torch.Tensor) -> torch.Tensor:
         return torch.fft.rfft2(v, s=fft_size)
@@ -156,9 +157,11 @@ def _shift_scores(
             return _window_sums(v, (h, w), n_shift).sum(1)
         return corr(spec(v), mask.expand_as(t)).sum(1)
 
-    s_spec = spec(s)
     wt = mask * t
-    cross = corr(s_spec, wt).sum(1)  # sum_w T S
+    if uniform and _products_cheaper(t.shape, x.shape, ry.shape, rx.shape, n_shift, fft_size):
+        cross = _cross_by_products(t, along_y, rx, n_shift)  # sum_w T S
+    else:
+        cross = corr(spec(s), wt).sum(1)
     energy = weighted_sum(s * s)  # sum_w S^2
     total = mask.sum((1, 2, 3)) * c  # sum of weights over pixels and channels
     if not ncc:
@@ -173,20 +176,82 @@ def _shift_scores(
     return 1 - cov / denom
 
 
+def _best_shifts(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scale pair of ``score`` (B, nh, nw, n_y, n_x), the _SHIFTS lowest local minima over
+    the shifts, (B, nh, nw, _SHIFTS) scores (inf where fewer) and flat shift indices: a
+    periodic texture has several good shifts at one scale, and the truth need not be the best
+    at the coarse level."""
+    b, nh, nw, ny, nx = score.shape
+    padded = F.pad(score, (1, 1, 1, 1), value=math.inf)
+    # the 3 x 3 neighbourhood's lowest, in two passes (max_pool2d is far slower on such sizes)
+    lowest = torch.minimum(torch.minimum(padded[..., :-2], padded[..., 1:-1]), padded[..., 2:])
+    lowest = torch.minimum(torch.minimum(lowest[..., :-2, :], lowest[..., 1:-1, :]), lowest[..., 2:, :])
+    minima = torch.where(score <= lowest, score, math.inf).reshape(b, nh, nw, ny * nx)
+    k = min(_SHIFTS, ny * nx)
+    best, where = minima.topk(k, dim=3, largest=False)
+    return best, where
+
+
+def _products_cheaper(
+    t: torch.Size, x: torch.Size, ry: torch.Size, rx: torch.Size, n_shift: tuple[int, int], fft_size: tuple[int, int]
+) -> bool:
+    """Whether :func:`_cross_by_products`' multiply-adds cost less than the FFT correlation's
+    transforms, counting a transform's flops at 4x a matrix product's (small batched FFTs run far
+    from a CPU's peak; BLAS runs near it)."""
+    (b, c, h, w), big_w = t, x[-1]
+    nh, nw = ry[0], rx[0]
+    products = b * c * nh * n_shift[0] * w * big_w * (h + nw * n_shift[1])
+    fft = b * c * nh * nw * fft_size[0] * fft_size[1] * math.log2(fft_size[0] * fft_size[1]) * 2.5
+    return products <= 4 * fft
+
+
+def _cross_by_products(
+    t: torch.Tensor, along_y: torch.Tensor, rx: torch.Tensor, n_shift: tuple[int, int]
+) -> torch.Tensor:
+    """(B, nh, nw, n_y, n_x) sums over pixels and channels of T times the stretched image S at
+    every shift, as two matrix products: S = Ry X Rx^T is separable, so the sum over the
+    template's rows is taken on ``along_y`` = Ry X (B, C, nh, rows, W) first (P, for each row
+    shift), then P meets each (scale_w, column shift)'s columns of Rx: (h + nw n_x) w W
+    multiply-adds per (scale_h, row shift), against an FFT correlation per scale pair."""
+    b, _c, h, w = t.shape
+    nh, nw, big_w = along_y.shape[2], rx.shape[0], along_y.shape[-1]
+    ny, nx = n_shift
+    rows = along_y.unfold(3, h, 1)[:, :, :, :ny]  # (B, C, nh, ny, W, h)
+    p = torch.einsum("bcnyWr,bcrk->bnykW", rows, t).reshape(b, nh * ny, w * big_w)
+    cols = rx.unfold(1, w, 1)[:, :nx].transpose(2, 3).reshape(nw * nx, w * big_w)
+    return (p @ cols.T).reshape(b, nh, ny, nw, nx).transpose(2, 3)
+
+
 def pick_candidates(
     best: torch.Tensor, where: torch.Tensor, grid_h: torch.Tensor, grid_w: torch.Tensor, n_x: int
 ) -> torch.Tensor:
-    """The best local minima of the (scale_h, scale_w) landscape, as (B, M, 4) parameters."""
-    _b, nh, nw = best.shape
-    pooled = -F.max_pool2d(-best[:, None], 3, stride=1, padding=1)[:, 0]
-    minima = best <= pooled
-    ranked = torch.where(minima, best, math.inf).flatten(1)
-    m = min(_CANDIDATES, nh * nw)
-    _, idx = ranked.topk(m, dim=1, largest=False)
-    # where a landscape has fewer minima than M, fill from the plain ranking
-    fallback = best.flatten(1).topk(m, dim=1, largest=False).indices
-    idx = torch.where(torch.isfinite(ranked.gather(1, idx)), idx, fallback)
-    ih, iw = idx // nw, idx % nw
-    shift = where.flatten(1).gather(1, idx)
-    sy, sx = (shift // n_x).to(grid_h.dtype), (shift % n_x).to(grid_h.dtype)
-    return torch.stack((grid_h[ih], grid_w[iw], sy, sx), dim=-1)
+    """_CANDIDATES distinct candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x): the
+    lowest of the scale pairs' best shifts (``best``, ``where``: (B, nh, nw, S)), greedily, each
+    farther than one grid step in scale or two pixels in shift from those taken before."""
+    b, nh, nw, n_s = best.shape
+    flat = best.reshape(b, -1)
+    n = min(flat.shape[1], _CANDIDATES * 8)
+    score, idx = flat.topk(n, dim=1, largest=False)
+    pair, shift = idx // n_s, where.reshape(b, -1).gather(1, idx)
+    params = torch.stack(
+        (
+            grid_h[pair // nw],
+            grid_w[pair % nw],
+            (shift // n_x).to(grid_h.dtype),
+            (shift % n_x).to(grid_h.dtype),
+        ),
+        dim=-1,
+    )  # (B, n, 4)
+    step_h = float(grid_h[1] - grid_h[0]) if nh > 1 else 0.0
+    step_w = float(grid_w[1] - grid_w[0]) if nw > 1 else 0.0
+    near = np.array([1.5 * step_h, 1.5 * step_w, 2.0, 2.0])
+    # a few dozen rows per pair: numpy's per-operation cost is a small part of torch's
+    p, alive = params.cpu().numpy(), np.isfinite(score.cpu().numpy())
+    taken = np.zeros((b, min(_CANDIDATES, n)), dtype=np.int64)
+    for i in range(b):
+        for k in range(taken.shape[1]):
+            left = np.flatnonzero(alive[i])
+            j = left[0] if left.size else 0  # the rows are sorted; where none is left, the best again
+            taken[i, k] = j
+            alive[i] &= ~(np.abs(p[i] - p[i, j]) <= near).all(-1)
+    return params[torch.arange(b, device=best.device)[:, None], torch.from_numpy(taken).to(best.device)]

@@ -78,6 +78,15 @@ def _photo(name: str) -> np.ndarray:
     return (img - img.min()) / max(np.ptp(img), 1e-12)
 
 
+@functools.cache
+def _pooled_photo(name: str, factor: int) -> np.ndarray:
+    img = _photo(name)
+    if factor == 1:
+        return img
+    img = F.avg_pool2d(torch.from_numpy(img)[None, None], factor)[0, 0].numpy()
+    return (img - img.min()) / max(np.ptp(img), 1e-12)
+
+
 def _ellipses(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
     hh, ww = shape
     yy, xx = np.mgrid[:hh, :ww]
@@ -102,17 +111,21 @@ def alignment_cases(
     scale_range: tuple[float, float] = (0.82, 1.18),
     noise: tuple[float, ...] = (0.0, 0.02),
     photos: tuple[str, ...] = PHOTOS,
+    pooled: int = 1,
+    cycle: bool = False,
 ) -> Iterator[AlignmentCase]:
     """Yield `n` cases cycling through kinds, sizes and noise levels, with continuous scales in
-    `scale_range` and fractional shifts anywhere the template fits."""
+    `scale_range` and fractional shifts anywhere the template fits. Photographs are picked at
+    random, or in turn with `cycle`; `pooled`: average-pooled by that factor first (and scaled
+    back to 0..1), as images shrunk for a search are."""
     rng = np.random.default_rng(seed)
     for i in range(n):
         kind = kinds[i % len(kinds)]
         (h, w), (hh, ww) = sizes[(i // len(kinds)) % len(sizes)]
         sigma = noise[(i // (len(kinds) * len(sizes))) % len(noise)]
         if kind == "photo":
-            name = photos[rng.integers(len(photos))]
-            src = _photo(name)
+            name = photos[(i // len(kinds)) % len(photos)] if cycle else photos[rng.integers(len(photos))]
+            src = _pooled_photo(name, pooled)
             y0, x0 = rng.integers(0, src.shape[0] - hh + 1), rng.integers(0, src.shape[1] - ww + 1)
             image = src[y0 : y0 + hh, x0 : x0 + ww]
         else:

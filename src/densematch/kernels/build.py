@@ -1,4 +1,5 @@
-"""Building native.c: one shared library per instruction-set level, the same flags everywhere.
+"""Building the C kernels (native.c, align.c): one shared library per instruction-set level, the
+same flags everywhere.
 
 Standard library only, so that the package build (setup.py, which runs this file by its path
 before densematch or torch can be imported) and the run-time fallback (:mod:`.native`, which
@@ -23,7 +24,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("native.c")
+# one library from these: the engine's kernels, and align's refinement
+SOURCES = (Path(__file__).with_name("native.c"), Path(__file__).with_name("align.c"))
 FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11")
 # x86-64 psABI levels, highest first, with the /proc/cpuinfo flags each needs
 X86_LEVELS = {
@@ -96,9 +98,11 @@ def compile_library(cc: str, name: str, path: Path, *, here: bool = False) -> No
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags(name, here=here), "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        command = [cc, *flags(name, here=here), "-o", tmp, *map(str, SOURCES)]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name} ({name}): {done.stderr.strip()[-2000:]}")
+            names = ", ".join(s.name for s in SOURCES)
+            raise RuntimeError(f"{cc} failed on {names} ({name}): {done.stderr.strip()[-2000:]}")
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as fh:
             fh.write(digest)

@@ -53,7 +53,7 @@ __all__ = [
     "usable",
 ]
 
-SOURCE = kernel_build.SOURCE
+SOURCES = kernel_build.SOURCES
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _status: dict[str, str] = {}  # why the library could not be loaded, once it was tried
 
@@ -106,7 +106,7 @@ def _cached_path(compiler: str) -> Path:
     compiler, so that a shared home directory hands each CPU level its own build."""
     stat = Path(compiler).resolve().stat()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(kernel_build.flags(_level(), here=True)).encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(kernel_build.flags(_level(), here=True)).encode()):
         key.update(part)
     key.update(f"{compiler}:{stat.st_mtime_ns}:{platform.machine()}".encode())
     return cache_dir() / f"native-{key.hexdigest()[:16]}.so"
@@ -183,6 +183,8 @@ def library() -> ctypes.CDLL | None:
         ptr,
     ]
     lib.dm_merge_certified_bf16.restype = None
+    lib.dm_align_refine.argtypes = [ptr, ptr, ptr, n, n, n, n, n, ptr, n, flag, ptr, flag, ptr, ptr]
+    lib.dm_align_refine.restype = flag
     return lib
 
 
@@ -579,3 +581,42 @@ def _grid_columns(oy: torch.Tensor, ox: torch.Tensor) -> int:
 
 if __name__ == "__main__":
     print(build())
+
+
+def align_refine(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    owner: torch.Tensor,
+    params: torch.Tensor,
+    ranges: tuple[float, float, float, float],
+    iterations: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levenberg-Marquardt for align's candidates (align.c), each from its start to its end.
+
+    ``t`` (B, C, h, w), ``x`` (B, C, H, W) and ``weights`` (B, h, w) float64; candidate i fits
+    template ``owner[i]`` into its image, starting at ``params[i]`` (M, 4), or (M, 6) with gain
+    and bias; scales kept in ``ranges`` (lo_h, hi_h, lo_w, hi_w). Returns the parameters (M, P)
+    and each one's weighted sums of squared and of absolute residuals (M, 2). On this thread."""
+    lib = _loaded("align_refine")
+    b, c, h, w = t.shape
+    m, n_par = params.shape
+    _require(
+        all(v.dtype == torch.float64 and v.is_contiguous() for v in (t, x, weights, params))
+        and x.shape[:2] == (b, c)
+        and weights.shape == (b, h, w)
+        and n_par in (4, 6),
+        "t, x, weights and params must be contiguous float64 (B, C, h, w), (B, C, H, W), (B, h, w), (M, 4 or 6)",
+    )
+    owner = owner.to(torch.int64).contiguous()
+    _require(owner.shape == (m,) and bool(((owner >= 0) & (owner < b)).all()), "owner must hold M pair indices")
+    p = params.clone()
+    out = torch.empty(m, 2, dtype=torch.float64)
+    box = torch.tensor(ranges, dtype=torch.float64)
+    failed = lib.dm_align_refine(
+        t.data_ptr(), x.data_ptr(), weights.data_ptr(), c, h, w, x.shape[2], x.shape[3], owner.data_ptr(), m,
+        n_par, box.data_ptr(), iterations, p.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("densematch's C kernels: align_refine could not allocate its scratch")
+    return p, out
