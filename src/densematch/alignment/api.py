@@ -38,6 +38,9 @@ __all__ = ["OBJECTIVES", "Alignment", "align"]
 OBJECTIVES = ("l1", "l2", "ncc")
 _COARSE_SIDE = 24  # the grid's template side, at least: coarser levels lose the photographs' detail
 _KEEP = (4, 2)  # candidates each pair keeps after the grid's level, then after each finer one
+# refinement done once a step moves no template pixel this far (in the level's pixels): coarse
+# levels only hand a start to the next
+_TOLERANCE, _COARSE_TOLERANCE = 1e-3, 0.05
 
 
 @dataclass
@@ -361,21 +364,24 @@ def _search(
 ) -> _Found:
     b, c, h, w = t.shape
     levels = _levels(h, w)
+    pyramid = {f: (downsample(t, f), downsample(x, f), downsample(mask, f)) for f in levels}
     coarse = levels[0]
-    tc, xc = downsample(t, coarse), downsample(x, coarse)
+    tc, xc, mc = pyramid[coarse]
     grid_h = scale_grid(*range_h, tc.shape[-2], x.device, x.dtype)
     grid_w = scale_grid(*range_w, tc.shape[-1], x.device, x.dtype)
-    mc = None if uniform else downsample(mask, coarse)
-    cand, landscape = grid_search(tc, xc, mc, grid_h, grid_w, objective == "ncc", budget)
+    cand, landscape = grid_search(tc, xc, None if uniform else mc, grid_h, grid_w, objective == "ncc", budget)
     m = cand.shape[1]
     cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, coarse, coarse], dtype=cand.dtype, device=cand.device)
     owner = torch.arange(b, device=x.device).repeat_interleave(m)
     photometric = objective == "ncc"
     for i, f in enumerate(levels):
         # each level refines what the coarser one kept, in its own pixels (shifts scale by 1 / f)
-        tf, xf, mf = downsample(t, f), downsample(x, f), downsample(mask, f)
+        tf, xf, mf = pyramid[f]
         scale = torch.tensor([1.0, 1.0, f, f], dtype=cand.dtype, device=cand.device)
-        found, sums = _refine_all(tf, xf, mf, owner, cand / scale, range_h, range_w, photometric, budget, use_c)
+        tolerance = _TOLERANCE if f == 1 else _COARSE_TOLERANCE
+        found, sums = _refine_all(
+            tf, xf, mf, owner, cand / scale, range_h, range_w, photometric, budget, use_c, tolerance
+        )
         cand = found * scale
         if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
             cand, owner = _best_per_pair(cand, owner, sums[:, 0], b, _KEEP[min(i, len(_KEEP) - 1)])
@@ -413,6 +419,7 @@ def _refine_all(
     photometric: bool,
     budget: int,
     use_c: bool,
+    tolerance: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every candidate refined (M, 4), with its residuals' sums (M, 2), in chunks that fit the budget."""
     _b, c, h, w = t.shape
@@ -422,8 +429,9 @@ def _refine_all(
     # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
     per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
     step = chunk_rows(budget, per_cand, "the refinement of one candidate")
-    parts = [
-        refine(t, x, mask, owner[s : s + step], cand[s : s + step], range_h, range_w, photometric, use_c=use_c)
-        for s in range(0, n, step)
-    ]
+    box = (range_h, range_w)
+    parts = []
+    for s in range(0, n, step):
+        part = slice(s, s + step)
+        parts.append(refine(t, x, mask, owner[part], cand[part], *box, photometric, tolerance=tolerance, use_c=use_c))
     return torch.cat([p for p, _ in parts]), torch.cat([e for _, e in parts])

@@ -23,17 +23,19 @@ def refine(
     range_w: tuple[float, float],
     photometric: bool,
     *,
+    tolerance: float = 1e-3,
     use_c: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Levenberg-Marquardt on (scale_h, scale_w, shift_y, shift_x) [+ gain, bias], batched.
 
     Candidate i starts at ``start[i]`` (M, 4) and fits template ``owner[i]`` into its image.
     Returns the warps (M, 4) and, at each, the weighted sums of squared and of absolute residuals
-    (M, 2) of the model fitted (after gain and bias where ``photometric``). ``use_c``: each
+    (M, 2) of the model fitted (after gain and bias where ``photometric``). A candidate is done
+    once a step moves no template pixel by ``tolerance`` pixels or more. ``use_c``: each
     candidate in C (kernels/align.c, the same iteration) where the C kernels can run; torch's
     batched steps otherwise (and on a GPU)."""
     if use_c and native.usable(x.device, x.dtype):
-        return _refine_c(t, x, mask, owner, start, range_h, range_w, photometric)
+        return _refine_c(t, x, mask, owner, start, range_h, range_w, photometric, tolerance)
     m = owner.numel()
     h, w = t.shape[-2:]
     hh, ww = x.shape[-2:]
@@ -116,7 +118,7 @@ def refine(
         lam[active] = torch.where(better, lam_a * 0.3, lam_a * 10).clamp(1e-9, 1e9)
         # done: moved by under a thousandth of a pixel, stopped improving, or gave up
         moved = (step[:, :4].abs() * scale).amax(1)
-        done = (better & ((moved < 1e-3) | (gain < 1e-9))) | (~better & (lam_a * 10 >= 1e6))
+        done = (better & ((moved < tolerance) | (gain < 1e-9))) | (~better & (lam_a * 10 >= 1e6))
         active = active[~done]
         if active.numel() == 0:
             break
@@ -132,13 +134,15 @@ def _refine_c(
     range_h: tuple[float, float],
     range_w: tuple[float, float],
     photometric: bool,
+    tolerance: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     used, owner = torch.unique(owner, return_inverse=True)  # only the pairs these candidates fit
     t64, x64, w64 = (v[used].double().contiguous() for v in (t, x, mask[:, 0]))
     start = start.double()
     if photometric:
         start = torch.cat((start, torch.ones_like(start[:, :1]), torch.zeros_like(start[:, :1])), 1)
-    p, sums = native.align_refine(t64, x64, w64, owner, start.contiguous(), (*range_h, *range_w), _ITERATIONS)
+    box = (*range_h, *range_w)
+    p, sums = native.align_refine(t64, x64, w64, owner, start.contiguous(), box, _ITERATIONS, tolerance)
     return p[:, :4].to(x.dtype), sums.to(x.dtype)
 
 

@@ -206,7 +206,8 @@ static void project(const pair_t *s, const double *range, double *q) {
     q[3] = q[3] < top_x ? q[3] : top_x;
 }
 
-static void refine_one(const pair_t *s, const double *range, int iterations, double *p, double *out) {
+static void refine_one(const pair_t *s, const double *range, int iterations, double tolerance, double *p,
+                       double *out) {
     const int P = s->P;
     double jtj[36], jtr[6], jtj_t[36], jtr_t[6], A[36], rhs[6], step[6], trial[6], l1;
     const double scale[4] = {(double)s->h, (double)s->w, 1.0, 1.0};
@@ -241,7 +242,7 @@ static void refine_one(const pair_t *s, const double *range, int iterations, dou
             const double v = fabs(step[k]) * scale[k];
             moved = v > moved ? v : moved;
         }
-        if ((better && (moved < 1e-3 || gain < 1e-9)) || (!better && lam_before * 10 >= 1e6)) break;
+        if ((better && (moved < tolerance || gain < 1e-9)) || (!better && lam_before * 10 >= 1e6)) break;
     }
     out[0] = cost;
     out[1] = l1;
@@ -249,10 +250,12 @@ static void refine_one(const pair_t *s, const double *range, int iterations, dou
 
 /* Refine m candidates in place: p (m x P), candidate i fitting template owner[i] of t (B, C, h, w)
  * into image owner[i] of x (B, C, H, W) with pixel weights wt (B, h, w), scales kept in range
- * (lo_h, hi_h, lo_w, hi_w). out (m x 2) gets each one's weighted sums of squared and of absolute
+ * (lo_h, hi_h, lo_w, hi_w), at most `iterations` steps, done once a step moves no template pixel
+ * by `tolerance` pixels or more. out (m x 2) gets each one's weighted sums of squared and of absolute
  * residuals. Returns 0, or 1 where the scratch could not be allocated. */
 int dm_align_refine(const double *t, const double *x, const double *wt, int64_t C, int64_t h, int64_t w, int64_t H,
-                    int64_t W, const int64_t *owner, int64_t m, int P, const double *range, int iterations, double *p,
+                    int64_t W, const int64_t *owner, int64_t m, int P, const double *range, int iterations,
+                    double tolerance, double *p,
                     double *out) {
     double *scratch = malloc(sizeof(double) * (size_t)(h + 2 * w + 2 * C * H * w));
     int64_t *itaps = malloc(sizeof(int64_t) * (size_t)(2 * h + 2 * w));
@@ -264,9 +267,10 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int64_t 
     for (int64_t i = 0; i < m; i++) {
         const int64_t o = owner[i];
         pair_t s = {t + o * C * h * w, x + o * C * H * W, wt + o * h * w, C, h, w, H, W, P, scratch, itaps};
-        refine_one(&s, range, iterations, p + i * P, out + 2 * i);
+        refine_one(&s, range, iterations, tolerance, p + i * P, out + 2 * i);
     }
     free(scratch);
     free(itaps);
     return 0;
 }
+

@@ -183,7 +183,7 @@ def library() -> ctypes.CDLL | None:
         ptr,
     ]
     lib.dm_merge_certified_bf16.restype = None
-    lib.dm_align_refine.argtypes = [ptr, ptr, ptr, n, n, n, n, n, ptr, n, flag, ptr, flag, ptr, ptr]
+    lib.dm_align_refine.argtypes = [ptr, ptr, ptr, n, n, n, n, n, ptr, n, flag, ptr, flag, ctypes.c_double, ptr, ptr]
     lib.dm_align_refine.restype = flag
     return lib
 
@@ -591,6 +591,7 @@ def align_refine(
     params: torch.Tensor,
     ranges: tuple[float, float, float, float],
     iterations: int,
+    tolerance: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Levenberg-Marquardt for align's candidates (align.c), each from its start to its end.
 
@@ -615,7 +616,7 @@ def align_refine(
     box = torch.tensor(ranges, dtype=torch.float64)
     failed = lib.dm_align_refine(
         t.data_ptr(), x.data_ptr(), weights.data_ptr(), c, h, w, x.shape[2], x.shape[3], owner.data_ptr(), m,
-        n_par, box.data_ptr(), iterations, p.data_ptr(), out.data_ptr(),
+        n_par, box.data_ptr(), iterations, tolerance, p.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("densematch's C kernels: align_refine could not allocate its scratch")
