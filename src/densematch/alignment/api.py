@@ -6,14 +6,15 @@ the image resized by (scale_h, scale_w) as ``torch.nn.functional.interpolate`` d
 ``scale_factor`` and ``align_corners=False``, then cropped at (shift_y, shift_x).
 
 Because that warp is separable, a warped image is two small matrix products,
-``Ry @ image @ Rx.T``, with Ry (h, H) and Rx (w, W) bilinear weights. The search has three steps:
+``Ry @ image @ Rx.T``, with Ry (h, H) and Rx (w, W) bilinear weights. The search, on a pyramid
+whose coarsest level has a template of 24 to 47 pixels on its shorter side:
 
-1. Exhaustive search on a grid: for every scale pair of a fine grid, the squared error (or the
-   NCC) at every integer shift at once, as FFT correlations of the stretched image with the
-   template; at half resolution for templates of 48 pixels and more.
-2. The best local minima over the scale grid become candidates.
+1. Exhaustive search on a grid at the coarsest level: for every scale pair, the squared error (or
+   the NCC) at every integer shift at once (search.py).
+2. Distinct candidates: per scale pair the best few shifts, of those the best few far apart.
 3. Each candidate is refined continuously (Levenberg-Marquardt on the four parameters, with
-   gain and bias for NCC) at full resolution, and the best by the requested objective wins.
+   gain and bias for NCC) level by level, the best few going on to the next, and at full
+   resolution the best by the requested objective wins (refine.py; in C on a CPU).
 """
 
 from __future__ import annotations
