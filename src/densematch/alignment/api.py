@@ -7,7 +7,7 @@ the image resized by (scale_h, scale_w) as ``torch.nn.functional.interpolate`` d
 
 Because that warp is separable, a warped image is two small matrix products,
 ``Ry @ image @ Rx.T``, with Ry (h, H) and Rx (w, W) bilinear weights. The search, on a pyramid
-whose coarsest level has a template of 24 to 47 pixels on its shorter side:
+whose coarsest level has a template of 20 to 39 pixels on its shorter side:
 
 1. Exhaustive search on a grid at the coarsest level: for every scale pair, the squared error (or
    the NCC) at every integer shift at once (search.py).
@@ -37,7 +37,7 @@ from .warp import as_image, warp_batch
 __all__ = ["OBJECTIVES", "Alignment", "align"]
 
 OBJECTIVES = ("l1", "l2", "ncc")
-_COARSE_SIDE = 24  # the grid's template side, at least: coarser levels lose the photographs' detail
+_COARSE_SIDE = 20  # the grid's template side, at least: coarser levels lose the photographs' detail
 _KEEP = (4, 2)  # candidates each pair keeps after the grid's level, then after each finer one
 # refinement done once a step moves no template pixel this far (in the level's pixels): coarse
 # levels only hand a start to the next
