@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import densematch
-from _baseline_align import baseline_align
 from _common import machine, save, table
 from densematch.alignment.warp import warp_batch as _warp
+from densematch.app.recipes import coarse_to_fine_align
 from densematch.app.synthetic import alignment_cases
 
 
@@ -105,7 +105,7 @@ def main() -> None:
     times_b: dict[str, list[float]] = {}
     for c in bcases:
         t0 = time.perf_counter()
-        found = baseline_align(c.template, c.image)
+        found = coarse_to_fine_align(c.template, c.image)
         size = "x".join(map(str, c.template.shape)) + "/" + "x".join(map(str, c.image.shape))
         times_b.setdefault(size, []).append(time.perf_counter() - t0)
         e = errors(found, c)

@@ -161,10 +161,19 @@ def test_demo_writes_pictures(tmp_path):
         assert (tmp_path / "demo" / name).stat().st_size > 10_000
 
 
-def test_bench_prints_a_table():
+def test_bench_prints_a_table_with_a_verdict_per_row():
     out = run("bench", "--quick")
     assert out.returncode == 0, out.stderr
-    assert "match" in out.stdout and "torch.cdist" in out.stdout and "align" in out.stdout
+    header, columns, *rows = out.stdout.splitlines()
+    assert "match's exact default" in header and "threads" in header
+    jobs = [r for r in rows if " ms " in r]
+    assert len(jobs) == 8 and "verdict" in columns
+    for name in ("match", "torch.cdist", "local_match", "soft_match", "align", "coarse-to-fine grid"):
+        assert any(name in r for r in jobs), name
+    for r in jobs:
+        verdict = r.split("x  ", 1)[1]
+        # behind is never bare: it carries its reason
+        assert verdict in ("ahead", "level") or (verdict.startswith("behind: ") and len(verdict) > 30), r
 
 
 @pytest.mark.parametrize(

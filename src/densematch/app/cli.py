@@ -192,7 +192,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .demo import run_bench
+    from .bench import run_bench
 
     return run_bench(quick=args.quick)
 

@@ -1,12 +1,9 @@
-"""``densematch demo`` and ``densematch bench``: the main jobs on bundled sample images."""
+"""``densematch demo``: the main jobs on bundled sample images."""
 
 from __future__ import annotations
 
-import functools
 import importlib
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +14,10 @@ from .._distance import nearest_prototype, pairwise_distance
 from .._match import match
 from ..alignment import align, warp
 from .features import dense_features
+from .recipes import blockwise_argmax  # where benchmarks and older code import it from
 from .synthetic import pck
 
-__all__ = ["blockwise_argmax", "run_bench", "run_demo"]
+__all__ = ["blockwise_argmax", "run_demo"]
 
 
 def _sample(name: str) -> np.ndarray:
@@ -121,54 +119,3 @@ def _resampled(image: np.ndarray, warp_: dict[str, float], size: tuple[int, int]
     out = transform.warp(image.astype(np.float64), to_image, output_shape=size, order=3, mode="edge")
     noise = np.random.default_rng(0).normal(0.0, 0.01, size)
     return (out + noise).astype(np.float32)
-
-
-def blockwise_argmax(a: torch.Tensor, b: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """The usual dense-matching loop: L2-normalise, (block x N) similarities, argmax per block."""
-    a = torch.nn.functional.normalize(a.reshape(-1, a.shape[-1]), dim=1)
-    b = torch.nn.functional.normalize(b.reshape(-1, b.shape[-1]), dim=1)
-    out = torch.empty(a.shape[0], dtype=torch.int64, device=a.device)
-    for i in range(0, a.shape[0], block):
-        out[i : i + block] = (a[i : i + block] @ b.T).argmax(1)
-    return out
-
-
-def _median(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def run_bench(quick: bool = False) -> int:
-    """A short side-by-side benchmark: each row times densematch against the usual recipe."""
-    repeats = 3 if quick else 5
-    n = 64 if quick else 112
-    rows = []
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, 64, generator=g), torch.randn(n, n, 64, generator=g)
-    flops = 2 * (n * n) ** 2 * 64
-    t_dm = _median(lambda: match(a, b), repeats)
-    t_bw = _median(lambda: blockwise_argmax(a, b), repeats)
-    rows.append((f"match {n}x{n}x64 cosine", t_dm, "blockwise loop", t_bw, f"{flops / t_dm / 1e9:.0f} GFLOP/s"))
-    x, p = torch.randn(2, 64, 64, 64, generator=g), torch.randn(128, 64, generator=g)
-    flat = x.flatten(2).transpose(1, 2)
-    for metric, order in (("l2", 2.0), ("l1", 1.0)):
-        t_dm = _median(functools.partial(pairwise_distance, x, p, metric), repeats)
-        t_cd = _median(functools.partial(torch.cdist, flat, p, p=order), repeats)
-        rows.append((f"pairwise_distance {metric} 2x64x64x64, F=128", t_dm, "torch.cdist", t_cd, ""))
-    img = torch.rand(125, 125, generator=g)
-    img = torch.nn.functional.avg_pool2d(img[None, None], 3, 1, 1)[0, 0]
-    tpl = warp(img, 1.07, 0.93, 7.3, 4.6, (100, 100))
-    t_al = _median(lambda: align(tpl, img), repeats)
-    rows.append(("align 100x100 into 125x125", t_al, "", float("nan"), ""))
-    print(f"densematch bench: torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats}")
-    print(f"{'job':44} {'densematch':>11} {'recipe':>16} {'recipe time':>12} {'speed-up':>9}  note")
-    for job, t, recipe, t_r, note in rows:
-        ratio = f"{t_r / t:8.2f}x" if t_r == t_r else ""
-        recipe_t = f"{t_r * 1e3:9.1f} ms" if t_r == t_r else ""
-        print(f"{job:44} {t * 1e3:8.1f} ms {recipe:>16} {recipe_t:>12} {ratio:>9}  {note}")
-    return 0

@@ -1,0 +1,169 @@
+"""``densematch bench``: each job of densematch beside the plain recipe a user would write instead
+(:mod:`densematch.app.recipes`), on this machine, with a verdict per row: ahead, level, or
+behind and why.
+
+The two are alternated round by round (a busy spell slows both) and the medians compared. The
+header names the CPU, its features and the path match's default takes on it, since the figures
+differ between an AVX2 machine and one with AMX.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._distance import nearest_prototype, pairwise_distance
+from .._info import config_report
+from .._match import match
+from .._soft import soft_match
+from ..alignment import align, warp
+from ..local import local_cost_volume, local_match
+from . import recipes
+
+__all__ = ["run_bench"]
+
+AHEAD, LEVEL = 1.1, 0.9  # speed-ups at or above AHEAD are "ahead", below LEVEL "behind"
+_EXACT = 'precision="exact" on the CPU'  # the report's line naming match's default path
+
+
+@dataclass
+class Job:
+    """One row: densematch's call and the recipe's, and what to say if densematch is behind."""
+
+    name: str
+    ours: Callable[[], Any]
+    recipe_name: str
+    recipe: Callable[[], Any]
+    why_behind: str
+
+
+def _alternated(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Median seconds of ``a`` and of ``b``, timed in turn after one untimed call of each."""
+    a(), b()
+    ta: list[float] = []
+    tb: list[float] = []
+    for _ in range(repeats):
+        for fn, out in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _jobs(quick: bool) -> list[Job]:
+    g = torch.Generator().manual_seed(0)
+    side = 64 if quick else 112
+    fa, fb = (torch.randn(side, side, 64, generator=g) for _ in range(2))
+    x, p = torch.randn(2, 64, 64, 64, generator=g), torch.randn(128, 64, generator=g)
+    flat = x.flatten(2).transpose(1, 2)
+    bank = torch.randn(1024, 64, generator=g)
+    local_side = 64 if quick else 96
+    la, lb = (
+        torch.randn(1, 64, local_side, local_side, generator=g),
+        torch.randn(1, 64, local_side, local_side, generator=g),
+    )
+    soft_side = 64 if quick else 96
+    sa, sb = (torch.randn(soft_side, soft_side, 64, generator=g) for _ in range(2))
+    img = F.avg_pool2d(torch.rand(1, 1, 125, 125, generator=g), 3, 1, 1)[0, 0]
+    tpl = warp(img, 1.07, 0.93, 7.3, 4.6, (100, 100))
+    exact = config_report()[_EXACT]
+    return [
+        Job(
+            f"match {side}x{side}x64 cosine, top-1",
+            lambda: match(fa, fb),
+            "blockwise loop",
+            lambda: recipes.blockwise_argmax(fa, fb),
+            f"match's exact default here is {exact}: its top-k merge and the re-check of near ties "
+            "cost about what the loop's argmax does at this size; the margin grows with the maps",
+        ),
+        Job(
+            "pairwise_distance l2 2x64x64x64, F=128",
+            lambda: pairwise_distance(x, p, "l2"),
+            "torch.cdist",
+            lambda: torch.cdist(flat, p),
+            "densematch centres the features on the prototypes' mean and recomputes the pairs whose "
+            "digits cancel; cdist's product path does neither (pixels 1e-3 from a prototype: cdist "
+            "off by up to 190%, densematch by 4e-6)",
+        ),
+        Job(
+            "pairwise_distance l1 2x64x64x64, F=128",
+            lambda: pairwise_distance(x, p, "l1"),
+            "torch.cdist",
+            lambda: torch.cdist(flat, p, p=1.0),
+            "",
+        ),
+        Job(
+            "nearest_prototype 2x64x64x64, F=1024",
+            lambda: nearest_prototype(x, bank, "l2"),
+            "cdist + argmin",
+            lambda: torch.cdist(flat, bank).argmin(-1),
+            "as for pairwise_distance l2: centred features and near pairs recomputed",
+        ),
+        Job(
+            f"local_cost_volume {local_side}x{local_side}x64, r=4",
+            lambda: local_cost_volume(la, lb, 4, metric="dot", layout="chw"),
+            "shifted products",
+            lambda: recipes.shifted_volume(la, lb, 4),
+            "",
+        ),
+        Job(
+            f"local_match {local_side}x{local_side}x64, r=4, top-1",
+            lambda: local_match(la, lb, 4, layout="chw"),
+            "shifted products",
+            lambda: recipes.shifted_top1(la, lb, 4),
+            "",
+        ),
+        Job(
+            f"soft_match dual softmax {soft_side}x{soft_side}x64",
+            lambda: soft_match(sa, sb, temperature=0.1, mode="dual_softmax"),
+            "dense softmaxes",
+            lambda: recipes.dense_dual_softmax(sa, sb, 0.1),
+            "the recipe's (HW)^2 matrices still fit in memory at this size, and densematch's weights, "
+            "taken in the log domain so that low temperatures cannot underflow to 0/0, cost a third "
+            "exponential per pair; it pulls ahead from about 96x96",
+        ),
+        Job(
+            "align 100x100 into 125x125",
+            lambda: align(tpl, img),
+            "coarse-to-fine grid",
+            lambda: recipes.coarse_to_fine_align(tpl, img),
+            "",
+        ),
+    ]
+
+
+def run_bench(quick: bool = False) -> int:
+    """Time every job against its recipe and print one table, with a verdict per row."""
+    repeats = 3 if quick else 5
+    report = config_report()
+    exact = report[_EXACT]
+    print(
+        f"densematch bench: {report['cpu']} ({report['cpu features']}); torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; match's exact default: {exact}; "
+        f"C kernels: {report['kernels']}; medians of {repeats}, alternated"
+    )
+    print(f"{'job':44} {'densematch':>11} {'recipe':>20} {'recipe time':>12} {'speed-up':>9}  verdict")
+    behind = 0
+    for job in _jobs(quick):
+        with torch.inference_mode():
+            ours, theirs = _alternated(job.ours, job.recipe, repeats)
+        ratio = theirs / ours
+        if ratio >= AHEAD:
+            verdict = "ahead"
+        elif ratio >= LEVEL:
+            verdict = "level"
+        else:
+            behind += 1
+            verdict = f"behind: {job.why_behind or 'not explained yet'}"
+        print(
+            f"{job.name:44} {ours * 1e3:8.1f} ms {job.recipe_name:>20} {theirs * 1e3:9.1f} ms {ratio:8.2f}x  {verdict}"
+        )
+    if behind:
+        print(f"{behind} row(s) behind their recipe on this machine; the reasons are printed beside them")
+    return 0
