@@ -235,14 +235,24 @@ class _SoftAttention(torch.autograd.Function):
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         na, nb = q.shape[0], k.shape[0]
-        ta, tb = _tiles(na, nb, q.shape[1], budget)
-        col_lse = _row_stats(k, q, scale, tb, ta)[0] if dual else None
-        lse, best, out, plain_lse = _online(q, k, v, scale, ta, tb, col_lse)
+        shared = dual and _products_fit(na, nb, q, budget)
+        # the dual's two passes share one matrix product where it fits, the tiles in what is left
+        ta, tb = _tiles(na, nb, q.shape[1], budget - (_products_bytes(na, nb, q) if shared else 0))
+        products = None
+        if shared:
+            products = _products(q, k, scale, ta)
+            col_lse = _column_lse(products, ta)
+        elif dual:
+            col_lse = _row_stats(k, q, scale, tb, ta)[0]
+        else:
+            col_lse = None
+        lse, best, out, plain_lse = _online(q, k, v, scale, ta, tb, col_lse, products)
+        del products
         # the largest weight: exp(best - lse), of P_ij itself in dual mode (which may underflow:
         # a row whose best match is every other row's best too carries little weight)
         top = torch.exp(best - (plain_lse if plain_lse is not None else lse))
         ctx.save_for_backward(q, k, v, lse, out, *(() if col_lse is None else (col_lse,)))
-        ctx.scale, ctx.dual, ctx.tiles = scale, dual, (ta, tb)
+        ctx.scale, ctx.dual, ctx.tiles, ctx.budget = scale, dual, (ta, tb), budget
         ctx.mark_non_differentiable(top)
         return out, top
 
@@ -251,6 +261,7 @@ class _SoftAttention(torch.autograd.Function):
         q, k, v, lse, out, *dual_saved = ctx.saved_tensors
         scale, (ta, tb) = ctx.scale, ctx.tiles
         na, nb = q.shape[0], k.shape[0]
+        shared = ctx.dual and _products_fit(na, nb, q, ctx.budget)  # as in the forward, which sized the tiles
         col_lse = dual_saved[0] if ctx.dual else None
         factor = 2.0 if ctx.dual else 1.0
         # out_i = sum_j w_ij v_j: the gradient reaches l_ij as w_ij g_ij, g_ij = grad_i . (v_j - out_i).
@@ -261,8 +272,13 @@ class _SoftAttention(torch.autograd.Function):
         g_v, v_t = grad_out.to(dt), v.to(dt)
         d_row = (grad_out.double() * out).sum(1).to(dt)
 
+        products = _products(q, k, scale, ta) if shared else None
+
         def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            s = scale * (q[i : i + ta] @ k[j : j + tb].T)
+            if products is None:
+                s = scale * (q[i : i + ta] @ k[j : j + tb].T)
+            else:
+                s = products[i : i + ta, j : j + tb]
             w = _weights(s, factor, lse[i : i + ta], col_lse, j)
             return s, w, g_v[i : i + ta] @ v_t[j : j + tb].T - d_row[i : i + ta, None]
 
@@ -291,14 +307,51 @@ class _SoftAttention(torch.autograd.Function):
         return dq, dk, None, None, None, None
 
 
+def _products_bytes(na: int, nb: int, q: torch.Tensor) -> int:
+    return na * nb * q.element_size()
+
+
+def _products_fit(na: int, nb: int, q: torch.Tensor, budget: int) -> bool:
+    """Whether all na x nb products fit three quarters of the budget (the rest for the tiles)."""
+    return 4 * _products_bytes(na, nb, q) <= 3 * budget
+
+
+def _products(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int) -> torch.Tensor:
+    """scale q k^T (na, nb), written a row tile at a time (no temporary of its size)."""
+    out = torch.empty(q.shape[0], k.shape[0], dtype=q.dtype, device=q.device)
+    for i in range(0, q.shape[0], ta):
+        torch.mm(q[i : i + ta], k.T, out=out[i : i + ta]).mul_(scale)
+    return out
+
+
+def _column_lse(products: torch.Tensor, ta: int) -> torch.Tensor:
+    """The log-sum-exp of every column of ``products``, online over row tiles."""
+    top = torch.full((products.shape[1],), -math.inf, dtype=products.dtype, device=products.device)
+    total = torch.zeros_like(top)
+    for i in range(0, products.shape[0], ta):
+        s = products[i : i + ta]
+        new = torch.maximum(top, s.amax(0))
+        total = total * torch.exp(top - new) + torch.exp(s - new[None, :]).sum(0)
+        top = new
+    return top + total.log()
+
+
 def _online(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ta: int, tb: int, col_lse: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    ta: int,
+    tb: int,
+    col_lse: torch.Tensor | None,
+    products: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One pass of products for the rows' softmax over l_ij = scale q_i . k_j (the dual's
     2 scale q_i . k_j - c_j where ``col_lse`` gives c): the log-sum-exp, the largest logit and
     the moments sum_j w_ij v_j (float64), kept online as each column tile arrives (the sums
     rescaled to each new maximum), and for the dual also the plain rows' log-sum-exp of
-    scale q_i . k_j, which its largest weight needs."""
+    scale q_i . k_j, which its largest weight needs. ``products``: scale q k^T, where computed
+    already."""
     na, nb = q.shape[0], k.shape[0]
     factor = 1.0 if col_lse is None else 2.0
     lse = torch.empty(na, dtype=q.dtype, device=q.device)
@@ -312,7 +365,7 @@ def _online(
         total, acc = torch.zeros_like(top), out.new_zeros((qi.shape[0], v.shape[1]))
         plain_top, plain_total = top.clone(), total.clone()
         for j in range(0, nb, tb):
-            s = scale * (qi @ k[j : j + tb].T)
+            s = scale * (qi @ k[j : j + tb].T) if products is None else products[i : i + ta, j : j + tb]
             logit = s if col_lse is None else factor * s - col_lse[None, j : j + tb]
             new = torch.maximum(top, logit.amax(1))
             shrink = torch.exp(top - new)
