@@ -10,9 +10,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
 # --system-site-packages lets an installed torch be reused; install-torch.sh adds one if none.
-$(STAMP): pyproject.toml scripts/install-torch.sh | $(BIN)/python
+$(STAMP): pyproject.toml scripts/install-torch.sh scripts/install-browser.sh | $(BIN)/python
 	scripts/install-torch.sh $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test,cli]'
+	@# chromium for the page tests (skipped, and said so, where it cannot be installed)
+	scripts/install-browser.sh
 	@# the l1 / linf / l2 C kernels, built once per machine (without a compiler torch's kernels run)
 	-$(BIN)/python -m densematch.kernels.native
 	touch $@

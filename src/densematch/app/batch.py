@@ -29,12 +29,15 @@ import numpy as np
 from ..progress import progress_bar
 from .io import atomic_write, save_arrays, save_with
 from .tasks import PairResult, align_pairs, distance_pair, match_pair, picture_bytes
+from .view import batch_page, write_page
 
-__all__ = ["COLUMNS", "ENGINES", "RESULTS", "Pair", "read_manifest", "run"]
+__all__ = ["COLUMNS", "ENGINES", "INDEX", "RESULTS", "Pair", "read_manifest", "read_results", "run", "write_index"]
 
 COLUMNS = {"align": ("template", "image"), "match": ("a", "b"), "distance": ("features", "prototypes")}
 ENGINES = ("local", "ray")
 RESULTS = "results.jsonl"
+INDEX = "index.html"  # the pages' index, beside results.jsonl
+Extras = tuple[bool, bool]  # what each pair also gives: its picture, its page
 # pairs per unit of work: align batches pairs of one shape within a chunk; the others gain nothing
 CHUNK = {"align": 16, "match": 1, "distance": 1}
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -104,15 +107,19 @@ def read_manifest(path: str | os.PathLike[str], task: str) -> list[Pair]:
     return pairs
 
 
-def _solve(task: str, pairs: Sequence[Pair], options: dict[str, Any], pictures: bool) -> list[dict[str, Any]]:
-    """Worker side: one chunk of pairs, each to a record with its arrays and picture attached
-    (``_arrays``, ``_picture``: taken off by the driver). Never raises for a bad pair."""
+def _solve(task: str, pairs: Sequence[Pair], options: dict[str, Any], extras: Extras) -> list[dict[str, Any]]:
+    """Worker side: one chunk of pairs, each to a record with its arrays, picture and page
+    attached (``_arrays``, ``_picture``, ``_page``: taken off by the driver). Never raises for a
+    bad pair."""
+    pictures, pages = extras
     started = time.perf_counter()
     first, second = COLUMNS[task]
     outcomes: list[PairResult | Exception]
     if task == "align":
         try:
-            outcomes = align_pairs([(p.inputs[first], p.inputs[second]) for p in pairs], viz=pictures, **options)
+            outcomes = align_pairs(
+                [(p.inputs[first], p.inputs[second]) for p in pairs], viz=pictures, page=pages, **options
+            )
         except Exception as err:  # an option that fails every pair (a bad --mask)
             outcomes = [err] * len(pairs)
     else:
@@ -120,9 +127,9 @@ def _solve(task: str, pairs: Sequence[Pair], options: dict[str, Any], pictures: 
         for p in pairs:
             try:
                 if task == "match":
-                    r = match_pair(p.inputs[first], p.inputs[second], viz=pictures, **options)
+                    r = match_pair(p.inputs[first], p.inputs[second], viz=pictures, page=pages, **options)
                 else:
-                    r = distance_pair(p.inputs[first], p.inputs[second], **options)
+                    r = distance_pair(p.inputs[first], p.inputs[second], page=pages, **options)
                 outcomes.append(r if r is not None else RuntimeError("no result"))
             except Exception as err:
                 outcomes.append(err)
@@ -136,7 +143,9 @@ def _solve(task: str, pairs: Sequence[Pair], options: dict[str, Any], pictures: 
             records.append(_record(p, seconds, error=message))
         else:
             picture = picture_bytes(outcome.figure) if outcome.figure is not None else None
-            records.append(_record(p, seconds, result=outcome.result, _arrays=outcome.arrays, _picture=picture))
+            records.append(
+                _record(p, seconds, result=outcome.result, _arrays=outcome.arrays, _picture=picture, _page=outcome.page)
+            )
     return records
 
 
@@ -163,18 +172,18 @@ def _init_worker(threads: int) -> None:
 
 
 def _local(
-    task: str, chunks: list[list[Pair]], options: dict[str, Any], pictures: bool, workers: int
+    task: str, chunks: list[list[Pair]], options: dict[str, Any], extras: Extras, workers: int
 ) -> Generator[list[dict[str, Any]], None, None]:
     if workers <= 1:
         for chunk in chunks:
-            yield _solve(task, chunk, options, pictures)
+            yield _solve(task, chunk, options, extras)
         return
     threads = max(1, (os.cpu_count() or 1) // workers)
     # spawn: a forked child would inherit torch's OpenMP pool in an undefined state
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(threads,))
     try:
         pending: dict[Future[list[dict[str, Any]]], list[Pair]] = {
-            pool.submit(_solve, task, chunk, options, pictures): chunk for chunk in chunks
+            pool.submit(_solve, task, chunk, options, extras): chunk for chunk in chunks
         }
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -194,7 +203,7 @@ def _lost(pair: Pair, err: BaseException) -> dict[str, Any]:
 
 
 def _ray(
-    task: str, chunks: list[list[Pair]], options: dict[str, Any], pictures: bool, workers: int, address: str | None
+    task: str, chunks: list[list[Pair]], options: dict[str, Any], extras: Extras, workers: int, address: str | None
 ) -> Generator[list[dict[str, Any]], None, None]:
     try:
         ray: Any = importlib.import_module("ray")  # untyped: used as Any
@@ -210,7 +219,7 @@ def _ray(
         gpus = 1 if options.get("device") == "cuda" and ray.cluster_resources().get("GPU", 0) >= 1 else 0
         threads = 1 if workers <= 1 else max(1, int(ray.cluster_resources().get("CPU", 1)) // workers)
         remote = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0)(_ray_solve)
-        pending = {remote.remote(task, chunk, options, pictures, threads): chunk for chunk in chunks}
+        pending = {remote.remote(task, chunk, options, extras, threads): chunk for chunk in chunks}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
@@ -225,10 +234,10 @@ def _ray(
 
 
 def _ray_solve(
-    task: str, pairs: Sequence[Pair], options: dict[str, Any], pictures: bool, threads: int
+    task: str, pairs: Sequence[Pair], options: dict[str, Any], extras: Extras, threads: int
 ) -> list[dict[str, Any]]:
     _init_worker(threads)
-    return _solve(task, pairs, options, pictures)
+    return _solve(task, pairs, options, extras)
 
 
 LOCK = ".densematch-batch.lock"
@@ -351,7 +360,7 @@ def _plain(value: Any) -> Any:
 def _write_outputs(record: dict[str, Any], out_dir: Path) -> None:
     """The pair's arrays (``<id>.npz``, or ``<id>.npy`` for a lone distance array) and picture
     (``<id>.png``), atomically; their names go into the record's result."""
-    arrays, picture = record.pop("_arrays", None), record.pop("_picture", None)
+    arrays, picture, page = record.pop("_arrays", None), record.pop("_picture", None), record.pop("_page", None)
     if arrays:
         name = f"{record['id']}{'.npy' if list(arrays) == ['distance'] else '.npz'}"
         save_arrays(out_dir / name, arrays, single="distance")
@@ -360,6 +369,10 @@ def _write_outputs(record: dict[str, Any], out_dir: Path) -> None:
         name = f"{record['id']}.png"
         save_with(out_dir / name, lambda fh: fh.write(picture))
         record["result"]["picture"] = name
+    if page is not None:
+        name = f"{record['id']}.html"
+        write_page(out_dir / name, page)
+        record["result"]["page"] = name
 
 
 def run(
@@ -371,6 +384,7 @@ def run(
     out_dir: str | os.PathLike[str] | None = None,
     ray_address: str | None = None,
     viz: bool = False,
+    html: bool = False,
     progress: bool = False,
     on_skip: Callable[[Pair], None] | None = None,
     **options: Any,
@@ -396,6 +410,9 @@ def run(
         its arrays under "arrays", and nothing is written.
     viz : bool, default=False
         With ``out_dir``: write each pair's picture as ``<id>.png``.
+    html : bool, default=False
+        With ``out_dir``: write each pair's page as ``<id>.html``, and at the end ``index.html``
+        over every pair of ``results.jsonl`` (:mod:`densematch.app.view`).
     progress : bool, default=False
         A tqdm bar over the pairs, with their rate.
     on_skip : callable, optional
@@ -431,6 +448,8 @@ def run(
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     if viz and out_dir is None:
         raise ValueError("viz=True needs out_dir: the pictures are written there")
+    if html and out_dir is None:
+        raise ValueError("html=True needs out_dir: the pages are written there")
     todo = [
         p if isinstance(p, Pair) else Pair(str(n), dict(zip(columns, map(str, p), strict=True)))
         for n, p in enumerate(pairs, start=1)
@@ -451,9 +470,9 @@ def run(
     size = CHUNK[task]
     chunks = [todo[s : s + size] for s in range(0, len(todo), size)]
     if engine == "local":
-        stream = _local(task, chunks, options, viz, workers)
+        stream = _local(task, chunks, options, (viz, html), workers)
     else:
-        stream = _ray(task, chunks, options, viz, workers, ray_address)
+        stream = _ray(task, chunks, options, (viz, html), workers, ray_address)
     finished = False
     try:
         with progress_bar(progress, total=len(todo), unit="pair", desc=f"batch {task}") as bar:
@@ -466,6 +485,7 @@ def run(
                     else:
                         arrays = record.pop("_arrays", None)
                         record.pop("_picture", None)
+                        record.pop("_page", None)
                         if arrays:
                             record["arrays"] = arrays
                     bar.update(1)
@@ -475,3 +495,28 @@ def run(
         stream.close()  # stops the workers of an interrupted run
         if results is not None:
             results.close(order if finished else None)
+            if html and finished:
+                write_index(results.path.parent)
+
+
+def read_results(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of ``out_dir``'s results.jsonl, in its order (a torn last line left out)."""
+    path = Path(out_dir) / RESULTS
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} does not exist: no batch has written results there")
+    records = []
+    with open(path, "rb") as fh:
+        for line in fh:
+            record = _parse(line)
+            if record is not None:
+                records.append(record)
+    return records
+
+
+def write_index(out_dir: str | os.PathLike[str], page: str | os.PathLike[str] | None = None) -> Path:
+    """The index page of the batch in ``out_dir`` (default ``out_dir/index.html``): a row per
+    pair of its results.jsonl, linking the pages written beside it."""
+    target = Path(page) if page is not None else Path(out_dir) / INDEX
+    records = read_results(out_dir)
+    write_page(target, batch_page(records, out_dir, target.parent, title=f"densematch batch: {Path(out_dir).name}"))
+    return target

@@ -16,6 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import __version__
@@ -28,11 +29,12 @@ from ..options import MatchOptions
 from ..precision import PRECISIONS, RANKINGS
 from ..progress import say
 from .features import FEATURES
-from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, check_output, is_image, save_arrays
+from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, PAGE_OUTPUTS, check_output, is_image, save_arrays
 from .tasks import PairResult, align_pairs, distance_pair, match_pair
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 _PRECISION_HELP = "exact (float32 results, half precision where faster), float32, fast (approximate)"
+_HTML_HELP = "write a page to inspect the result in a browser (self-contained: no network)"
 _MEMORY_HELP = "working-memory cap, e.g. 256MiB or 1GiB (default: half the free memory, at most 512MiB on a CPU)"
 
 
@@ -112,14 +114,16 @@ def cmd_match(args: argparse.Namespace) -> int:
 
         search = functools.partial(distributed.run, shard="queries")
     t0 = time.perf_counter()
-    r = match_pair(args.a, args.b, viz=bool(args.viz), search=search, progress=_progress(args), **options)
+    page = bool(args.html) and _is_first_rank()
+    r = match_pair(args.a, args.b, viz=bool(args.viz), page=page, search=search, progress=_progress(args), **options)
     if r is None or not _is_first_rank():  # sharded: rank 0 alone writes and reports
         return 0
     seconds = time.perf_counter() - t0
     if args.output:
-        save_arrays(args.output, r.arrays, single="coords")
+        save_arrays(args.output, {**r.arrays, **_recorded("match", [args.a, args.b], options)}, single="coords")
     if args.viz:
         _write_picture(r, args.viz)
+    _write_page(r, args.html)
     if not args.quiet:
         (h, w, c), (hb, wb, _) = r.result["shape_a"], r.result["shape_b"]
         mean = r.result["mean_score"]
@@ -127,22 +131,39 @@ def cmd_match(args: argparse.Namespace) -> int:
             f"matched {h}x{w} against {hb}x{wb} (C={c}, {args.metric}, k={args.k}) in {seconds:.2f} s; "
             f"valid {r.result['valid']:.1%}; mean score {float('nan') if mean is None else mean:.4f}"
         )
-        for path in (args.output, args.viz):
+        for path in (args.output, args.viz, args.html):
             if path:
                 print(f"wrote {path}")
     return 0
+
+
+def _write_page(result: PairResult, path: str | None) -> None:
+    if path and result.page is not None:
+        from .view import write_page
+
+        write_page(path, result.page)
+
+
+def _recorded(task: str, inputs: list[str], options: dict[str, Any]) -> dict[str, np.ndarray]:
+    """What ``densematch view`` needs to draw a saved result again: the task, its inputs and its
+    options, as one JSON string (an array of text: read back without pickle)."""
+    shown = {key: value for key, value in options.items() if key not in ("search", "progress")}
+    return {"_run": np.array(json.dumps({"task": task, "inputs": inputs, "options": shown}))}
 
 
 def cmd_align(args: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun one pair is too small to shard: rank 0 aligns it, once
     t0 = time.perf_counter()
-    (r,) = align_pairs([(args.template, args.image)], viz=bool(args.viz), **task_options("align", args))
+    (r,) = align_pairs(
+        [(args.template, args.image)], viz=bool(args.viz), page=bool(args.html), **task_options("align", args)
+    )
     if isinstance(r, Exception):
         raise r
     seconds = time.perf_counter() - t0
     if args.viz:
         _write_picture(r, args.viz)
+    _write_page(r, args.html)
     a = r.result
     if args.json:
         print(json.dumps(a))
@@ -152,8 +173,9 @@ def cmd_align(args: argparse.Namespace) -> int:
             f"shift_y {a['shift_y']:.3f}  shift_x {a['shift_x']:.3f}"
         )
         print(f"error ({args.objective}) {a['error']:.6f} per pixel; found in {seconds * 1e3:.0f} ms")
-        if args.viz:
-            print(f"wrote {args.viz}")
+        for path in (args.viz, args.html):
+            if path:
+                print(f"wrote {path}")
     return 0
 
 
@@ -170,18 +192,26 @@ def cmd_distance(args: argparse.Namespace) -> int:
     # .npz archive is written from the whole tensor
     streamed = not args.nearest and (args.output is None or args.output.lower().endswith(".npy"))
     r = distance_pair(
-        args.features, args.prototypes, to=args.output if streamed else None, keep=not streamed, **options
+        args.features,
+        args.prototypes,
+        to=args.output if streamed else None,
+        keep=not streamed,
+        page=bool(args.html) and _is_first_rank(),
+        **options,
     )
     if not _is_first_rank():
         return 0
     if args.output and not streamed:
-        save_arrays(args.output, r.arrays, single="index" if args.nearest else "distance")
+        recorded = _recorded("distance", [args.features, args.prototypes], options) if args.nearest else {}
+        save_arrays(args.output, {**r.arrays, **recorded}, single="index" if args.nearest else "distance")
+    _write_page(r, args.html)
     if not args.quiet:
         shape = tuple(r.result["shape"])
         what = f"nearest prototypes {shape}; mean distance" if args.nearest else f"distances {shape}; mean"
         print(f"{what} {r.result['mean_distance']:.4f} ({args.metric})")
-        if args.output:
-            print(f"wrote {args.output}")
+        for path in (args.output, args.html):
+            if path:
+                print(f"wrote {path}")
     return 0
 
 
@@ -301,13 +331,16 @@ def _batch_parser(sub: Any) -> None:
         t.add_argument("--ray-address", metavar="ADDR", help="Ray cluster (default RAY_ADDRESS, else a local one)")
         if task != "distance":
             t.add_argument("--viz", action="store_true", help="write each pair's picture as OUTDIR/ID.png")
+        t.add_argument(
+            "--html", action="store_true", help="write each pair's page as OUTDIR/ID.html and OUTDIR/index.html"
+        )
         options[task](t)
         _common(t)
         t.set_defaults(run=cmd_batch)
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from .batch import RESULTS, read_manifest, run
+    from .batch import INDEX, RESULTS, read_manifest, run
 
     out = Path(args.output)
     if out.exists() and not out.is_dir():
@@ -328,6 +361,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         out_dir=out,
         ray_address=args.ray_address,
         viz=getattr(args, "viz", False),
+        html=args.html,
         progress=bar,
         on_skip=skip,
         **task_options(args.task, args),
@@ -344,6 +378,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
             f"batch {args.task}: {counts['ok']} ok, {counts['error']} error, {counts['skipped']} skipped "
             f"in {seconds:.1f} s{rate}; results in {out / RESULTS}"
         )
+        if args.html:
+            print(f"pages: {out / INDEX}")
     return 1 if counts["error"] else 0
 
 
@@ -365,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-o", "--output", metavar="OUT.npz", help="write coords, score, valid and index here")
     _match_options(m)
     m.add_argument("--viz", metavar="OUT.png", help="write a picture of the matches")
+    m.add_argument("--html", metavar="PAGE.html", help=_HTML_HELP)
     _common(m)
     m.set_defaults(run=cmd_match)
 
@@ -378,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print one JSON object")
     _align_options(a)
     a.add_argument("--viz", metavar="OUT.png", help="write template, warped image, difference and landscape")
+    a.add_argument("--html", metavar="PAGE.html", help=_HTML_HELP)
     _common(a)
     a.set_defaults(run=cmd_align)
 
@@ -391,8 +429,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="write (N, F, H, W) distances; with --nearest, an .npz of distance and index",
     )
     _distance_options(d)
+    d.add_argument("--html", metavar="PAGE.html", help=_HTML_HELP + " (the first map's nearest prototypes)")
     _common(d)
     d.set_defaults(run=cmd_distance)
+
+    v = sub.add_parser(
+        "view",
+        help="an HTML page to inspect a result in a browser",
+        description="Write one self-contained HTML page (no network, no server) for RESULT: a batch's folder or "
+        "results.jsonl (an index of its pairs), or an .npz written by match -o or distance --nearest -o "
+        "(drawn again from the inputs and options it records, which must still give the same arrays).",
+    )
+    v.add_argument(
+        "result", metavar="RESULT", help="OUTDIR or OUTDIR/results.jsonl of a batch, or a match/distance .npz"
+    )
+    v.add_argument("-o", "--output", metavar="PAGE.html", required=True, help="the page to write")
+    _common(v)
+    v.set_defaults(run=cmd_view)
 
     _batch_parser(sub)
 
@@ -410,6 +463,30 @@ def build_parser() -> argparse.ArgumentParser:
     _common(i)
     i.set_defaults(run=cmd_info)
     return p
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from .batch import RESULTS, write_index
+    from .tasks import redraw
+    from .view import write_page
+
+    source = Path(args.result)
+    if source.is_dir() or source.name == RESULTS:
+        write_index(source if source.is_dir() else source.parent, args.output)
+    elif source.suffix.lower() == ".npz":
+        page = redraw(args.result).page
+        assert page is not None  # redraw always draws one
+        write_page(args.output, page)
+    elif not source.exists():
+        raise FileNotFoundError(f"RESULT {args.result!r} does not exist")
+    else:
+        raise ValueError(
+            f"RESULT {args.result!r}: give a batch folder, its {RESULTS}, or an .npz of match -o or "
+            "distance --nearest -o"
+        )
+    if not args.quiet:
+        print(f"wrote {args.output}")
+    return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -448,7 +525,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # outputs are checked before the work, not after it
         if args.command != "batch":
-            for flag, name, suffixes in (("-o", "output", ARRAY_OUTPUTS), ("--viz", "viz", FIGURE_OUTPUTS)):
+            array_outputs = PAGE_OUTPUTS if args.command == "view" else ARRAY_OUTPUTS
+            for flag, name, suffixes in (
+                ("-o", "output", array_outputs),
+                ("--viz", "viz", FIGURE_OUTPUTS),
+                ("--html", "html", PAGE_OUTPUTS),
+            ):
                 if getattr(args, name, None):
                     check_output(getattr(args, name), flag, suffixes)
         with warnings.catch_warnings(record=True) as caught:

@@ -13,9 +13,11 @@ import torch
 from .._distance import nearest_prototype, pairwise_distance
 from .._match import match
 from ..alignment import align, warp
+from ..options import MatchOptions
 from .features import dense_features
 from .recipes import blockwise_argmax  # where benchmarks and older code import it from
 from .synthetic import pck
+from .tasks import verdicts
 
 __all__ = ["blockwise_argmax", "run_demo"]
 
@@ -41,6 +43,7 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False) -> int:
     """Match, align and distance on scikit-image's sample photographs; pictures into `out`."""
     say = (lambda *a: None) if quiet else print
     out.mkdir(parents=True, exist_ok=True)
+    from .view import align_page, distance_page, match_page, write_page
     from .viz import align_figure, distance_figure, invalid_note, match_figure, save_figure
 
     # 1. dense matching: a photo against a zoomed, shifted view of itself
@@ -67,6 +70,13 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False) -> int:
     )
     note = invalid_note(float(valid.mean()), 0.9, True)
     save_figure(match_figure(a_img, b_img, r.coords.numpy(), r.score.numpy(), valid, "cosine", note), out / "match.png")
+    # the page explains each pixel's verdict: the reverse pass and the ratio of its best two
+    reverse, ratio_value = verdicts(fa, fb, MatchOptions(mutual=True, ratio=0.9))
+    write_page(
+        out / "match.html",
+        match_page(a_img, b_img, r.numpy(), metric="cosine", mutual=True, ratio=0.9, reverse=reverse,
+                   ratio_value=ratio_value, title="demo: camera against a zoomed, shifted view of itself"),
+    )  # fmt: skip
 
     # 2. alignment: a template cut from a stretched photo, resampled by scikit-image (bicubic,
     # not densematch's own bilinear warp) with a little noise: the fit is close, not exact
@@ -80,12 +90,9 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False) -> int:
     say(f"align: 100x100 into 125x125 in {seconds * 1e3:.0f} ms")
     say("       found " + "  ".join(f"{k} {found[k]:.4f}" for k in truth) + f"  (error {a.error:.2e})")
     say("       truth " + "  ".join(f"{k} {v:.4f}" for k, v in truth.items()))
-    save_figure(
-        align_figure(
-            tpl.numpy(), a.warped.numpy(), a.landscape[0].numpy(), a.scales_h.numpy(), a.scales_w.numpy(), found
-        ),
-        out / "align.png",
-    )
+    shown = (tpl.numpy(), a.warped.numpy(), a.landscape[0].numpy(), a.scales_h.numpy(), a.scales_w.numpy(), found)
+    save_figure(align_figure(*shown), out / "align.png")
+    write_page(out / "align.html", align_page(*shown, "l1", title="demo: a stretched crop of astronaut"))
 
     # 3. prototypes: every pixel's nearest of 12 patch prototypes
     coins = _downsize(_sample("coins"), 2)
@@ -103,7 +110,13 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False) -> int:
         f"nearest agrees with the full tensor's argmin: {agree}"
     )
     save_figure(distance_figure(coins, i[0].numpy(), d[0].numpy(), "l2"), out / "distance.png")
+    d3, i3 = nearest_prototype(x, protos, "l2", k=3)
+    write_page(
+        out / "distance.html",
+        distance_page(coins, i3[0].numpy(), d3[0].numpy(), "l2", 12, title="demo: coins against 12 patch prototypes"),
+    )
     say(f"pictures: {out / 'match.png'}, {out / 'align.png'}, {out / 'distance.png'}")
+    say(f"pages: {out / 'match.html'}, {out / 'align.html'}, {out / 'distance.html'} (open them in a browser)")
     return 0
 
 

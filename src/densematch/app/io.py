@@ -18,6 +18,7 @@ __all__ = [
     "ARRAY_OUTPUTS",
     "FIGURE_OUTPUTS",
     "IMAGE_SUFFIXES",
+    "PAGE_OUTPUTS",
     "atomic_write",
     "is_image",
     "load_array",
@@ -32,6 +33,7 @@ ARRAY_SUFFIXES = (".npy", ".pt", ".pth")
 # what an output's extension may be: arrays (an .npz of all, or one array as .npy), pictures
 ARRAY_OUTPUTS = (".npz", ".npy")
 FIGURE_OUTPUTS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")
+PAGE_OUTPUTS = (".html", ".htm")
 
 
 def is_image(path: str | os.PathLike[str]) -> bool:

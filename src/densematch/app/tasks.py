@@ -27,7 +27,7 @@ from ..options import MatchOptions
 from .features import FEATURES, dense_features
 from .io import atomic_write, is_image, load_any, load_array, load_image
 
-__all__ = ["PairResult", "align_pairs", "distance_pair", "match_pair", "picture_bytes"]
+__all__ = ["PairResult", "align_pairs", "distance_pair", "match_pair", "picture_bytes", "redraw", "verdicts"]
 
 
 @dataclass
@@ -42,11 +42,14 @@ class PairResult:
         What ``-o`` writes (an .npz of these; a lone "distance" array as .npy).
     figure : matplotlib Figure, optional
         The picture, when one was asked for.
+    page : str, optional
+        The result's HTML page (:mod:`densematch.app.view`), when one was asked for.
     """
 
     result: dict[str, Any]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     figure: Any = None
+    page: str | None = None
 
 
 def picture_bytes(figure: Any) -> bytes:
@@ -74,13 +77,15 @@ def align_pairs(
     *,
     mask: str | None = None,
     viz: bool = False,
+    page: bool = False,
     **options: Any,
 ) -> list[PairResult | Exception]:
     """Align each (template, image) pair of paths; pairs of one shape are aligned as one batch
     (:func:`densematch.align` gives each item of a batch what it gives the item alone).
 
     Returns, per pair in order, its :class:`PairResult` or the exception it raised (a bad pair
-    never stops the others). ``options`` are :func:`densematch.align`'s keywords.
+    never stops the others). ``options`` are :func:`densematch.align`'s keywords; ``viz`` adds
+    each pair's picture, ``page`` its HTML page.
     """
     out: list[PairResult | Exception | None] = [None] * len(pairs)
     loaded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -100,39 +105,44 @@ def align_pairs(
             try:
                 batch = align(tpl, np.stack([loaded[i][1] for i in members]), template_mask=weights, **options)
                 for n, i in enumerate(members):
-                    out[i] = _align_result(batch, n, tpl[n], viz, objective)
+                    out[i] = _align_result(batch, n, tpl[n], viz, page, objective)
                 continue
             except Exception:  # one bad pair fails its batch: each pair again alone, for its own answer
                 pass
         for i in members:
             t, x = loaded[i]
             try:
-                out[i] = _align_result(align(t, x, template_mask=weights, **options), None, t, viz, objective)
+                out[i] = _align_result(align(t, x, template_mask=weights, **options), None, t, viz, page, objective)
             except Exception as err:
                 out[i] = err
     return [r if r is not None else RuntimeError("not aligned") for r in out]
 
 
-def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, objective: str) -> PairResult:
+def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, page: bool, objective: str) -> PairResult:
     """Item ``n`` of a batched alignment (None: an unbatched one) as a PairResult."""
     answer = a.as_dict()
     if n is not None:
         answer = {key: value[n] for key, value in answer.items()}
-    figure = None
+    warped, landscape = (a.warped, a.landscape[0]) if n is None else (a.warped[n], a.landscape[n])
+    shown = (
+        np.asarray(template, dtype=np.float32),
+        warped.numpy(),
+        landscape.numpy(),
+        a.scales_h.numpy(),
+        a.scales_w.numpy(),
+        answer,
+        objective,
+    )
+    figure = html = None
     if viz:
         from .viz import align_figure
 
-        warped, landscape = (a.warped, a.landscape[0]) if n is None else (a.warped[n], a.landscape[n])
-        figure = align_figure(
-            np.asarray(template, dtype=np.float32),
-            warped.numpy(),
-            landscape.numpy(),
-            a.scales_h.numpy(),
-            a.scales_w.numpy(),
-            answer,
-            objective,
-        )
-    return PairResult(answer, figure=figure)
+        figure = align_figure(*shown)
+    if page:
+        from .view import align_page
+
+        html = align_page(*shown)
+    return PairResult(answer, figure=figure, page=html)
 
 
 def _features(
@@ -181,6 +191,7 @@ def match_pair(
     search: Callable[..., Matches | None] = run_match,
     mask_a: str | None = None,
     mask_b: str | None = None,
+    page: bool = False,
     **settings: Any,
 ) -> PairResult | None:
     """Match the features (or images, described by ``features``) at paths ``a`` and ``b``.
@@ -190,7 +201,9 @@ def match_pair(
     ("hwc" or "chw", a leading batch of one allowed). ``mask_a`` / ``mask_b`` are paths of grey
     images or 2-D arrays the size of the maps, nonzero where a pixel may match. ``search(a, b,
     options, mask_a=, mask_b=)`` replaces the search (the sharded one under torchrun, which
-    returns None on every rank but the first: so does this).
+    returns None on every rank but the first: so does this). ``viz`` adds the picture, ``page``
+    the HTML page, with what explains each pixel's verdict: the reverse pass for ``mutual`` and
+    each pixel's ratio of its best two distances for ``ratio`` (two more local searches).
     """
     options = MatchOptions(**settings)
     layout = options.layout
@@ -234,7 +247,59 @@ def match_pair(
         coords = np.stack((index // fb.shape[1], index % fb.shape[1]), -1)
         note = invalid_note(float(valid.mean()), options.ratio, options.mutual)
         figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, shown, options.metric, note)
-    return PairResult(result, out, figure)
+    html = _match_page(fa, fb, ia, ib, out, options, masks, f"{a} against {b}") if page else None
+    return PairResult(result, out, figure, html)
+
+
+def verdicts(
+    fa: torch.Tensor, fb: torch.Tensor, options: MatchOptions, masks: dict[str, torch.Tensor] | None = None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """What says why a pixel of a match of (H, W, C) maps passed its filters or not, each from a
+    search of its own: for ``mutual``, b's best pixel in a (the reverse pass, flat indices,
+    (hb, wb)); for ``ratio``, each pixel's best over second-best distance, as the ratio test
+    compares them ((h, w); not with ``exclude_radius``, whose runner-up is another)."""
+    from ..metrics import get_metric
+
+    masks = masks or {}
+    plain = replace(options, k=1, mutual=False, ratio=None, exclude_radius=None, refine=None, stride=None, offset=None)
+    reverse = ratio_value = None
+    if options.mutual:
+        back = run_match(fb, fa, plain, mask_a=masks.get("mask_b"), mask_b=masks.get("mask_a"))
+        reverse = back.index.numpy()
+    if options.ratio is not None and options.exclude_radius is None and fb.shape[0] * fb.shape[1] >= 2:
+        two = run_match(fa, fb, replace(plain, k=2), **masks).score
+        distance = get_metric(options.metric).ratio_distance
+        ratio_value = (distance(two[..., 0].clone()) / distance(two[..., 1].clone())).numpy()
+    return reverse, ratio_value
+
+
+def _match_page(
+    fa: torch.Tensor,
+    fb: torch.Tensor,
+    ia: np.ndarray | None,
+    ib: np.ndarray | None,
+    out: dict[str, np.ndarray],
+    options: MatchOptions,
+    masks: dict[str, torch.Tensor],
+    title: str,
+) -> str:
+    """The match's page: the images (or the features in false colour), and what explains each
+    pixel's verdict (:func:`verdicts`)."""
+    from .view import at_grid, false_colour, match_page
+
+    fa, fb = fa.cpu(), fb.cpu()
+    reverse, ratio_value = verdicts(fa, fb, options, {name: m.cpu() for name, m in masks.items()})
+    if ia is not None and ib is not None:
+        pa, pb = at_grid(ia, tuple(fa.shape[:2])), at_grid(ib, tuple(fb.shape[:2]))
+    else:
+        pa, pb = false_colour(fa.float().numpy(), fb.float().numpy())
+    arrays = dict(out)
+    if options.stride is not None or options.offset is not None:  # positions back in b's grid
+        arrays["coords"] = np.stack((out["index"] // fb.shape[1], out["index"] % fb.shape[1]), -1)
+    return match_page(
+        pa, pb, arrays, metric=options.metric, mutual=options.mutual, ratio=options.ratio,
+        reverse=reverse, ratio_value=ratio_value, title=title,
+    )  # fmt: skip
 
 
 def distance_pair(
@@ -249,6 +314,7 @@ def distance_pair(
     search: Callable[..., tuple[torch.Tensor, torch.Tensor]] = nearest_prototype,
     to: str | None = None,
     keep: bool = True,
+    page: bool = False,
 ) -> PairResult:
     """Distances from every pixel of the (N, D, H, W) or (D, H, W) array at ``features`` to the
     (F, D) prototypes at ``prototypes``: all of them (array "distance", (N, F, H, W)), or with
@@ -256,7 +322,8 @@ def distance_pair(
 
     Without ``nearest``, given ``to`` (an .npy path), or with ``keep=False`` (the summary alone),
     the distances are computed in slices that fit ``memory``, written there or only summed,
-    never held whole: no arrays come back."""
+    never held whole: no arrays come back. ``page`` adds the HTML page of the first map's
+    nearest prototypes (its k nearest, at least 3 where there are as many)."""
     x = load_array(features, "FEATURES")
     p = load_array(prototypes, "PROTOTYPES")
     if x.ndim == 3:
@@ -264,20 +331,31 @@ def distance_pair(
     if x.ndim != 4:
         raise ValueError(f"FEATURES must have shape (N, D, H, W) or (D, H, W), got {x.shape}")
     xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
+    html = None
+    if page:
+        from .view import distance_page, false_colour
+
+        shown = max(k, min(3, pt.shape[0])) if nearest else min(3, pt.shape[0])
+        d1, i1 = nearest_prototype(xt[:1], pt, metric, k=shown, memory=memory, precision=precision)
+        (picture,) = false_colour(x[0].transpose(1, 2, 0))
+        items = f" (the first of {x.shape[0]} maps)" if x.shape[0] > 1 else ""
+        html = distance_page(
+            picture, i1[0].numpy(), d1[0].numpy(), metric, pt.shape[0], title=f"{features} against {prototypes}{items}"
+        )
     if nearest:
         d, i = search(xt, pt, metric, k=k, memory=memory, precision=precision)
         arrays = {"distance": d.numpy(), "index": i.numpy()}
     elif to is not None:
         with atomic_write(to) as fh:
             shape, mean = _distance_slices(xt, pt, metric, memory, fh)
-        return PairResult({"shape": list(shape), "mean_distance": mean, "output": str(to)})
+        return PairResult({"shape": list(shape), "mean_distance": mean, "output": str(to)}, page=html)
     elif not keep:
         shape, mean = _distance_slices(xt, pt, metric, memory, None)
-        return PairResult({"shape": list(shape), "mean_distance": mean})
+        return PairResult({"shape": list(shape), "mean_distance": mean}, page=html)
     else:
         d = pairwise_distance(xt, pt, metric, memory=memory)
         arrays = {"distance": d.numpy()}
-    return PairResult({"shape": list(d.shape), "mean_distance": float(d.float().mean())}, arrays)
+    return PairResult({"shape": list(d.shape), "mean_distance": float(d.float().mean())}, arrays, page=html)
 
 
 def _distance_slices(
@@ -302,3 +380,36 @@ def _distance_slices(
             total += float(d.double().sum())
             count += d.numel()
     return (n, f, h, w), total / max(1, count)
+
+
+def redraw(path: str) -> PairResult:
+    """The result saved at ``path`` (an .npz of ``match -o`` or ``distance --nearest -o``) with
+    its page: the run it records (task, inputs, options) is repeated, and must give the saved
+    arrays again, else a ValueError says that the inputs changed since."""
+    import json
+
+    with np.load(path, allow_pickle=False) as archive:
+        saved = {name: archive[name] for name in archive.files}
+    if "_run" not in saved:
+        raise ValueError(
+            f"RESULT {path!r} records no run to draw it from: give a batch folder, its results.jsonl, or an .npz "
+            "written by this version's match -o or distance --nearest -o (or run the command again with --html)"
+        )
+    run = json.loads(str(saved.pop("_run")))
+    first, second = run["inputs"]
+    if run["task"] == "match":
+        r = match_pair(first, second, page=True, **run["options"])
+    else:
+        r = distance_pair(first, second, page=True, **run["options"])
+    assert r is not None  # a local search always answers
+    changed = [
+        name
+        for name, value in saved.items()
+        if name not in r.arrays or not np.array_equal(r.arrays[name], value, equal_nan=value.dtype.kind == "f")
+    ]
+    if changed:
+        raise ValueError(
+            f"RESULT {path!r}: its inputs ({first}, {second}) now give other {', '.join(changed)}: they changed "
+            "since it was written; run the command again with --html"
+        )
+    return r

@@ -1,0 +1,251 @@
+"""The HTML pages (densematch.app.view), opened in a real browser: Debian's chromium, driven by
+Playwright by its path, offline. Everything a test checks is read back from the page."""
+
+import json
+import shutil
+from types import SimpleNamespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from densematch import warp
+from densematch.app.cli import main
+
+
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
+
+
+@pytest.fixture
+def run(capsys):
+    """The command line in this process (the tests' time is the pages', not torch's start-up):
+    its exit code, what it printed and what it said on stderr."""
+
+    def go(*args: str) -> SimpleNamespace:
+        code = main(list(args))
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return go
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("no chromium on this machine (scripts/install-browser.sh installs Debian's as root)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def open_page(browser):
+    """Open a page offline; the page, and what it logged as errors or tried to fetch."""
+    opened = []
+
+    def go(path: Path):
+        context = browser.new_context(offline=True, viewport={"width": 1400, "height": 900})
+        page = context.new_page()
+        problems: list[str] = []
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.on("request", lambda r: None if r.url.startswith(("data:", "file:")) else problems.append(r.url))
+        page.goto(path.resolve().as_uri())
+        page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+        opened.append(context)
+        return page, problems
+
+    yield go
+    for context in opened:
+        context.close()
+
+
+def hover(page, canvas: str, row: int, col: int, h: int, w: int) -> None:
+    """The mouse over the centre of a map's pixel (row, col), inside the canvas' border."""
+    x, y = page.evaluate(
+        f"""() => {{ const c = document.querySelector('{canvas}'), r = c.getBoundingClientRect();
+        return [r.left + c.clientLeft + ({col} + 0.5) * c.clientWidth / {w},
+                r.top + c.clientTop + ({row} + 0.5) * c.clientHeight / {h}]; }}"""
+    )
+    page.mouse.move(x, y)
+
+
+def pixels(page, canvas: str) -> int:
+    """A checksum of the canvas' pixels, read in the page."""
+    return page.evaluate(
+        f"""() => {{ const c = document.querySelector('{canvas}');
+        return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data)
+          .reduce((s, v, i) => (s + v * (i % 251 + 1)) % 1000000007, 0); }}"""
+    )
+
+
+@pytest.fixture(scope="module")
+def shifted_photos(tmp_path_factory):
+    """Two crops of one photograph: A's pixel (r, c) is B's (r - 6, c + 8)."""
+    from PIL import Image
+    from skimage import color, data
+
+    d = tmp_path_factory.mktemp("photos")
+    img = color.rgb2gray(data.astronaut())[::4, ::4]
+    for name, crop in (("a", img[10:74, 20:84]), ("b", img[16:96, 12:92])):
+        Image.fromarray((crop * 255).round().astype(np.uint8)).save(d / f"{name}.png")
+    return d
+
+
+def test_match_page_marks_the_known_position_and_lists_the_npz_candidates(shifted_photos, open_page, run):
+    d = shifted_photos
+    out = run("match", f"{d}/a.png", f"{d}/b.png", "--features", "patch", "--k", "3", "--mutual", "--ratio", "0.9",
+              "-o", f"{d}/m.npz", "--html", f"{d}/m.html")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    saved = np.load(d / "m.npz")
+    page, problems = open_page(d / "m.html")
+    for r, c in ((30, 30), (12, 45), (50, 10)):
+        hover(page, "#a", r, c, 64, 64)
+        mark = page.locator("#b-mark")
+        assert (float(mark.get_attribute("data-row")), float(mark.get_attribute("data-col"))) == (r - 6, c + 8)
+        cells = page.locator("#candidates tr.candidate").all()
+        assert len(cells) == 3
+        listed = [int(row.locator("td").nth(2).inner_text()) for row in cells]
+        scores = [float(row.locator("td").nth(3).inner_text()) for row in cells]
+        assert listed == saved["index"][r, c].tolist()
+        assert scores == pytest.approx(saved["score"][r, c].tolist(), abs=1e-4)
+        assert page.locator("#a-pixel").inner_text().startswith(f"A pixel ({r}, {c})")
+        checks = page.locator("#checks").inner_text()
+        assert "mutual" in checks and "ratio" in checks
+    # a click pins the pixel: moving on changes nothing until the next click
+    hover(page, "#a", 30, 30, 64, 64)
+    page.mouse.down()
+    page.mouse.up()
+    hover(page, "#a", 40, 40, 64, 64)
+    assert page.locator("#a-pixel").inner_text().startswith("A pixel (30, 30) (pinned")
+    # the keyboard reaches A: focus, then arrows move the cursor
+    page.locator("#a").click()  # unpin
+    page.locator("#a").focus()
+    page.keyboard.press("ArrowRight")
+    first = page.locator("#a-pixel").inner_text()
+    page.keyboard.press("ArrowDown")
+    assert page.locator("#a-pixel").inner_text() != first
+    # toggles redraw A: the pull-back of B onto A's grid
+    before = pixels(page, "#a")
+    page.locator("#toggle-pullback").check()
+    assert pixels(page, "#a") != before
+    # from B's side: the reverse pass (mutual) names B's best in A
+    hover(page, "#b", 24, 38, 80, 80)
+    assert page.locator("#reverse").inner_text().endswith("(30, 30)")
+    assert problems == []
+
+
+def test_align_page_blend_slider_changes_the_canvas(tmp_path, open_page, run):
+    from PIL import Image
+    from skimage import data
+
+    img = (data.camera()[::4, ::4][:125, :125] / 255.0).astype(np.float32)
+    tpl = warp(torch.from_numpy(img), 1.07, 0.93, 7.3, 4.6, (100, 100)).numpy()
+    # noise, so that the warped image and the template differ and the blend shows it
+    tpl = tpl + 0.05 * np.random.default_rng(0).standard_normal(tpl.shape).astype(np.float32)
+    np.save(tmp_path / "t.npy", tpl)
+    Image.fromarray((img * 255).round().astype(np.uint8)).save(tmp_path / "i.png")
+    out = run("align", str(tmp_path / "t.npy"), str(tmp_path / "i.png"), "--html", str(tmp_path / "a.html"))
+    assert out.returncode == 0, out.stderr
+    page, problems = open_page(tmp_path / "a.html")
+    before = pixels(page, "#blend")
+    slide = (
+        "v => { const s = document.getElementById('blend-slider'); s.value = v; s.dispatchEvent(new Event('input')) }"
+    )
+    page.evaluate(slide, "100")
+    page.wait_for_function("document.body.dataset.blend === '100'")
+    after = pixels(page, "#blend")
+    page.evaluate(slide, "0")
+    page.wait_for_function("document.body.dataset.blend === '0'")
+    assert len({before, after, pixels(page, "#blend")}) == 3
+    params = dict(line.split("\t") for line in page.locator("#params").inner_text().splitlines()[1:])
+    assert float(params["scale_h"]) == pytest.approx(1.07, abs=0.005)
+    assert problems == []
+
+
+def test_distance_page_lists_each_pixel_s_nearest_prototypes(tmp_path, open_page, run):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 6, 20, 24, generator=g)
+    protos = x[0, :, ::5, ::6].reshape(6, -1).T.contiguous()  # 16 prototypes, pixels of the map
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "p.npy", protos.numpy())
+    out = run("distance", str(tmp_path / "x.npy"), str(tmp_path / "p.npy"), "--nearest", "--k", "3",
+              "-o", str(tmp_path / "d.npz"), "--html", str(tmp_path / "d.html"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    saved = np.load(tmp_path / "d.npz")
+    page, problems = open_page(tmp_path / "d.html")
+    assert page.locator("#legend > span").count() == 16
+    for r, c in ((5, 6), (13, 2)):
+        hover(page, "#nearest", r, c, 20, 24)
+        rows = page.locator("#candidates tr.candidate").all()
+        listed = [int(row.locator("td").nth(1).inner_text().split()[-1]) for row in rows]
+        assert listed == saved["index"][0, :, r, c].tolist()
+    assert problems == []
+
+
+def test_batch_index_links_every_pair_and_shows_errors(tmp_path, open_page, run):
+    g = np.random.default_rng(0)
+    image = g.random((40, 40)).astype(np.float32)
+    np.save(tmp_path / "image.npy", image)
+    np.save(tmp_path / "t1.npy", warp(image, 1.0, 1.0, 3.0, 2.0, (30, 30)).numpy())
+    (tmp_path / "pairs.csv").write_text("template,image,id\nt1.npy,image.npy,one\nmissing.npy,image.npy,two\n")
+    out = run("batch", "align", str(tmp_path / "pairs.csv"), "-o", str(tmp_path / "out"), "--html", "--viz")
+    assert out.returncode == 1  # one pair failed
+    page, problems = open_page(tmp_path / "out" / "index.html")
+    rows = page.locator("#pairs tr.pair")
+    assert rows.count() == 2
+    assert "ok" in rows.nth(0).inner_text() and "error" in rows.nth(1).inner_text()
+    assert "missing.npy" in rows.nth(1).inner_text()
+    link = rows.nth(0).locator("a").get_attribute("href")
+    assert link == "one.html" and (tmp_path / "out" / link).exists()
+    assert rows.nth(0).locator("img.thumb").count() == 1
+    # view draws the same index from the folder, elsewhere, with links that still resolve
+    (tmp_path / "pages").mkdir()
+    assert run("view", str(tmp_path / "out"), "-o", str(tmp_path / "pages" / "i.html")).returncode == 0
+    again, _ = open_page(tmp_path / "pages" / "i.html")
+    assert again.locator("#pairs a").first.get_attribute("href") == "../out/one.html"
+    assert problems == []
+
+
+def test_view_draws_a_saved_match_again_and_refuses_a_changed_one(shifted_photos, tmp_path, open_page, run):
+    d = shifted_photos
+    assert run("match", f"{d}/a.png", f"{d}/b.png", "--features", "patch", "-o", f"{tmp_path}/m.npz").returncode == 0
+    out = run("view", f"{tmp_path}/m.npz", "-o", f"{tmp_path}/m.html")
+    assert out.returncode == 0, out.stderr
+    page, problems = open_page(tmp_path / "m.html")
+    hover(page, "#a", 30, 30, 64, 64)
+    assert float(page.locator("#b-mark").get_attribute("data-row")) == 24
+    assert problems == []
+    # the recorded run no longer gives the saved arrays: said in one line, no page written
+    with np.load(tmp_path / "m.npz") as z:
+        arrays = {name: z[name] for name in z.files}
+    arrays["index"] = arrays["index"][::-1].copy()
+    np.savez(tmp_path / "m2.npz", **arrays)
+    out = run("view", f"{tmp_path}/m2.npz", "-o", f"{tmp_path}/m2.html")
+    assert out.returncode == 1 and "changed since" in out.stderr and not (tmp_path / "m2.html").exists()
+    assert "Traceback" not in out.stderr
+
+
+def test_a_256x256_match_with_k_4_stays_under_5_mb(tmp_path, run):
+    # bounded size without a browser: the arrays travel whole, so the page grows with h w k
+    g = torch.Generator().manual_seed(0)
+    fa, fb = torch.randn(256, 256, 8, generator=g), torch.randn(256, 256, 8, generator=g)
+    np.save(tmp_path / "a.npy", fa.numpy())
+    np.save(tmp_path / "b.npy", fb.numpy())
+    out = run("match", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "--k", "4", "--html", str(tmp_path / "p.html"))
+    assert out.returncode == 0, out.stderr
+    size = (tmp_path / "p.html").stat().st_size
+    assert size <= 5 * 2**20, f"{size / 2**20:.2f} MiB"
+    text = (tmp_path / "p.html").read_text()
+    data = json.loads(text.split('<script type="application/json" id="data">', 1)[1].split("</script>", 1)[0])
+    assert data["arrays"]["index"]["shape"] == [256, 256, 4] and "http" not in text.replace("http-equiv", "")
+
+
+def test_pages_need_no_browser_to_be_written_and_bad_outputs_say_so(tmp_path, run):
+    out = run("match", "x.npy", "y.npy", "--html", str(tmp_path / "page.txt"))
+    assert out.returncode != 0 and "--html" in out.stderr and "extension" in out.stderr
+    out = run("view", str(tmp_path), "-o", str(tmp_path / "v.html"))
+    assert out.returncode == 1 and "results.jsonl" in out.stderr and "Traceback" not in out.stderr
