@@ -3,8 +3,8 @@ Playwright by its path, offline. Everything a test checks is read back from the 
 
 import json
 import shutil
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +12,6 @@ import torch
 
 from densematch import warp
 from densematch.app.cli import main
-
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
 
