@@ -353,14 +353,31 @@ class TestBuild:
             "idx = torch.randint(0, 60, (50, 4), generator=g)\n"
             "for kind in ('sqdiff', 'absdiff', 'maxabs', 'dot', 'cosine'):\n"
             "    h.update(native.pair_values(q, r, idx, kind).numpy().tobytes())\n"
+            # align's refinement: two channels, uneven weights, with and without gain and bias
+            "t, xs = torch.rand(1, 2, 20, 24, generator=g).double(), torch.rand(1, 2, 26, 30, generator=g).double()\n"
+            "w = torch.rand(1, 20, 24, generator=g).double() + 0.2\n"
+            "for n in (4, 6):\n"
+            "    start = torch.tensor([[1.05, 0.97, 2.3, 3.1, 1.0, 0.0][:n]], dtype=torch.float64)\n"
+            "    for v in native.align_refine(t, xs, w, torch.zeros(1), start, (0.8, 1.2, 0.8, 1.2), 25, 1e-3):\n"
+            "        h.update(v.numpy().tobytes())\n"
             "print(native.status()['level'], h.hexdigest())\n"
         )
+        # the levels side by side, each building its library into the cache
+        running = {
+            level: subprocess.Popen(
+                [sys.executable, "-c", code],
+                env={**os.environ, "DENSEMATCH_CACHE": str(tmp_path / level), "DENSEMATCH_NATIVE_LEVEL": level},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for level in runnable
+        }
         digests = {}
-        for level in runnable:
-            env = {**os.environ, "DENSEMATCH_CACHE": str(tmp_path), "DENSEMATCH_NATIVE_LEVEL": level}
-            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-            assert done.returncode == 0, done.stderr
-            loaded, digest = done.stdout.split()
+        for level, proc in running.items():
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err
+            loaded, digest = out.split()
             assert loaded == level
             digests[level] = digest
         assert len(set(digests.values())) == 1, digests

@@ -154,11 +154,13 @@ def test_align_page_blend_slider_changes_the_canvas(tmp_path, open_page, run):
     slide = (
         "v => { const s = document.getElementById('blend-slider'); s.value = v; s.dispatchEvent(new Event('input')) }"
     )
+    # polled by a function the page runs: the page's policy forbids evaluating strings
+    settled = "async v => { while (document.body.dataset.blend !== v) await new Promise(r => setTimeout(r, 10)) }"
     page.evaluate(slide, "100")
-    page.wait_for_function("document.body.dataset.blend === '100'")
+    page.evaluate(settled, "100")
     after = pixels(page, "#blend")
     page.evaluate(slide, "0")
-    page.wait_for_function("document.body.dataset.blend === '0'")
+    page.evaluate(settled, "0")
     assert len({before, after, pixels(page, "#blend")}) == 3
     params = dict(line.split("\t") for line in page.locator("#params").inner_text().splitlines()[1:])
     assert float(params["scale_h"]) == pytest.approx(1.07, abs=0.005)

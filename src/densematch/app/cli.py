@@ -146,9 +146,11 @@ def _write_page(result: PairResult, path: str | None) -> None:
 
 def _recorded(task: str, inputs: list[str], options: dict[str, Any]) -> dict[str, np.ndarray]:
     """What ``densematch view`` needs to draw a saved result again: the task, its inputs and its
-    options, as one JSON string (an array of text: read back without pickle)."""
+    options, as the bytes of one JSON text (uint8: read back without pickle, and numeric like
+    every other array of the file, for code that turns them all into tensors)."""
     shown = {key: value for key, value in options.items() if key not in ("search", "progress")}
-    return {"_run": np.array(json.dumps({"task": task, "inputs": inputs, "options": shown}))}
+    text = json.dumps({"task": task, "inputs": inputs, "options": shown})
+    return {"_run": np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()}
 
 
 def cmd_align(args: argparse.Namespace) -> int:

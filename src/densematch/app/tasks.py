@@ -395,7 +395,7 @@ def redraw(path: str) -> PairResult:
             f"RESULT {path!r} records no run to draw it from: give a batch folder, its results.jsonl, or an .npz "
             "written by this version's match -o or distance --nearest -o (or run the command again with --html)"
         )
-    run = json.loads(str(saved.pop("_run")))
+    run = json.loads(saved.pop("_run").tobytes().decode("utf-8"))
     first, second = run["inputs"]
     if run["task"] == "match":
         r = match_pair(first, second, page=True, **run["options"])

@@ -114,22 +114,27 @@ def compile_library(cc: str, name: str, path: Path, *, here: bool = False) -> No
 
 
 def build_all(out_dir: Path) -> list[Path]:
-    """Every level's library into ``out_dir`` (the package build). A level the compiler cannot
-    target is left out with a message on stderr; the run-time fallback covers it."""
+    """Every level's library into ``out_dir`` (the package build), the levels compiled side by
+    side, one per core. A level the compiler cannot target is left out with a message on
+    stderr; the run-time fallback covers it."""
+    from concurrent.futures import ThreadPoolExecutor
+
     cc = compiler()
     if cc is None:
         print("densematch: no C compiler: the C kernels will be built at first use, if one appears", file=sys.stderr)
         return []
-    built = []
-    for name in levels():
+
+    def one(name: str) -> Path | None:
         path = Path(out_dir) / library_name(name)
         try:
             compile_library(cc, name, path)
         except RuntimeError as err:
             print(f"densematch: {err}", file=sys.stderr)
-            continue
-        built.append(path)
-    return built
+            return None
+        return path
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(levels()), os.cpu_count() or 1))) as pool:
+        return [path for path in pool.map(one, levels()) if path is not None]
 
 
 if __name__ == "__main__":  # python build.py OUT_DIR
