@@ -153,18 +153,8 @@ def test_distance_full_and_nearest(images, tmp_path):
     assert out.returncode == 0 and z["index"].shape == (2, 6, 7) and z["index"].max() < 5
 
 
-def test_demo_writes_pictures_and_pages(tmp_path):
-    out = run("demo", "--out", str(tmp_path / "demo"))
-    assert out.returncode == 0, out.stderr
-    assert "align:" in out.stdout and "match:" in out.stdout and "distance:" in out.stdout
-    for name in ("match.png", "align.png", "distance.png", "match.html", "align.html", "distance.html"):
-        assert (tmp_path / "demo" / name).stat().st_size > 10_000
-    for name in ("match.html", "align.html", "distance.html"):  # and says where the pages are
-        assert str(tmp_path / "demo" / name) in out.stdout
-
-
 def test_bench_prints_a_table_with_a_verdict_per_row():
-    out = run("bench", "--quick")
+    out = run("bench", "--quick", "--repeats", "1")
     assert out.returncode == 0, out.stderr
     header, columns, *rows = out.stdout.splitlines()
     assert "match's exact default" in header and "threads" in header

@@ -41,6 +41,14 @@ def browser():
 
 
 @pytest.fixture
+def browser_or_none(request):
+    """open_page where a browser exists, else None (for tests whose other half needs none)."""
+    if CHROMIUM is None:
+        return None
+    return request.getfixturevalue("open_page")
+
+
+@pytest.fixture
 def open_page(browser):
     """Open a page offline; the page, and what it logged as errors or tried to fetch."""
     opened = []
@@ -92,6 +100,30 @@ def shifted_photos(tmp_path_factory):
     for name, crop in (("a", img[10:74, 20:84]), ("b", img[16:96, 12:92])):
         Image.fromarray((crop * 255).round().astype(np.uint8)).save(d / f"{name}.png")
     return d
+
+
+def test_the_demo_writes_pictures_and_pages_that_open(tmp_path, capsys, browser_or_none):
+    from densematch.app.demo import run_demo
+
+    assert run_demo(tmp_path / "demo") == 0
+    out = capsys.readouterr().out
+    assert "align:" in out and "match:" in out and "distance:" in out
+    for name in ("match.png", "align.png", "distance.png", "match.html", "align.html", "distance.html"):
+        assert (tmp_path / "demo" / name).stat().st_size > 10_000
+    for name in ("match.html", "align.html", "distance.html"):  # and says where the pages are
+        assert str(tmp_path / "demo" / name) in out
+    if browser_or_none is None:
+        pytest.skip("the demo's pages were written; no chromium here to open them")
+    for name, canvas, (h, w) in (
+        ("match", "#a", (96, 96)),
+        ("align", "#blend", (100, 100)),
+        ("distance", "#nearest", (151, 192)),
+    ):
+        page, problems = browser_or_none(tmp_path / "demo" / f"{name}.html")
+        hover(page, canvas, h // 2, w // 2, h, w)
+        if name != "align":
+            assert page.locator("#candidates tr.candidate").count() >= 1
+        assert problems == [], name
 
 
 def test_match_page_marks_the_known_position_and_lists_the_npz_candidates(shifted_photos, open_page, run):

@@ -143,9 +143,10 @@ def _jobs(quick: bool) -> list[Job]:
     ]
 
 
-def run_bench(quick: bool = False) -> int:
-    """Time every job against its recipe and print one table, with a verdict per row."""
-    repeats = 3 if quick else 5
+def run_bench(quick: bool = False, repeats: int | None = None) -> int:
+    """Time every job against its recipe and print one table, with a verdict per row: medians of
+    ``repeats`` alternated rounds (default 3 quick, 5 full)."""
+    repeats = repeats or (3 if quick else 5)
     report = config_report()
     exact = report[_EXACT]
     print(

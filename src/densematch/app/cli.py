@@ -226,7 +226,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
-    return run_bench(quick=args.quick)
+    if args.repeats is not None and args.repeats < 1:
+        raise CommandError(f"--repeats must be >= 1, got {args.repeats}")
+    return run_bench(quick=args.quick, repeats=args.repeats)
 
 
 class _Help(argparse.HelpFormatter):
@@ -456,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(e)
     e.set_defaults(run=cmd_demo)
 
-    b = sub.add_parser("bench", help="a short benchmark of this machine")
+    b = sub.add_parser("bench", help="each job beside the plain recipe a user would write, on this machine")
     b.add_argument("--quick", action="store_true", help="smaller sizes")
+    b.add_argument("--repeats", type=int, help="alternated rounds per row, whose medians count (default 3 quick, 5)")
     _common(b)
     b.set_defaults(run=cmd_bench)
 

@@ -158,13 +158,17 @@ def align_figure(
 
 def distance_figure(image: np.ndarray, index: np.ndarray, distance: np.ndarray, metric: str) -> Any:
     """An image, the nearest prototype of each pixel (a key per prototype), and its distance."""
+    from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+
+    from .view import prototype_colors
 
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.9))
     _show(axes[0], image, "image")
     count = int(index.max()) + 1 if index.size else 1
-    cmap = plt.get_cmap("tab20", max(count, 2))
+    # the pages' colours (colour-blind safe up to eight prototypes): one legend for both
+    cmap = ListedColormap(prototype_colors(max(count, 2)))
     _show(axes[1], index, "nearest prototype", cmap=cmap, vmin=-0.5, vmax=max(count, 2) - 0.5, interpolation="nearest")
     if count <= 20:
         handles = [Patch(color=cmap(i), label=f"prototype {i}") for i in range(count)]
