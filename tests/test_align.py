@@ -235,3 +235,20 @@ class TestSearch:
         best, where = _best_shifts(score)
         assert best[0, 0, 0, :2].tolist() == pytest.approx([0.5, 0.7])
         assert where[0, 0, 0, :2].tolist() == [1 * 9 + 1, 7 * 9 + 6]
+
+    @pytest.mark.parametrize("ncc", [False, True])
+    def test_the_grid_from_products_equals_the_grid_from_transforms(self, monkeypatch, ncc):
+        # uniform weights take the matrix products (no stretched image built); forcing the FFT
+        # path must give the same landscape and the same candidates, for two channels
+        from densematch.alignment import search
+
+        cases = list(alignment_cases(3, seed=1, kinds=("photo",), sizes=(SIZES[0],), pooled=2))
+        t = torch.stack([torch.stack((c.template, 0.5 * c.template + 0.1)) for c in cases])
+        x = torch.stack([torch.stack((c.image, 0.5 * c.image + 0.1)) for c in cases])
+        tc, xc = search.downsample(t, 4), search.downsample(x, 4)
+        grid_h, grid_w = (search.scale_grid(lo, 1.2, 25, x.device, x.dtype) for lo in (0.8, 0.85))
+        products = search.grid_search(tc, xc, None, grid_h, grid_w, ncc, 2**30)
+        monkeypatch.setattr(search, "_products_cheaper", lambda *args: False)
+        transforms = search.grid_search(tc, xc, None, grid_h, grid_w, ncc, 2**30)
+        torch.testing.assert_close(products[1], transforms[1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(products[0], transforms[0])

@@ -146,40 +146,46 @@ def _shift_scores(
 ) -> torch.Tensor:
     """(B, nh, nw, n_y, n_x): weighted squared error, or 1 - NCC, at every integer shift.
 
-    sum_w (T - S)^2 = sum_w T^2 - 2 sum_w T S + sum_w S^2: the cross term is an FFT correlation,
-    or two matrix products where those cost less (uniform weights); the last is a window sum of
-    S^2 when the weights are uniform, another correlation if not.
+    sum_w (T - S)^2 = sum_w T^2 - 2 sum_w T S + sum_w S^2. Uniform weights, where products
+    cost less than transforms: the cross term and the window sums of S and S^2 from Ry X and
+    Rx's taps (:func:`_cross_by_products`, :func:`_window_moments`), no stretched image built.
+    Otherwise: the cross term an FFT correlation, the sums of S^2 (and S) window sums of the
+    stretched image, or correlations with the weights.
     """
     _b, c, h, w = t.shape
-    # stretched images (B, C, nh, nw, rows, cols), by two batched matrix products
-    along_y = torch.einsum("hrH,bcHW->bchrW", ry, x)
-    s = torch.einsum("bchrW,wkW->bchwrk", along_y, rx)
-
-    def spec(v: torch.Tensor) -> torch.Tensor:
-        return torch.fft.rfft2(v, s=fft_size)
-
-    def corr(img_spec: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        # circular cross-correlation, valid for shifts that keep the kernel inside the image
-        k = spec(kernel)[:, :, None, None].conj()
-        out = torch.fft.irfft2(img_spec * k, s=fft_size)
-        return out[..., : n_shift[0], : n_shift[1]]
-
-    def weighted_sum(v: torch.Tensor) -> torch.Tensor:  # sum_w v over the window at each shift
-        if uniform:
-            return _window_sums(v, (h, w), n_shift).sum(1)
-        return corr(spec(v), mask.expand_as(t)).sum(1)
-
+    along_y = torch.einsum("hrH,bcHW->bchrW", ry, x)  # (B, C, nh, rows, W)
     wt = mask * t
     if uniform and _products_cheaper(t.shape, x.shape, ry.shape, rx.shape, n_shift, fft_size):
+        # nothing stretched is built: every sum comes from along_y and Rx's two taps per column
         cross = _cross_by_products(t, along_y, rx, n_shift)  # sum_w T S
+        energy, plain = _window_moments(along_y, rx, (h, w), n_shift, ncc)  # sum_w S^2, sum_w S
     else:
+        # stretched images (B, C, nh, nw, rows, cols)
+        s = torch.einsum("bchrW,wkW->bchwrk", along_y, rx)
+
+        def spec(v: torch.Tensor) -> torch.Tensor:
+            return torch.fft.rfft2(v, s=fft_size)
+
+        def corr(img_spec: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+            # circular cross-correlation, valid for shifts that keep the kernel inside the image
+            k = spec(kernel)[:, :, None, None].conj()
+            out = torch.fft.irfft2(img_spec * k, s=fft_size)
+            return out[..., : n_shift[0], : n_shift[1]]
+
+        def weighted_sum(v: torch.Tensor) -> torch.Tensor:  # sum_w v over the window at each shift
+            if uniform:
+                return _window_sums(v, (h, w), n_shift).sum(1)
+            return corr(spec(v), mask.expand_as(t)).sum(1)
+
         cross = corr(spec(s), wt).sum(1)
-    energy = weighted_sum(s * s)  # sum_w S^2
+        energy = weighted_sum(s * s)
+        plain = weighted_sum(s) if ncc else None
     total = mask.sum((1, 2, 3)) * c  # sum of weights over pixels and channels
     if not ncc:
         tt = (wt * t).sum((1, 2, 3))
         return (tt[:, None, None, None, None] - 2 * cross + energy).clamp_min(0) / total[:, None, None, None, None]
-    mean_s = weighted_sum(s) / total[:, None, None, None, None]
+    assert plain is not None  # computed for ncc on both paths
+    mean_s = plain / total[:, None, None, None, None]
     mean_t = wt.sum((1, 2, 3)) / total
     var_t = (wt * t).sum((1, 2, 3)) / total - mean_t**2
     cov = cross / total[:, None, None, None, None] - mean_s * mean_t[:, None, None, None, None]
@@ -202,6 +208,38 @@ def _best_shifts(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = min(_SHIFTS, ny * nx)
     best, where = minima.topk(k, dim=3, largest=False)
     return best, where
+
+
+def _window_moments(
+    along_y: torch.Tensor, rx: torch.Tensor, size: tuple[int, int], n_shift: tuple[int, int], with_sum: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Window sums of S^2 (and of S) over channels, (B, nh, nw, n_y, n_x), for S = A Rx^T with
+    A = ``along_y`` (B, C, nh, rows, W), without S. Each row of Rx holds at most two adjacent
+    taps (a, b at j, j + 1), so S_k^2 = sum_j Rx_kj^2 A_j^2 + 2 Rx_kj Rx_k(j+1) A_j A_(j+1): the
+    window over rows is summed on A^2 and A_j A_(j+1) (band products), the window over columns
+    on Rx's squared and paired taps, and the two meet in one matrix product per term."""
+    b, _c, nh, rows, big_w = along_y.shape
+    nw = rx.shape[0]
+    (h, w), (ny, nx) = size, n_shift
+    band_y = _band(rows, h, ny, along_y)  # (rows, n_y)
+    cols = _band(rx.shape[1], w, nx, rx)  # (cols, n_x)
+
+    def rows_summed(v: torch.Tensor) -> torch.Tensor:  # (B, C, nh, rows, W') -> (B nh n_y, W')
+        out = (v.transpose(-1, -2) @ band_y).sum(1)  # (B, nh, W', n_y)
+        return out.transpose(-1, -2).reshape(b * nh * ny, v.shape[-1])
+
+    def cols_summed(taps: torch.Tensor) -> torch.Tensor:  # (nw, cols, W') -> (nw n_x, W')
+        return torch.einsum("nkW,kx->nxW", taps, cols).reshape(nw * nx, taps.shape[-1])
+
+    def meet(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        return (left @ right.T).reshape(b, nh, ny, nw, nx).transpose(2, 3)
+
+    pairs = along_y[..., :-1] * along_y[..., 1:]
+    energy = meet(rows_summed(along_y.square()), cols_summed(rx.square()))
+    if big_w > 1:
+        energy = energy + meet(rows_summed(pairs), cols_summed(2 * rx[..., :-1] * rx[..., 1:]))
+    total = meet(rows_summed(along_y), cols_summed(rx)) if with_sum else None
+    return energy, total
 
 
 def _products_cheaper(
