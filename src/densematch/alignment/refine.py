@@ -57,11 +57,8 @@ def refine(
         q[:, 3] = torch.minimum(q[:, 3].clamp_min(0), ww * q[:, 1] - w)
         return q
 
-    def residual(
-        q: torch.Tensor, sel: torch.Tensor, absolute: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Cost (n,), J^T J (n, P, P) and J^T r (n, P) of the candidates ``sel`` at ``q``; with
-        ``absolute``, the costs as (n, 2) sums of squared and absolute residuals instead."""
+    def residual(q: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cost (n,), J^T J (n, P, P) and J^T r (n, P) of the candidates ``sel`` at ``q``."""
         pair = owner[sel]
         xs, ts, ws = x[pair], t[pair], sqrt_w[pair]
         n = q.shape[0]
@@ -79,8 +76,6 @@ def refine(
         else:
             model = warped
         res = (ws * (model - ts)).reshape(n, -1)
-        if absolute:
-            return torch.stack((res.square().sum(1), (ws * res.reshape(model.shape).abs()).sum((1, 2, 3))), 1), res, res
         dy_dsh = -(r_idx + q[:, 2, None] + 0.5) / q[:, 0, None] ** 2  # (n, h)
         dx_dsw = -(c_idx + q[:, 3, None] + 0.5) / q[:, 1, None] ** 2
         cols = [
@@ -116,13 +111,18 @@ def refine(
         jtr[active] = torch.where(keep, jtr_t, jtr[active])
         cost[active] = torch.where(better, cost_t, old)
         lam[active] = torch.where(better, lam_a * 0.3, lam_a * 10).clamp(1e-9, 1e9)
-        # done: moved by under a thousandth of a pixel, stopped improving, or gave up
+        # done: moved by under the tolerance, stopped improving, or gave up
         moved = (step[:, :4].abs() * scale).amax(1)
         done = (better & ((moved < tolerance) | (gain < 1e-9))) | (~better & (lam_a * 10 >= 1e6))
         active = active[~done]
         if active.numel() == 0:
             break
-    return p[:, :4], residual(p, every, absolute=True)[0]
+    # cost holds each candidate's squared sum at p already; the absolute one takes one warp
+    model = warp_batch(x[owner], p[:, 0], p[:, 1], p[:, 2], p[:, 3], (h, w))
+    if photometric:
+        model = model * p[:, 4, None, None, None] + p[:, 5, None, None, None]
+    absolute = (mask[owner] * (model - t[owner]).abs()).sum((1, 2, 3))
+    return p[:, :4], torch.stack((cost, absolute), 1)
 
 
 def _refine_c(
