@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .io import save_with
+from .viz import alignment_difference
 
 __all__ = [
     "align_page",
@@ -234,8 +235,7 @@ def align_page(
     (:meth:`densematch.Alignment.as_dict`)."""
     lo, hi = min(float(template.min()), float(warped.min())), max(float(template.max()), float(warped.max()))
     span = hi - lo if hi > lo else 1.0
-    diff = np.abs(warped - template)
-    top = max(0.1 * span, float(np.percentile(diff, 99.5)))
+    diff, what, top = alignment_difference(template, warped, objective)
     l_lo, l_hi = _range(landscape)
 
     def where(value: float, scales: np.ndarray) -> float:
@@ -259,7 +259,7 @@ def align_page(
         "template": {"png": _png((template - lo) / span), "h": template.shape[0], "w": template.shape[1]},
         "warped": _png((warped - lo) / span),
         "difference": _png(_colour(diff, "magma", 0.0, top)),
-        "difference_bar": _bar("magma", 0.0, top, "|difference|"),
+        "difference_bar": _bar("magma", 0.0, top, what),
         "landscape": {
             "png": _png(_colour(landscape, "viridis", l_lo, l_hi)),
             "h": landscape.shape[0],

@@ -9,7 +9,15 @@ import numpy as np
 
 from .io import FIGURE_OUTPUTS, check_output, save_with
 
-__all__ = ["align_figure", "distance_figure", "flow_colors", "invalid_note", "match_figure", "save_figure"]
+__all__ = [
+    "align_figure",
+    "alignment_difference",
+    "distance_figure",
+    "flow_colors",
+    "invalid_note",
+    "match_figure",
+    "save_figure",
+]
 
 
 def _plt() -> Any:
@@ -108,6 +116,18 @@ def _standardised(v: np.ndarray) -> np.ndarray:
     return (v - v.mean()) / max(float(v.std()), 1e-12)
 
 
+def alignment_difference(template: np.ndarray, warped: np.ndarray, objective: str) -> tuple[np.ndarray, str, float]:
+    """|warped - template| (h, w) under ``objective`` (for "ncc", of the two standardised: gain
+    and bias removed), its label, and the top of its colour scale: a fixed floor of 0.1, so
+    that a perfect fit looks black rather than amplified noise. The picture's and the page's."""
+    if objective == "ncc":
+        diff, what = np.abs(_standardised(warped) - _standardised(template)), "|difference| after gain and bias (ncc)"
+    else:
+        diff, what = np.abs(warped - template), f"|difference| ({objective})"
+    diff = diff if diff.ndim == 2 else diff.mean(-1)
+    return diff, what, max(0.1, float(np.percentile(diff, 99.5)))
+
+
 def align_figure(
     template: np.ndarray,
     warped: np.ndarray,
@@ -124,13 +144,8 @@ def align_figure(
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.9))
     _show(axes[0], template, "template")
     _show(axes[1], warped, "image, stretched and cropped")
-    if objective == "ncc":
-        diff, what = np.abs(_standardised(warped) - _standardised(template)), "|difference| after gain and bias (ncc)"
-    else:
-        diff, what = np.abs(warped - template), f"|difference| ({objective})"
-    diff = diff if diff.ndim == 2 else diff.mean(-1)
-    # a fixed floor for the scale, so that a perfect fit looks black rather than amplified noise
-    im = axes[2].imshow(diff, cmap="magma", vmin=0.0, vmax=max(0.1, float(np.percentile(diff, 99.5))))
+    diff, what, top = alignment_difference(template, warped, objective)
+    im = axes[2].imshow(diff, cmap="magma", vmin=0.0, vmax=top)
     axes[2].set_title(f"{what}, mean {diff.mean():.4f}", fontsize=9)
     axes[2].axis("off")
     fig.colorbar(im, ax=axes[2], fraction=0.046)
