@@ -331,19 +331,23 @@ def distance_pair(
     if x.ndim != 4:
         raise ValueError(f"FEATURES must have shape (N, D, H, W) or (D, H, W), got {x.shape}")
     xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
+    found = search(xt, pt, metric, k=k, memory=memory, precision=precision) if nearest else None
     html = None
     if page:
         from .view import distance_page, false_colour
 
         shown = max(k, min(3, pt.shape[0])) if nearest else min(3, pt.shape[0])
-        d1, i1 = nearest_prototype(xt[:1], pt, metric, k=shown, memory=memory, precision=precision)
+        if found is not None and k >= shown:  # the command's own nearest, when it lists enough
+            d1, i1 = found[0][:1], found[1][:1]
+        else:
+            d1, i1 = nearest_prototype(xt[:1], pt, metric, k=shown, memory=memory, precision=precision)
         (picture,) = false_colour(x[0].transpose(1, 2, 0))
         items = f" (the first of {x.shape[0]} maps)" if x.shape[0] > 1 else ""
         html = distance_page(
             picture, i1[0].numpy(), d1[0].numpy(), metric, pt.shape[0], title=f"{features} against {prototypes}{items}"
         )
-    if nearest:
-        d, i = search(xt, pt, metric, k=k, memory=memory, precision=precision)
+    if found is not None:
+        d, i = found
         arrays = {"distance": d.numpy(), "index": i.numpy()}
     elif to is not None:
         with atomic_write(to) as fh:
