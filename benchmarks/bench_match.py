@@ -24,7 +24,7 @@ import sys
 import torch
 
 import densematch
-from densematch.app.demo import blockwise_argmax
+from densematch.app.recipes import blockwise_argmax
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from _common import machine, matmul_gflops, photo_features, save, table, timeit

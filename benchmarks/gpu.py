@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import densematch
 from _common import machine, save, table, timeit
-from densematch.app.demo import blockwise_argmax
+from densematch.app.recipes import blockwise_argmax
 from densematch.app.synthetic import alignment_cases
 
 

@@ -15,7 +15,7 @@ from .._match import match
 from ..alignment import align, warp
 from ..options import MatchOptions
 from .features import dense_features
-from .recipes import blockwise_argmax  # where benchmarks and older code import it from
+from .recipes import blockwise_argmax  # its home before app.recipes, still importable from here
 from .synthetic import pck
 from .tasks import verdicts
 
