@@ -12,6 +12,9 @@ round, one process warms up on a 16x16 map and records its peak memory above the
 (VmHWM - VmRSS) over the first full-size call, with glibc's mmap threshold fixed so that freed
 memory leaves at once; a second, plain process times ``--repeats`` calls after one full-size
 call. The table gives the median over rounds.
+
+spatial-correlation-sampler (0.5.0) is a peer where it is installed: on CPU-only torch,
+scripts/build-correlation-sampler.sh builds it. Where it is not, its rows say so.
 """
 
 from __future__ import annotations
@@ -83,6 +86,16 @@ CHILD = textwrap.dedent(
         b = F.normalize(b, dim=1)
         return unfold_volume(a, b).flatten(1, 2).argmax(1)
 
+    def sampler_volume(a, b):
+        from spatial_correlation_sampler import spatial_correlation_sample
+
+        return spatial_correlation_sample(a, b, kernel_size=1, patch_size=P)
+
+    def sampler_topk(a, b):
+        a = F.normalize(a, dim=1)
+        b = F.normalize(b, dim=1)
+        return sampler_volume(a, b).flatten(1, 2).argmax(1)
+
     def global_match(a, b):
         return densematch.match(a, b, layout="chw").index
 
@@ -94,6 +107,8 @@ CHILD = textwrap.dedent(
         "shifted-products recipe": shifted_volume,
         "shifted-products recipe + argmax": shifted_topk,
         "full correlation, windows read out": full_volume,
+        "spatial-correlation-sampler": sampler_volume,
+        "spatial-correlation-sampler + argmax": sampler_topk,
         "local_match topk, cosine": ours_topk,
         "unfold recipe + argmax": unfold_topk,
         "match (global), cosine": global_match,
@@ -114,11 +129,13 @@ VOLUMES = [
     "shifted-products recipe",
     "unfold/pad recipe",
     "full correlation, windows read out",
+    "spatial-correlation-sampler",
 ]
 TOPK = [
     "local_match topk, cosine",
     "shifted-products recipe + argmax",
     "unfold recipe + argmax",
+    "spatial-correlation-sampler + argmax",
     "match (global), cosine",
 ]
 

@@ -516,3 +516,55 @@ def test_a_radius_past_the_maps_equals_the_largest_that_reaches(output):
         whole = densematch.local_match(a, b, (2, 3), k=35)
         assert torch.equal(huge.index[..., :35], whole.index) and (huge.index[..., 35:] == -1).all()
         assert not huge.valid[..., 35:].any()
+
+
+@pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="no C kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_channels_first_maps_are_read_in_place_to_the_same_bits(dtype):
+    # rows turned channels last into a ring, valued by the per-pixel kernels: every kind, with
+    # and without a channel tail, any offsets (unsorted, with gaps, past the grid)
+    g = torch.Generator().manual_seed(11)
+    offsets = torch.tensor([(i, j) for i in range(-2, 3) for j in range(-3, 4)] + [(5, 1), (-7, 0), (3, -2)])
+    offsets = offsets[torch.randperm(len(offsets), generator=g)]
+    for c, h, w in ((3, 5, 7), (16, 9, 45), (37, 4, 70)):
+        a, b = (torch.randn(c, h, w, generator=g, dtype=dtype).permute(1, 2, 0) for _ in range(2))
+        assert native.planar(a) and not native.planar(a.contiguous())
+        for kind in ("dot", "sqdiff", "absdiff", "maxabs"):
+            flat = native.local_values(a, b, offsets, 1, h, kind)
+            rows = native.local_values(a.contiguous(), b.contiguous(), offsets, 1, h, kind)
+            assert torch.equal(flat.isnan(), rows.isnan()) and torch.equal(flat.nan_to_num(), rows.nan_to_num())
+    with pytest.raises(ValueError, match="must be contiguous"):
+        native.local_values(a, b.contiguous(), offsets, 0, h, "dot")
+
+
+@pytest.mark.parametrize("metric", ["dot", "cosine", "l2", "l1", "linf"])
+def test_chw_and_hwc_inputs_give_one_volume_and_one_gradient(metric):
+    # (C, H, W) inputs are read in place by the C kernels, (H, W, C) rows per pixel: the same bits
+    g = torch.Generator().manual_seed(12)
+    a, b = (torch.randn(2, 37, 9, 41, generator=g) for _ in range(2))
+    mask = torch.rand(2, 9, 41, generator=g) > 0.2
+    got = {}
+    for layout, (x, y) in (("chw", (a, b)), ("hwc", (a.permute(0, 2, 3, 1), b.permute(0, 2, 3, 1)))):
+        x, y = x.clone().requires_grad_(), y.clone().requires_grad_()
+        vol = local_cost_volume(x, y, (2, 3), metric=metric, layout=layout, mask_b=mask, fill=0.0)
+        vol.square().sum().backward()
+        grads = [t.grad if layout == "chw" else t.grad.permute(0, 3, 1, 2) for t in (x, y)]
+        best = local_match(x.detach(), y.detach(), 2, metric=metric, layout=layout, k=2)
+        got[layout] = (vol.detach(), *grads, best.index)
+    for u, v in zip(got["chw"], got["hwc"], strict=True):
+        assert torch.equal(u, v), metric
+
+
+@pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="no C kernels here")
+def test_a_chw_volume_holds_its_output_and_one_band():
+    # no channels-last copy of either map: those would add 2 x 64 x 96 x 96 floats (4.5 MiB)
+    code = """
+g = torch.Generator().manual_seed(0)
+a, b = torch.randn(1, 64, 96, 96, generator=g), torch.randn(1, 64, 96, 96, generator=g)
+def run(small):
+    n = 16 if small else 96
+    densematch.local_cost_volume(a[..., :n, :n], b[..., :n, :n], 4, metric="dot", layout="chw", memory="1MiB")
+"""
+    output = 81 * 96 * 96 * 4
+    extra = peak_extra(code)
+    assert extra <= output + 1.5 * 2**20, f"peak {extra / 2**20:.2f} MiB, output {output / 2**20:.2f} MiB"

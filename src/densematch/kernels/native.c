@@ -597,6 +597,29 @@ DEFINE_PAIRS(double, f64, fabs, sqrt, frexp, ldexp)
     for (int64_t x = xs; x < xe; x++) o[x] = FN(pa + x * C, pb + x * C, C)
 
 #define DEFINE_LOCAL(T, SUF)                                                                       \
+    /* row o of offset (yy - y, dx): NaN where the window leaves b; returns the columns [xs, xe)  \
+     * where it stays (xs >= xe: none) */                                                         \
+    static inline int64_t local_span_##SUF(T *o, int64_t yy, int64_t dx, int64_t H, int64_t W,     \
+                                            int64_t *xs) {                                         \
+        const int64_t s = yy < 0 || yy >= H ? W : (dx < 0 ? -dx : 0);                              \
+        const int64_t e = yy < 0 || yy >= H ? W : (dx > 0 ? W - dx : W);                           \
+        for (int64_t x = 0; x < s; x++) o[x] = (T)NAN;                                             \
+        for (int64_t x = e > s ? e : s; x < W; x++) o[x] = (T)NAN;                                 \
+        *xs = s;                                                                                   \
+        return e;                                                                                  \
+    }                                                                                              \
+                                                                                                   \
+    /* o[xs..xe) from row pa of a and row pb of b (pixel stride C), b's row moved dx columns */   \
+    static inline void local_row_##SUF(const T *pa, const T *pb, int64_t C, int64_t xs, int64_t xe, \
+                                       int kind, T *o) {                                           \
+        switch (kind) {                                                                            \
+        case 0: LOCAL_ROW(dot_##SUF); break;                                                       \
+        case 1: LOCAL_ROW(sqdiff_##SUF); break;                                                    \
+        case 2: LOCAL_ROW(absdiff_##SUF); break;                                                   \
+        default: LOCAL_ROW(maxabs_##SUF); break;                                                   \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
     void dm_local_values_##SUF(const T *a, const T *b, int64_t H, int64_t W, int64_t C,            \
                                const int64_t *oy, const int64_t *ox, int64_t m, int64_t y0,        \
                                int64_t y1, int kind, T *out) {                                     \
@@ -605,19 +628,57 @@ DEFINE_PAIRS(double, f64, fabs, sqrt, frexp, ldexp)
             for (int64_t j = 0; j < m; j++) {                                                      \
                 T *o = out + (j * rows + (y - y0)) * W;                                            \
                 const int64_t yy = y + oy[j], dx = ox[j];                                          \
-                const int64_t xs = yy < 0 || yy >= H ? W : (dx < 0 ? -dx : 0);                     \
-                const int64_t xe = yy < 0 || yy >= H ? W : (dx > 0 ? W - dx : W);                  \
-                for (int64_t x = 0; x < xs; x++) o[x] = (T)NAN;                                    \
-                for (int64_t x = xe > xs ? xe : xs; x < W; x++) o[x] = (T)NAN;                     \
-                if (xs >= xe) continue;                                                            \
-                const T *pa = a + y * W * C, *pb = b + (yy * W + dx) * C;                          \
-                switch (kind) {                                                                    \
-                case 0: LOCAL_ROW(dot_##SUF); break;                                               \
-                case 1: LOCAL_ROW(sqdiff_##SUF); break;                                            \
-                case 2: LOCAL_ROW(absdiff_##SUF); break;                                           \
-                default: LOCAL_ROW(maxabs_##SUF); break;                                           \
-                }                                                                                  \
+                int64_t xs;                                                                        \
+                const int64_t xe = local_span_##SUF(o, yy, dx, H, W, &xs);                         \
+                if (xs < xe) local_row_##SUF(a + y * W * C, b + (yy * W + dx) * C, C, xs, xe, kind, o); \
             }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    /* row y of channels-first (C, H, W) src, channels last into dst (W, C), in blocks of 8      \
+     * channels so that each write fills a run of a pixel's values */                             \
+    static void local_row_last_##SUF(const T *src, int64_t y, int64_t H, int64_t W, int64_t C,     \
+                                     T *dst) {                                                     \
+        for (int64_t c0 = 0; c0 < C; c0 += 8) {                                                    \
+            const int64_t c1 = c0 + 8 < C ? c0 + 8 : C;                                            \
+            for (int64_t x = 0; x < W; x++)                                                        \
+                for (int64_t c = c0; c < c1; c++) dst[x * C + c] = src[(c * H + y) * W + x];       \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* dm_local_values for channels-first a and b, (C, H, W), read in place: each row of a and    \
+     * each row of b the offsets reach is turned channels last once, into a ring of the rows one  \
+     * row of a reaches, and valued by the same per-pixel kernels (the same bits). Returns 0, or  \
+     * 1 where the ring could not be allocated. */                                                \
+    int dm_local_planar_##SUF(const T *a, const T *b, int64_t H, int64_t W, int64_t C,             \
+                              const int64_t *oy, const int64_t *ox, int64_t m, int64_t y0,         \
+                              int64_t y1, int kind, T *out) {                                      \
+        const int64_t rows = y1 - y0;                                                              \
+        int64_t lo = 0, hi = 0;                                                                    \
+        for (int64_t j = 0; j < m; j++) {                                                          \
+            lo = j == 0 || oy[j] < lo ? oy[j] : lo;                                                \
+            hi = j == 0 || oy[j] > hi ? oy[j] : hi;                                                \
+        }                                                                                          \
+        const int64_t ring = hi - lo + 1;                                                          \
+        T *arow = malloc((size_t)((ring + 1) * W * C) * sizeof(T)), *brows = arow + W * C;         \
+        if (!arow) return 1;                                                                       \
+        int64_t next = 0; /* the first row of b not yet in the ring */                             \
+        for (int64_t y = y0; y < y1; y++) {                                                        \
+            local_row_last_##SUF(a, y, H, W, C, arow);                                             \
+            const int64_t first = y + lo > 0 ? y + lo : 0, last = y + hi < H ? y + hi + 1 : H;    \
+            for (int64_t yy = next > first ? next : first; yy < last; yy++)                        \
+                local_row_last_##SUF(b, yy, H, W, C, brows + (yy % ring) * W * C);                 \
+            next = last > next ? last : next;                                                      \
+            for (int64_t j = 0; j < m; j++) {                                                      \
+                T *o = out + (j * rows + (y - y0)) * W;                                            \
+                const int64_t yy = y + oy[j], dx = ox[j];                                          \
+                int64_t xs;                                                                        \
+                const int64_t xe = local_span_##SUF(o, yy, dx, H, W, &xs);                         \
+                if (xs < xe)                                                                       \
+                    local_row_##SUF(arow, brows + ((yy % ring) * W + dx) * C, C, xs, xe, kind, o); \
+            }                                                                                      \
+        }                                                                                          \
+        free(arow);                                                                                \
+        return 0;                                                                                  \
     }
 
 DEFINE_LOCAL(float, f32)

@@ -48,6 +48,7 @@ __all__ = [
     "minkowski",
     "minkowski_grad",
     "pair_values",
+    "planar",
     "sqnorms",
     "status",
     "usable",
@@ -156,6 +157,7 @@ def library() -> ctypes.CDLL | None:
         "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
         "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr], None),
         "dm_local_values": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], None),
+        "dm_local_planar": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], flag),
         "dm_local_flow_grad": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, ptr, ptr, ptr, ptr], None),
         "dm_local_flow": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, n, flag, flag, ptr, ptr], flag),
     }
@@ -464,25 +466,44 @@ def local_values(
     """(m, y1 - y0, W) values of rows y0:y1 of a (H, W, C) against b (H, W, C) at the m offsets
     (m, 2) int64 (row, col), NaN where an offset leaves the grid: "dot", "sqdiff", "absdiff" or
     "maxabs", each pair as :func:`pair_values` reduces it; into ``out`` (contiguous) when given.
-    On this thread."""
+    a and b are both contiguous, or both views of channels-first storage (:func:`planar`), read
+    in place: each row a window reaches turned channels last once, into a ring of rows, for the
+    same values to the bit. On this thread."""
     lib = _loaded("local_values")
-    oy, ox, out = _window_args(a, b, offsets, y0, y1, kind, out)
+    flat = planar(a) and planar(b)
+    oy, ox, out = _window_args(a, b, offsets, y0, y1, kind, out, flat)
     h, w, c = a.shape
-    getattr(lib, f"dm_local_values_{_SUFFIX[a.dtype]}")(
-        a.data_ptr(), b.data_ptr(), h, w, c, oy.data_ptr(), ox.data_ptr(), len(offsets), y0, y1,
-        PAIR_KINDS[kind], out.data_ptr(),
-    )  # fmt: skip
+    args = (a.data_ptr(), b.data_ptr(), h, w, c, oy.data_ptr(), ox.data_ptr(), len(offsets), y0, y1, PAIR_KINDS[kind])
+    if not flat:
+        getattr(lib, f"dm_local_values_{_SUFFIX[a.dtype]}")(*args, out.data_ptr())
+    elif getattr(lib, f"dm_local_planar_{_SUFFIX[a.dtype]}")(*args, out.data_ptr()):
+        rows = int(oy.max() - oy.min()) + 2
+        raise MemoryError(f"native.local_values: no memory for a ring of {rows} rows of {w} x {c}")
     return out
 
 
+def planar(x: torch.Tensor) -> bool:
+    """Whether (H, W, C) ``x`` is a view of contiguous channels-first (C, H, W) storage, which
+    :func:`local_values` reads in place (and a contiguous map is not, unless C is 1)."""
+    return x.ndim == 3 and x.shape[2] > 1 and x.permute(2, 0, 1).is_contiguous()
+
+
 def _window_args(
-    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, y0: int, y1: int, kind: str, out: torch.Tensor | None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    y0: int,
+    y1: int,
+    kind: str,
+    out: torch.Tensor | None,
+    flat: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The local kernels' checked arguments: the offsets' rows and columns (int64) and the
-    output (m, y1 - y0, W), made where not given."""
+    output (m, y1 - y0, W), made where not given. ``flat``: a and b are channels-first views."""
+    laid_out = flat or (a.is_contiguous() and b.is_contiguous())
     _require(
-        a.dtype == b.dtype and a.shape == b.shape and a.ndim == 3 and a.is_contiguous() and b.is_contiguous(),
-        "a and b must be contiguous (H, W, C) maps of one dtype and shape",
+        a.dtype == b.dtype and a.shape == b.shape and a.ndim == 3 and laid_out,
+        "a and b must be contiguous (H, W, C) maps of one dtype and shape (or both channels-first views)",
     )
     _require(kind in PAIR_KINDS and kind != "cosine", f"kind must be dot, sqdiff, absdiff or maxabs, got {kind!r}")
     _require(0 <= y0 <= y1 <= a.shape[0], f"rows {y0}:{y1} must lie in 0:{a.shape[0]}")

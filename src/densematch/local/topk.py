@@ -53,7 +53,8 @@ def topk(
         def picks(y0: int, y1: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             return [(offsets[:, y0:y1, :, j, 0], offsets[:, y0:y1, :, j, 1]) for j in range(k)]
 
-        score = values(win, ra, rb, flow, picks, rows, math.nan).permute(0, 2, 3, 1)
+        # each pixel's own picks are gathered, from channels-last rows
+        score = values(win, ra.contiguous(), rb.contiguous(), flow, picks, rows, math.nan).permute(0, 2, 3, 1)
     centre = torch.stack(torch.meshgrid(torch.arange(h, device=dev), torch.arange(w, device=dev), indexing="ij"), -1)
     coords = centre[None, :, :, None] + offsets
     if flow is not None:

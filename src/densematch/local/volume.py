@@ -68,6 +68,7 @@ class _Values(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         ra, rb, flow = ctx.saved_tensors
+        ra, rb = ra.contiguous(), rb.contiguous()  # channels last for the backward's kernels and gathers
         win: Window = ctx.win
         track = tuple(ctx.needs_input_grad[:3])
         grads = [torch.zeros_like(t) if need else None for t, need in zip((ra, rb, flow), track, strict=True)]

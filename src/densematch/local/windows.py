@@ -25,6 +25,7 @@ from ..checks import (
     check_pair,
     compute_dtype,
 )
+from ..kernels import native
 from ..metrics import Metric, get_metric, unit_rows
 
 __all__ = ["SAMPLINGS", "Offsets", "Read", "Window", "pair_int", "prepare"]
@@ -219,14 +220,23 @@ def prepare(
     # cosine reads unit rows with a dot product, except where b is interpolated: the cosine of
     # the blended feature, not the blend of unit features
     blended = moved is not None and moved.is_floating_point()
+    linear = metric.name == "dot" or (metric.name == "cosine" and not blended)
+    kernel = None
+    if use_c and not (metric.name == "cosine" and blended):  # the cosine of a blend: torch's
+        kernel = "dot" if linear else metric.pair_kind
     prepared = []
     for rows, mk, unit in ((ra, masks[0], True), (rb, masks[1], not blended)):
-        x = rows.to(dtype).contiguous()  # channels last: each pixel's feature one run of memory
+        x = rows.to(dtype)
         if mk is not None:
             x = torch.where(mk.reshape(nb, -1, 1), x, 0.0)
         if metric.name == "cosine" and unit:
             x = unit_rows(x)
         prepared.append(x.reshape(nb, h, w, -1))
+    # channels-first maps stay where they lie for the C kernels of shifted windows, which read
+    # them in place; every other path reads channels-last rows, a pixel's feature one run
+    in_place = kernel is not None and moved is None and native.usable(ra.device, dtype)
+    if not (in_place and nb and all(native.planar(x[0]) for x in prepared)):
+        prepared = [x.contiguous() for x in prepared]
     pair = get_metric("dot").pair_value if metric.name == "cosine" and not blended else metric.pair_value
     rows_i, cols_j = (_reachable(r, d, size, moved, axis) for r, d, size, axis in ((ry, dy, h, 0), (rx, dx, w, 1)))
     offsets = [(i * dy, j * dx) for i in rows_i for j in cols_j]
@@ -243,11 +253,11 @@ def prepare(
         mask_b=masks[1],
         pair=pair,
         device=ra.device,
-        linear=metric.name == "dot" or (metric.name == "cosine" and not blended),
+        linear=linear,
     )
-    if use_c and not (metric.name == "cosine" and blended):  # the cosine of a blend: torch's
-        window.kernel = "dot" if window.linear else metric.pair_kind
-        window.finish = None if window.linear else metric.kernel_value
+    if kernel is not None:
+        window.kernel = kernel
+        window.finish = None if linear else metric.kernel_value
     return window, (prepared[0], prepared[1], moved), batched
 
 
