@@ -1,0 +1,140 @@
+"""How much of align's search space an interval bound can rule out: the figure behind "no
+certificate in milliseconds" (issue 30, part 1).
+
+Run: python benchmarks/align_bound_pruning.py [--cases 12] [--cells 2000] [--threads 1] [--name NAME]
+
+Cases: bench_align_global's construction (100x100 templates in 125x125 photographs, scales over
+0.8..1.2, noise 0.01), one per photograph. For each, align's answer and its error E* (the
+default l1 objective: the mean absolute difference). A cell of parameters, each scale within
++-ds and each shift within +-dt of its centre, cannot hold a better fit when
+
+    LB = mean over template pixels p of dist(T(p), [min, max] of the image over the pixels
+         that a bilinear sample of p can touch from any parameters in the cell)
+
+exceeds E*. The warp is separable and monotone in each parameter, so each pixel's reach is
+exact: the box spanned by the cell's corners, widened to whole pixels. Cell centres are drawn
+uniformly over the whole search space; the share the bound cannot rule out, times the number of
+cells of that size, is how many a branch and bound must still examine at that size, each a pass
+over the template's 10^4 pixels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import densematch
+from _common import machine, save, table
+from bench_align_global import cases
+
+SIZES = [(0.04, 4.0), (0.02, 2.0), (0.01, 1.0), (0.005, 0.5), (0.0025, 0.25)]
+SCALES = (0.8, 1.2)
+Span = tuple[torch.Tensor, torch.Tensor]
+
+
+def reach(n: int, n_in: int, s: torch.Tensor, t: torch.Tensor, ds: float, dt: float) -> Span:
+    """Per cell (centres s, t: (M,)) and output pixel c < n: the first input pixel a bilinear
+    sample can touch and how many, over scales s +- ds and shifts t +- dt (align's convention:
+    pixel c reads input coordinate (c + t + 0.5) / s - 0.5, clamped to the input)."""
+    c = torch.arange(n, dtype=torch.float64)
+    corners = [
+        ((c + (t + et)[:, None] + 0.5) / (s + es)[:, None] - 0.5).clamp(0, n_in - 1)
+        for es in (-ds, ds)
+        for et in (-dt, dt)
+    ]
+    lo = torch.stack(corners).amin(0).floor()
+    hi = torch.stack(corners).amax(0).ceil().clamp(max=n_in - 1)
+    return lo.long(), (hi - lo).long() + 1
+
+
+def box_range(
+    img: torch.Tensor, rows: tuple[torch.Tensor, ...], cols: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """(M, h, w) minimum and maximum of img (H, W) over each pixel's box of rows x columns."""
+    (r0, rn), (c0, cn) = rows, cols
+    big_h, big_w = img.shape
+    lo1 = hi1 = None
+    for k in range(int(cn.max())):
+        idx = (c0 + k).clamp(max=big_w - 1)  # (M, w)
+        v = img[:, idx].permute(1, 0, 2)  # (M, H, w)
+        use = (k < cn)[:, None, :]
+        lo1 = v if lo1 is None else torch.where(use, torch.minimum(lo1, v), lo1)
+        hi1 = v if hi1 is None else torch.where(use, torch.maximum(hi1, v), hi1)
+    assert lo1 is not None and hi1 is not None
+    lo = hi = None
+    for k in range(int(rn.max())):
+        idx = (r0 + k).clamp(max=big_h - 1)  # (M, h)
+        at = idx[:, :, None].expand(-1, -1, lo1.shape[2])
+        vl, vh = lo1.gather(1, at), hi1.gather(1, at)
+        use = (k < rn)[:, :, None]
+        lo = vl if lo is None else torch.where(use, torch.minimum(lo, vl), lo)
+        hi = vh if hi is None else torch.where(use, torch.maximum(hi, vh), hi)
+    assert lo is not None and hi is not None
+    return lo, hi
+
+
+def cell_count(big: int, small: int, ds: float, dt: float) -> float:
+    """Cells of size (2 ds, 2 dt) per axis over scales 0.8..1.2 and shifts 0..big s - small."""
+    a, b = SCALES
+    span = big * (b * b - a * a) / 2 - small * (b - a)  # integral of (big s - small) over s
+    return span / (2 * ds * 2 * dt)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=12)
+    ap.add_argument("--cells", type=int, default=2000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default="align-bound-pruning")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cs = cases(1, args.seed)[: args.cases]
+    gen = torch.Generator().manual_seed(args.seed)
+    left: dict[tuple[float, float], list[float]] = {size: [] for size in SIZES}
+    for c in cs:
+        tpl, img = c["tpl"].double(), c["img"].double()
+        (h, w), (big_h, big_w) = tpl.shape, img.shape
+        a = densematch.align(c["tpl"], c["img"])
+        answer = float((densematch.warp(img, a.scale_h, a.scale_w, a.shift_y, a.shift_x, (h, w)) - tpl).abs().mean())
+        for ds, dt in SIZES:
+            u = torch.rand(4, args.cells, generator=gen, dtype=torch.float64)
+            sh, sw = (SCALES[0] + (SCALES[1] - SCALES[0]) * u[i] for i in (0, 1))
+            ty, tx = u[2] * (big_h * sh - h), u[3] * (big_w * sw - w)
+            kept = 0
+            for part in torch.arange(args.cells).split(250):
+                rows = reach(h, big_h, sh[part], ty[part], ds, dt)
+                cols = reach(w, big_w, sw[part], tx[part], ds, dt)
+                lo, hi = box_range(img, rows, cols)
+                bound = ((lo - tpl).clamp_min(0) + (tpl - hi).clamp_min(0)).mean((1, 2))
+                kept += int((bound <= answer).sum())
+            left[(ds, dt)].append(kept / args.cells)
+        print(c["photo"], f"E*={answer:.4f}", [round(left[s][-1], 3) for s in SIZES], flush=True)
+    out = []
+    for ds, dt in SIZES:
+        share = statistics.mean(left[(ds, dt)])
+        n = cell_count(big_h, h, ds, dt) ** 2
+        out.append(
+            {
+                "cell (scale +-, shift +- px)": f"{ds:g}, {dt:g}",
+                "cells in the space": f"{n:.3g}",
+                "share the bound cannot rule out": f"{share:.3f} ({min(left[(ds, dt)]):.3f}-{max(left[(ds, dt)]):.3f})",
+                "cells left to examine": f"{share * n:.3g}",
+                "pixel visits (x 10^4 each)": f"{share * n * h * w:.3g}",
+            }
+        )
+    info = machine()
+    per_case = {f"{ds:g},{dt:g}": v for (ds, dt), v in left.items()}
+    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": out, "per_case": per_case})
+    print(f"machine: {info}\n")
+    print(table(out, list(out[0])))
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
