@@ -15,7 +15,9 @@ exceeds E*. The warp is separable and monotone in each parameter, so each pixel'
 exact: the box spanned by the cell's corners, widened to whole pixels. Cell centres are drawn
 uniformly over the whole search space; the share the bound cannot rule out, times the number of
 cells of that size, is how many a branch and bound must still examine at that size, each a pass
-over the template's 10^4 pixels.
+over the template's 10^4 pixels. The farthest of those cells from align's answer, per
+parameter, says whether they lie in the answer's own basin (the bound is near 0 around the
+truth whatever the cell size: the noise's error hides inside each pixel's range) or elsewhere.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def main() -> None:
     cs = cases(1, args.seed)[: args.cases]
     gen = torch.Generator().manual_seed(args.seed)
     left: dict[tuple[float, float], list[float]] = {size: [] for size in SIZES}
+    far = {size: [0.0] * 4 for size in SIZES}  # farthest cell left from the answer, per parameter
     for c in cs:
         tpl, img = c["tpl"].double(), c["img"].double()
         (h, w), (big_h, big_w) = tpl.shape, img.shape
@@ -106,14 +109,19 @@ def main() -> None:
             u = torch.rand(4, args.cells, generator=gen, dtype=torch.float64)
             sh, sw = (SCALES[0] + (SCALES[1] - SCALES[0]) * u[i] for i in (0, 1))
             ty, tx = u[2] * (big_h * sh - h), u[3] * (big_w * sw - w)
-            kept = 0
+            kept = []
             for part in torch.arange(args.cells).split(250):
                 rows = reach(h, big_h, sh[part], ty[part], ds, dt)
                 cols = reach(w, big_w, sw[part], tx[part], ds, dt)
                 lo, hi = box_range(img, rows, cols)
                 bound = ((lo - tpl).clamp_min(0) + (tpl - hi).clamp_min(0)).mean((1, 2))
-                kept += int((bound <= answer).sum())
-            left[(ds, dt)].append(kept / args.cells)
+                kept.append(part[bound <= answer])
+            alive = torch.cat(kept)
+            left[(ds, dt)].append(len(alive) / args.cells)
+            # how far the cells left lie from the answer: its own basin, or other places
+            gap = torch.stack((sh - a.scale_h, sw - a.scale_w, ty - a.shift_y, tx - a.shift_x), 1)[alive].abs()
+            for i in range(4):
+                far[(ds, dt)][i] = max(far[(ds, dt)][i], float(gap[:, i].max()) if len(alive) else 0.0)
         print(c["photo"], f"E*={answer:.4f}", [round(left[s][-1], 3) for s in SIZES], flush=True)
     out = []
     for ds, dt in SIZES:
@@ -126,6 +134,9 @@ def main() -> None:
                 "share the bound cannot rule out": f"{share:.3f} ({min(left[(ds, dt)]):.3f}-{max(left[(ds, dt)]):.3f})",
                 "cells left to examine": f"{share * n:.3g}",
                 "pixel visits (x 10^4 each)": f"{share * n * h * w:.3g}",
+                "farthest left from the answer (scale_h, scale_w, shift_y, shift_x)": ", ".join(
+                    f"{v:.3g}" for v in far[(ds, dt)]
+                ),
             }
         )
     info = machine()
