@@ -365,7 +365,10 @@ def _search(
 ) -> _Found:
     b, c, h, w = t.shape
     levels = _levels(h, w)
-    pyramid = {f: (downsample(t, f), downsample(x, f), downsample(mask, f)) for f in levels}
+    pyramid = {1: (t, x, mask)}
+    for f in levels[-2::-1]:  # 2, 4, ...: each level halves the one below it
+        tb, xb, mb = pyramid[f // 2]
+        pyramid[f] = (downsample(tb, 2), downsample(xb, 2), downsample(mb, 2))
     coarse = levels[0]
     tc, xc, mc = pyramid[coarse]
     grid_h = scale_grid(*range_h, tc.shape[-2], x.device, x.dtype)
