@@ -84,13 +84,25 @@ def test_equals_the_dense_reference(photo, small_tiles, mode, temperature):
     want = dense(a, b, temperature, mode)
     # small tiles, and for the dual also one matrix product shared by its passes (it fits 64 MiB)
     budgets = (small_tiles, 2**26) if mode == "dual_softmax" else (small_tiles,)
-    for dtype, memory in itertools.product((torch.float32, torch.float64), budgets):
-        got = soft_match(a.to(dtype), b.to(dtype), temperature=temperature, mode=mode, memory=memory)
+    # inputs that want gradients take torch's fused attention (float32, "softmax-fused"), others the tiles
+    for dtype, memory, grad in itertools.product((torch.float32, torch.float64), budgets, (False, True)):
+        x, y = (v.detach().to(dtype).clone().requires_grad_(grad) for v in (a, b))
+        got = soft_match(x, y, temperature=temperature, mode=mode, memory=memory)
         assert got.coords.dtype == dtype and got.coords.shape == (16, 18, 2)
         bounds = rounding_bounds(dtype, a, b, temperature, want)
         for have, ref, bound in zip((got.coords, got.spread, got.max_weight), want, bounds, strict=True):
             over = (have.double() - ref).abs() - bound
             assert (over <= 0).all(), f"{int((over > 0).sum())} values beyond the bound, worst by {float(over.max())}"
+
+
+def test_inference_finds_the_largest_weight_on_the_way(photo, monkeypatch):
+    # without gradients the plain softmax takes the tiles, whose online maximum gives max_weight:
+    # no second pass of products (torch's fused kernel needs one)
+    calls = []
+    monkeypatch.setattr(_soft, "_row_max", lambda *args: calls.append(args))
+    a, b = photo
+    got = soft_match(a, b, temperature=0.1)
+    assert calls == [] and bool((got.max_weight > 0).all() and (got.max_weight <= 1).all())
 
 
 def test_gradients(photo, monkeypatch, mode):

@@ -137,9 +137,13 @@ def soft_match(
         k = F.normalize(kb.to(dtype), dim=1)
         if auto:  # each row's own temperature, folded into its query row
             q = q * _auto_scale(q.detach(), k.detach(), budget)[:, None]
-        # float64 takes the tiles: torch's fused CPU kernel strayed ~1e-9 from float64's exact
-        # moments in float64 (tests/test_soft.py's rounding bound), not always the same way
-        fused = _fused(q, k, v, 1.0 / t, budget) if mode == "softmax" and _SDPA and q.dtype != torch.float64 else None
+        # torch's fused attention only where gradients are wanted: its backward beats the tiles'
+        # at small widths, but its forward needs a second pass of products for the largest
+        # weight, which the tiles find on the way. float64 takes the tiles too: the fused CPU
+        # kernel strayed ~1e-9 from float64's exact moments (tests/test_soft.py's rounding bound)
+        wanted = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        use_fused = mode == "softmax" and _SDPA and wanted and q.dtype != torch.float64
+        fused = _fused(q, k, v, 1.0 / t, budget) if use_fused else None
         if fused is None:
             out, top = _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
         else:
@@ -203,6 +207,12 @@ def _auto_scale(q: torch.Tensor, k: torch.Tensor, budget: int) -> torch.Tensor:
     return torch.where(lead > 0, AUTO_SHARPNESS / lead.clamp_min(torch.finfo(q.dtype).tiny), 1.0)
 
 
+def _logits(qi: torch.Tensor, kj: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale qi kj^T, the scale folded into the rows of qi: one pass over a tile fewer, and the
+    same rounding wherever a tile is computed (forward, backward, row statistics)."""
+    return (qi if scale == 1.0 else qi * scale) @ kj.T
+
+
 def _row_max(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -> torch.Tensor:
     """The largest logit of every row, over column tiles (products and maxima, no exponentials)."""
     best = torch.empty(q.shape[0], dtype=q.dtype, device=q.device)
@@ -210,8 +220,8 @@ def _row_max(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int, tb: int) -
         qi = q[i : i + ta]
         top = torch.full((qi.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
         for j in range(0, k.shape[0], tb):
-            top = torch.maximum(top, (qi @ k[j : j + tb].T).amax(1))
-        best[i : i + ta] = top * scale
+            top = torch.maximum(top, _logits(qi, k[j : j + tb], scale).amax(1))
+        best[i : i + ta] = top
     return best
 
 
@@ -278,11 +288,14 @@ class _SoftAttention(torch.autograd.Function):
 
         def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             if products is None:
-                s = scale * (q[i : i + ta] @ k[j : j + tb].T)
+                s = _logits(q[i : i + ta], k[j : j + tb], scale)
             else:
                 s = products[i : i + ta, j : j + tb]
-            w = _weights(s, factor, lse[i : i + ta], col_lse, j)
-            return s, w, g_v[i : i + ta] @ v_t[j : j + tb].T - d_row[i : i + ta, None]
+            if col_lse is None and products is None:  # the plain softmax's own tile: weights in place
+                w = s.sub_(lse[i : i + ta, None]).exp_()
+            else:
+                w = _weights(s, factor, lse[i : i + ta], col_lse, j)
+            return s, w, torch.addmm(d_row[i : i + ta, None], g_v[i : i + ta], v_t[j : j + tb].T, beta=-1)
 
         col_sum = torch.zeros(nb, dtype=torch.float64, device=q.device)
         if col_lse is not None:  # C_j = sum_i w_ij g_ij: what reaches c_j (negated)
@@ -303,9 +316,9 @@ class _SoftAttention(torch.autograd.Function):
                     col = torch.exp(s - col_lse[None, j : j + tb])
                     ds = 2 * w * g - col * col_sum[None, j : j + tb].to(dt)
                 else:
-                    ds = w * g
-                dq[i : i + ta] += scale * (ds @ kj)
-                dk[j : j + tb] += scale * (ds.T @ qi)
+                    ds = w.mul_(g)  # w is this tile's own here
+                dq[i : i + ta].addmm_(ds, kj, alpha=scale)
+                dk[j : j + tb].addmm_(ds.T, qi, alpha=scale)
         return dq, dk, None, None, None, None
 
 
@@ -322,7 +335,7 @@ def _products(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int) -> torch.
     """scale q k^T (na, nb), written a row tile at a time (no temporary of its size)."""
     out = torch.empty(q.shape[0], k.shape[0], dtype=q.dtype, device=q.device)
     for i in range(0, q.shape[0], ta):
-        torch.mm(q[i : i + ta], k.T, out=out[i : i + ta]).mul_(scale)
+        torch.mm(q[i : i + ta] * scale, k.T, out=out[i : i + ta])
     return out
 
 
@@ -360,28 +373,31 @@ def _online(
     best = torch.empty_like(lse)
     plain = None if col_lse is None else torch.empty_like(lse)
     out = torch.empty(na, v.shape[1], dtype=torch.float64, device=q.device)
-    v_t = v.to(q.dtype)
+    # a column of ones after the moments: one product gives each tile's moments and weight sums
+    v_t = torch.cat((v.to(q.dtype), v.new_ones(nb, 1, dtype=q.dtype)), 1)
     for i in range(0, na, ta):
         qi = q[i : i + ta]
         top = torch.full((qi.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
-        total, acc = torch.zeros_like(top), out.new_zeros((qi.shape[0], v.shape[1]))
-        plain_top, plain_total = top.clone(), total.clone()
+        acc = out.new_zeros((qi.shape[0], v_t.shape[1]))
+        plain_top, plain_total = top.clone(), torch.zeros_like(top)
         for j in range(0, nb, tb):
-            s = scale * (qi @ k[j : j + tb].T) if products is None else products[i : i + ta, j : j + tb]
+            s = _logits(qi, k[j : j + tb], scale) if products is None else products[i : i + ta, j : j + tb]
             logit = s if col_lse is None else factor * s - col_lse[None, j : j + tb]
             new = torch.maximum(top, logit.amax(1))
             shrink = torch.exp(top - new)
-            w = torch.exp(logit - new[:, None])
-            total = total * shrink + w.sum(1)
-            # each tile's moments in the features' dtype, their sum over tiles in float64
+            # the weights in place where the tile is this pass's own (not the shared products)
+            fresh = logit is not s or products is None
+            w = (logit.sub_(new[:, None]) if fresh else logit - new[:, None]).exp_()
+            # each tile's moments and sums in the features' dtype, their sum over tiles in float64
             acc = acc * shrink.double()[:, None] + (w @ v_t[j : j + tb]).double()
             top = new
             if col_lse is not None:
                 plain_new = torch.maximum(plain_top, s.amax(1))
                 plain_total = plain_total * torch.exp(plain_top - plain_new) + torch.exp(s - plain_new[:, None]).sum(1)
                 plain_top = plain_new
-        lse[i : i + ta], best[i : i + ta] = top + total.log(), top
-        out[i : i + ta] = acc / total.double()[:, None]
+        total = acc[:, -1]
+        lse[i : i + ta], best[i : i + ta] = top + total.log().to(q.dtype), top
+        out[i : i + ta] = acc[:, :-1] / total[:, None]
         if plain is not None:
             plain[i : i + ta] = plain_top + plain_total.log()
     return lse, best, out, plain
@@ -406,7 +422,7 @@ def _row_stats(
         top = torch.full((qi.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
         total = torch.zeros_like(top)
         for j in range(0, k.shape[0], tb):
-            s = scale * (qi @ k[j : j + tb].T)
+            s = _logits(qi, k[j : j + tb], scale)
             if bias is not None:
                 s = s - bias[None, j : j + tb]
             new = torch.maximum(top, s.amax(1))
