@@ -31,6 +31,10 @@ AUTO_SHARPNESS = 256.0
 _TILE_B = 4096
 # the plain softmax through torch's fused attention where a fused kernel takes the inputs
 _SDPA = True
+# on a CPU, features at least this wide take the tiles even with gradients: measured at 64x64 and
+# 96x96 (one thread, forward + backward), the fused path led by 15% at C=64, was level at 128
+# and 1.4-1.5x behind at 256 (BENCHMARKS.md, "the largest weight found on the way")
+_FUSED_WIDTH = 128
 
 
 @dataclass
@@ -137,12 +141,14 @@ def soft_match(
         k = F.normalize(kb.to(dtype), dim=1)
         if auto:  # each row's own temperature, folded into its query row
             q = q * _auto_scale(q.detach(), k.detach(), budget)[:, None]
-        # torch's fused attention only where gradients are wanted: its backward beats the tiles'
-        # at small widths, but its forward needs a second pass of products for the largest
-        # weight, which the tiles find on the way. float64 takes the tiles too: the fused CPU
+        # on a CPU, torch's fused attention only where gradients are wanted of features narrower
+        # than _FUSED_WIDTH: it needs a second pass of products for the largest weight (the
+        # tiles find it on the way) and pads the positions to the features' width, which its
+        # backward makes up for at small widths only. float64 takes the tiles: the fused CPU
         # kernel strayed ~1e-9 from float64's exact moments (tests/test_soft.py's rounding bound)
         wanted = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        use_fused = mode == "softmax" and _SDPA and wanted and q.dtype != torch.float64
+        narrow = wanted and q.shape[1] < _FUSED_WIDTH
+        use_fused = mode == "softmax" and _SDPA and q.dtype != torch.float64 and (q.device.type != "cpu" or narrow)
         fused = _fused(q, k, v, 1.0 / t, budget) if use_fused else None
         if fused is None:
             out, top = _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
