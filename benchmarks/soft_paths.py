@@ -21,6 +21,18 @@ import densematch
 import densematch._soft as soft
 
 
+def run(path: str, a: torch.Tensor, b: torch.Tensor, positions: torch.Tensor) -> None:
+    """One forward + backward of ``path``: "fused", "tiles" or "dense"."""
+    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+    if path == "dense":
+        c = a.shape[-1]
+        q, k = F.normalize(x.reshape(-1, c), dim=1), F.normalize(y.reshape(-1, c), dim=1)
+        ((q @ k.T / 0.1).softmax(1) @ positions).sum().backward()
+        return
+    soft._SDPA = path == "fused"
+    densematch.soft_match(x, y, temperature=0.1).coords.sum().backward()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sides", type=int, nargs="+", default=[64, 96])
@@ -35,20 +47,11 @@ def main() -> None:
         for c in args.channels:
             a, b = (torch.randn(side, side, c, generator=g) for _ in range(2))
 
-            def run(path: str) -> None:
-                x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
-                if path == "dense":
-                    q, k = F.normalize(x.reshape(-1, c), dim=1), F.normalize(y.reshape(-1, c), dim=1)
-                    ((q @ k.T / 0.1).softmax(1) @ positions).sum().backward()
-                    return
-                soft._SDPA = path == "fused"
-                densematch.soft_match(x, y, temperature=0.1).coords.sum().backward()
-
             times: dict[str, list[float]] = {}
             for r in range(args.rounds + 1):
                 for path in ("fused", "tiles", "dense"):
                     t0 = time.perf_counter()
-                    run(path)
+                    run(path, a, b, positions)
                     if r:  # the first round warms up
                         times.setdefault(path, []).append(time.perf_counter() - t0)
             soft._SDPA = True
