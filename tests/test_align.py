@@ -226,6 +226,28 @@ class TestSearch:
         apart = (cand[:, None, :2] - cand[None, :, :2]).abs().amax(-1) > 0.06 + 1e-6
         assert apart[~torch.eye(len(cand), dtype=torch.bool)].all()
 
+    def test_a_basin_reached_twice_is_refined_once(self):
+        # candidates that converged onto one another (the usual case: 101 of 144 pairs handed two
+        # identical ones to full resolution) are refined once; near ones that may still part
+        # (0.002 in scale, 0.3 px: two starts pinned at a scale bound) are both kept
+        from densematch.alignment.api import _best_per_pair
+
+        cand = torch.tensor(
+            [
+                [1.0, 1.0, 5.0, 7.0],  # pair 0's best
+                [1.0, 1.0, 5.0, 7.00001],  # the same basin again
+                [0.8, 0.94, 4.3, 19.4],  # pair 1
+                [0.8, 0.942, 4.35, 19.1],  # pair 1, near but not the same
+                [1.1, 0.9, 2.0, 3.0],  # pair 0, elsewhere
+                [1.2, 0.9, 2.0, 3.0],  # pair 0, third: past keep=2
+            ]
+        )
+        owner = torch.tensor([0, 0, 1, 1, 0, 0])
+        err = torch.tensor([0.1, 0.1, 0.3, 0.2, 0.5, 0.6])
+        assert _best_per_pair(cand, owner, err, 2).tolist() == [0, 3, 2]  # the duplicate is not replaced
+        assert _best_per_pair(cand, owner, err, 3).tolist() == [0, 4, 3, 2]
+        assert _best_per_pair(cand, owner, err, 1).tolist() == [0, 3]
+
     def test_several_shifts_of_one_scale_pair_are_kept(self):
         # a periodic texture has several good shifts at one scale: the best two local minima over
         # the shifts both stay candidates (a plain minimum per scale pair kept only one)

@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..budget import chunk_rows
@@ -39,6 +40,11 @@ __all__ = ["OBJECTIVES", "Alignment", "align"]
 OBJECTIVES = ("l1", "l2", "ncc")
 _COARSE_SIDE = 20  # the grid's template side, at least: coarser levels lose the photographs' detail
 _KEEP = (4, 2)  # candidates each pair keeps after the grid's level, then after each finer one
+# of those, one this close to a better one in both scales and both shifts (full-resolution
+# pixels) is the same candidate again (most pairs hand two identical ones on): refined once, and
+# not replaced. Near ones stay: two starts pinned 0.002 and 0.3 px apart at a coarse scale bound
+# parted at the next level (a rocket case of benchmarks/bench_align.py)
+_SAME = (1e-3, 0.1)
 # refinement done once a step moves no template pixel this far (in the level's pixels): coarse
 # levels only hand a start to the next
 _TOLERANCE, _COARSE_TOLERANCE = 1e-3, 0.05
@@ -388,28 +394,35 @@ def _search(
         )
         cand = found * scale
         if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
-            cand, owner = _best_per_pair(cand, owner, sums[:, 0], b, _KEEP[min(i, len(_KEEP) - 1)])
+            keep = _best_per_pair(cand, owner, sums[:, 0], _KEEP[min(i, len(_KEEP) - 1)])
+            cand, owner = cand[keep], owner[keep]
     if objective == "ncc":
         err = objective_at(t, x, mask, owner, (cand[:, 0], cand[:, 1], cand[:, 2], cand[:, 3]), objective)
     else:
         total = (mask.sum((1, 2, 3)) * c)[owner]
         err = sums[:, 0 if objective == "l2" else 1] / total
-    per_pair = cand.shape[0] // b
-    pick = torch.arange(b, device=x.device) * per_pair + err.view(b, per_pair).argmin(1)
+    pick = _best_per_pair(cand, owner, err, 1)
     sh, sw, sy, sx = cand[pick].unbind(1)
     warped = warp_batch(x, sh, sw, sy, sx, (h, w))
     return _Found(sh, sw, sy, sx, err[pick], warped, landscape, grid_h, grid_w)
 
 
-def _best_per_pair(
-    cand: torch.Tensor, owner: torch.Tensor, err: torch.Tensor, b: int, keep: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each pair's ``keep`` lowest-error candidates (candidates are grouped by pair, in order)."""
-    per_pair = cand.shape[0] // b
-    keep = min(keep, per_pair)
-    idx = err.view(b, per_pair).topk(keep, dim=1, largest=False).indices
-    idx = (idx + torch.arange(b, device=cand.device)[:, None] * per_pair).reshape(-1)
-    return cand[idx], owner[idx]
+def _best_per_pair(cand: torch.Tensor, owner: torch.Tensor, err: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices of each pair's ``keep`` lowest-error candidates (M, 4), less any within _SAME of
+    a better one of them; grouped by pair in order, best first (every pair keeps its best). A
+    few candidates per pair: numpy on the host."""
+    c, o, e = (v.detach().cpu().numpy() for v in (cand, owner, err))
+    order = np.lexsort((e, o))  # by pair, then by error (NaN last)
+    starts = np.flatnonzero(np.r_[True, o[order][1:] != o[order][:-1]])
+    near = np.array([_SAME[0], _SAME[0], _SAME[1], _SAME[1]])
+    chosen: list[int] = []
+    for s, end in zip(starts, [*starts[1:], len(order)], strict=True):
+        kept: list[int] = []
+        for i in order[s : min(end, s + keep)]:
+            if not any((np.abs(c[i] - c[j]) <= near).all() for j in kept):
+                kept.append(int(i))
+        chosen += kept
+    return torch.tensor(chosen, dtype=torch.long, device=cand.device)
 
 
 def _refine_all(

@@ -272,8 +272,9 @@ def _cross_by_products(
     nh, nw, big_w = along_y.shape[2], rx.shape[0], along_y.shape[-1]
     ny, nx = n_shift
     rows = along_y.unfold(3, h, 1)[:, :, :, :ny]  # (B, C, nh, ny, W, h)
-    p = torch.einsum("bcnyWr,bcrk->bnykW", rows, t).reshape(b, nh * ny, w * big_w)
-    cols = rx.unfold(1, w, 1)[:, :nx].transpose(2, 3).reshape(nw * nx, w * big_w)
+    # (W, k) in the order einsum writes and unfold views: both flatten without a copy
+    p = torch.einsum("bcnyWr,bcrk->bnyWk", rows, t).reshape(b, nh * ny, big_w * w)
+    cols = rx.unfold(1, w, 1)[:, :nx].reshape(nw * nx, big_w * w)
     return (p @ cols.T).reshape(b, nh, ny, nw, nx).transpose(2, 3)
 
 
