@@ -1,6 +1,7 @@
-"""The plain softmax's forward + backward through torch's fused attention against the tiles
-(soft_match's two CPU paths, ``densematch._soft._SDPA`` switched) and the dense recipe, in one
-process, alternating: the figures behind ``_soft._FUSED_WIDTH``.
+"""The plain softmax's forward + backward on a CPU: the tiles' forward with torch's flash
+backward ("flash") against the tiles' own backward ("tiles"; ``densematch._soft._SDPA``
+switched) and the dense recipe, in one process, alternating: the figures behind
+``_soft._FUSED_WIDTH``.
 
 Run: python benchmarks/soft_paths.py [--sides 64 96] [--channels 64 128 256] [--rounds 3]
 
@@ -22,14 +23,14 @@ import densematch._soft as soft
 
 
 def run(path: str, a: torch.Tensor, b: torch.Tensor, positions: torch.Tensor) -> None:
-    """One forward + backward of ``path``: "fused", "tiles" or "dense"."""
+    """One forward + backward of ``path``: "flash", "tiles" or "dense"."""
     x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
     if path == "dense":
         c = a.shape[-1]
         q, k = F.normalize(x.reshape(-1, c), dim=1), F.normalize(y.reshape(-1, c), dim=1)
         ((q @ k.T / 0.1).softmax(1) @ positions).sum().backward()
         return
-    soft._SDPA = path == "fused"
+    soft._SDPA = path == "flash"
     densematch.soft_match(x, y, temperature=0.1).coords.sum().backward()
 
 
@@ -49,7 +50,7 @@ def main() -> None:
 
             times: dict[str, list[float]] = {}
             for r in range(args.rounds + 1):
-                for path in ("fused", "tiles", "dense"):
+                for path in ("flash", "tiles", "dense"):
                     t0 = time.perf_counter()
                     run(path, a, b, positions)
                     if r:  # the first round warms up

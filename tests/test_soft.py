@@ -95,14 +95,31 @@ def test_equals_the_dense_reference(photo, small_tiles, mode, temperature):
             assert (over <= 0).all(), f"{int((over > 0).sum())} values beyond the bound, worst by {float(over.max())}"
 
 
-def test_inference_finds_the_largest_weight_on_the_way(photo, monkeypatch):
-    # without gradients the plain softmax takes the tiles, whose online maximum gives max_weight:
-    # no second pass of products (torch's fused kernel needs one)
+def test_the_largest_weight_costs_no_second_pass(photo, monkeypatch):
+    # on a CPU the plain softmax's tiles find the largest weight on the way, with gradients (the
+    # flash kernel's backward follows) or without: no pass of products of its own
     calls = []
     monkeypatch.setattr(_soft, "_row_max", lambda *args: calls.append(args))
+    monkeypatch.setattr(_soft, "_row_stats", lambda *args: calls.append(args))
     a, b = photo
-    got = soft_match(a, b, temperature=0.1)
-    assert calls == [] and bool((got.max_weight > 0).all() and (got.max_weight <= 1).all())
+    for grad in (False, True):
+        x, y = a.clone().requires_grad_(grad), b.clone().requires_grad_(grad)
+        got = soft_match(x, y, temperature=0.1)
+        assert calls == [] and bool((got.max_weight > 0).all() and (got.max_weight <= 1).all())
+
+
+def test_float32_gradients_through_the_flash_backward_equal_the_dense_recipes(photo):
+    # the tiles' forward hands its log-sum-exp and moments to torch's flash backward (float32,
+    # narrow features); float64 runs the tiles' own backward (test_gradients)
+    x2, y2 = (t.detach().double().requires_grad_() for t in photo)
+    coords, spread, _ = dense(x2, y2, 0.1, "softmax")
+    (coords.sum() + spread.sum()).backward()
+    x, y = (t.detach().clone().requires_grad_() for t in photo)
+    got = soft_match(x, y, temperature=0.1)
+    (got.coords.sum() + got.spread.sum()).backward()
+    for mine, want in ((x.grad, x2.grad), (y.grad, y2.grad)):
+        assert mine.dtype == torch.float32
+        torch.testing.assert_close(mine.double(), want, atol=2e-4 * float(want.abs().max()), rtol=0)
 
 
 def test_gradients(photo, monkeypatch, mode):

@@ -31,9 +31,10 @@ AUTO_SHARPNESS = 256.0
 _TILE_B = 4096
 # the plain softmax through torch's fused attention where a fused kernel takes the inputs
 _SDPA = True
-# on a CPU, features at least this wide take the tiles even with gradients: measured at 64x64 and
-# 96x96 (one thread, forward + backward), the fused path led by 15% at C=64, was level at 128
-# and 1.4-1.5x behind at 256 (BENCHMARKS.md, "the largest weight found on the way")
+# on a CPU, narrower features take the flash kernel's backward after the tiles' forward where
+# gradients are wanted; these and wider ones the tiles' backward too: measured at 96x96 (one
+# thread, forward + backward), the flash backward led at C=64 and 128, the tiles' at 256
+# (BENCHMARKS.md, "the largest weight found on the way")
 _FUSED_WIDTH = 128
 
 
@@ -141,19 +142,17 @@ def soft_match(
         k = F.normalize(kb.to(dtype), dim=1)
         if auto:  # each row's own temperature, folded into its query row
             q = q * _auto_scale(q.detach(), k.detach(), budget)[:, None]
-        # on a CPU, torch's fused attention only where gradients are wanted of features narrower
-        # than _FUSED_WIDTH: it needs a second pass of products for the largest weight (the
-        # tiles find it on the way) and pads the positions to the features' width, which its
-        # backward makes up for at small widths only. float64 takes the tiles: the fused CPU
-        # kernel strayed ~1e-9 from float64's exact moments (tests/test_soft.py's rounding bound)
+        # float64 takes the tiles everywhere: torch's fused CPU kernel strayed ~1e-9 from
+        # float64's exact moments (tests/test_soft.py's rounding bound)
+        flash = mode == "softmax" and _SDPA and q.dtype != torch.float64
         wanted = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        narrow = wanted and q.shape[1] < _FUSED_WIDTH
-        use_fused = mode == "softmax" and _SDPA and q.dtype != torch.float64 and (q.device.type != "cpu" or narrow)
-        fused = _fused(q, k, v, 1.0 / t, budget) if use_fused else None
-        if fused is None:
-            out, top = _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
-        else:
+        fused = _fused(q, k, v, 1.0 / t, budget) if flash and q.device.type != "cpu" else None
+        if fused is not None:
             out, top = fused
+        elif flash and wanted and q.shape[1] < _FUSED_WIDTH:  # on a CPU
+            out, top = _TilesThenFlash.apply(q, k, v, 1.0 / t, budget)  # type: ignore[no-untyped-call]
+        else:
+            out, top = _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
         outs.append(out)
         tops.append(top)
     out, top = torch.stack(outs), torch.stack(tops)
@@ -173,36 +172,58 @@ _PAIR_BYTES = 80
 def _fused(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The softmax moments through torch's fused attention (flash or memory-efficient kernels
-    only: never the math kernel, which builds the Na x Nb weights), with the values padded to
-    the features' width (the CPU flash kernel needs one width), or None where no fused kernel
-    takes these inputs. The largest weight is exp(max logit - log-sum-exp): on a CPU the flash
-    kernel hands its log-sum-exp out and one pass of products finds the maxima; elsewhere that
-    pass computes the log-sum-exp too."""
+    """On a GPU, the softmax moments through torch's fused attention (flash or memory-efficient
+    kernels only: never the math kernel, which builds the Na x Nb weights), with the values
+    padded to the features' width, or None where no fused kernel takes these inputs. The
+    largest weight is exp(max logit - log-sum-exp), from one more tiled pass of products."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     c = max(q.shape[1], v.shape[1])
     qp, kp = (F.pad(x, (0, c - x.shape[1])) for x in (q, k))  # zero columns change no product
     vp = F.pad(v.to(q.dtype), (0, c - v.shape[1]))
-    lse = None
     try:
-        if q.device.type == "cpu":
-            # the bare kernel reads its inputs as contiguous, whatever their strides
-            qp, kp, vp = (x.contiguous()[None, None] for x in (qp, kp, vp))
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, scale=scale)
-        else:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # torch explains each kernel it cannot use
-                out = F.scaled_dot_product_attention(qp[None, None], kp[None, None], vp[None, None], scale=scale)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch explains each kernel it cannot use
+            out = F.scaled_dot_product_attention(qp[None, None], kp[None, None], vp[None, None], scale=scale)
     except RuntimeError:
         return None
     ta, tb = _tiles(q.shape[0], k.shape[0], q.shape[1], budget)
     with torch.no_grad():
-        if lse is None:
-            lse_rows, best = _row_stats(q.detach(), k.detach(), scale, ta, tb)
-        else:
-            lse_rows, best = lse.detach().reshape(-1).to(q.dtype), _row_max(q.detach(), k.detach(), scale, ta, tb)
+        lse_rows, best = _row_stats(q.detach(), k.detach(), scale, ta, tb)
     return out[0, 0, :, : v.shape[1]].double(), torch.exp(best - lse_rows)
+
+
+class _TilesThenFlash(torch.autograd.Function):
+    """The plain softmax on a CPU where gradients are wanted of narrow features: the tiles'
+    forward, which finds the largest weight on the way, then torch's flash kernel's own CPU
+    backward, handed the tiles' log-sum-exp and moments (features and positions padded to one
+    width, as the kernel wants; zero columns change no product)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ta, tb = _tiles(q.shape[0], k.shape[0], q.shape[1], budget)
+        lse, best, out, _ = _online(q, k, v, scale, ta, tb, None)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        top = torch.exp(best - lse)
+        ctx.mark_non_differentiable(top)
+        return out, top
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_top: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        c = max(q.shape[1], v.shape[1])
+
+        def wide(x: torch.Tensor) -> torch.Tensor:  # (N, c) in q's dtype, as (1, 1, N, c)
+            return F.pad(x.to(q.dtype), (0, c - x.shape[1])).contiguous()[None, None]
+
+        dq, dk, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            wide(grad_out), wide(q), wide(k), wide(v), wide(out), lse.float()[None, None].contiguous(), 0.0, False,
+            scale=ctx.scale,
+        )  # fmt: skip
+        return dq[0, 0, :, : q.shape[1]], dk[0, 0, :, : k.shape[1]], None, None, None
 
 
 def _auto_scale(q: torch.Tensor, k: torch.Tensor, budget: int) -> torch.Tensor:
