@@ -95,7 +95,9 @@ def soft_match(
         in :func:`densematch.match`. Outside it, because they are as large as the inputs and
         needed whole: the unit-normalised copies of a and b, kept for the backward ((Na + Nb)
         x C values), and in the backward the accumulators of their gradients (as many again)
-        plus the normalisation's own backward (about as many again).
+        plus the normalisation's own backward (about as many again); on a CPU, the plain
+        softmax with gradients of fewer than 128 channels runs torch's flash backward, which
+        also holds the positions and their gradient padded to C (about Na + 2 Nb rows of C).
 
     Returns
     -------
@@ -216,8 +218,9 @@ class _TilesThenFlash(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         c = max(q.shape[1], v.shape[1])
 
-        def wide(x: torch.Tensor) -> torch.Tensor:  # (N, c) in q's dtype, as (1, 1, N, c)
-            return F.pad(x.to(q.dtype), (0, c - x.shape[1])).contiguous()[None, None]
+        def wide(x: torch.Tensor) -> torch.Tensor:  # (N, c) in q's dtype, as (1, 1, N, c); no copy of q or k
+            x = x.to(q.dtype)
+            return (x if x.shape[1] == c else F.pad(x, (0, c - x.shape[1]))).contiguous()[None, None]
 
         dq, dk, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             wide(grad_out), wide(q), wide(k), wide(v), wide(out), lse.float()[None, None].contiguous(), 0.0, False,
