@@ -97,7 +97,8 @@ def soft_match(
         x C values), and in the backward the accumulators of their gradients (as many again)
         plus the normalisation's own backward (about as many again); on a CPU, the plain
         softmax with gradients of fewer than 128 channels runs torch's flash backward, which
-        also holds the positions and their gradient padded to C (about Na + 2 Nb rows of C).
+        also holds the positions, the moments and their gradients padded to C (about 2 (Na + Nb)
+        rows of C).
 
     Returns
     -------
