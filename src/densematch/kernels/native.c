@@ -597,18 +597,6 @@ DEFINE_PAIRS(double, f64, fabs, sqrt, frexp, ldexp)
     for (int64_t x = xs; x < xe; x++) o[x] = FN(pa + x * C, pb + x * C, C)
 
 #define DEFINE_LOCAL(T, SUF)                                                                       \
-    /* row o of offset (yy - y, dx): NaN where the window leaves b; returns the columns [xs, xe)  \
-     * where it stays (xs >= xe: none) */                                                         \
-    static inline int64_t local_span_##SUF(T *o, int64_t yy, int64_t dx, int64_t H, int64_t W,     \
-                                            int64_t *xs) {                                         \
-        const int64_t s = yy < 0 || yy >= H ? W : (dx < 0 ? -dx : 0);                              \
-        const int64_t e = yy < 0 || yy >= H ? W : (dx > 0 ? W - dx : W);                           \
-        for (int64_t x = 0; x < s; x++) o[x] = (T)NAN;                                             \
-        for (int64_t x = e > s ? e : s; x < W; x++) o[x] = (T)NAN;                                 \
-        *xs = s;                                                                                   \
-        return e;                                                                                  \
-    }                                                                                              \
-                                                                                                   \
     /* o[xs..xe) from row pa of a and row pb of b (pixel stride C), b's row moved dx columns */   \
     static inline void local_row_##SUF(const T *pa, const T *pb, int64_t C, int64_t xs, int64_t xe, \
                                        int kind, T *o) {                                           \
@@ -620,18 +608,30 @@ DEFINE_PAIRS(double, f64, fabs, sqrt, frexp, ldexp)
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
+    /* row y of a (pa, pixel stride C) at the m offsets, offset j into o + j * stride, NaN where  \
+     * the window leaves b; b's row yy is read at b + (yy % ring) W C (ring = H: b itself; fewer: \
+     * a ring of its rows) */                                                                     \
+    static inline void local_offsets_##SUF(const T *pa, const T *b, int64_t ring, int64_t y,       \
+                                           int64_t H, int64_t W, int64_t C, const int64_t *oy,     \
+                                           const int64_t *ox, int64_t m, int kind, T *o,           \
+                                           int64_t stride) {                                       \
+        for (int64_t j = 0; j < m; j++, o += stride) {                                             \
+            const int64_t yy = y + oy[j], dx = ox[j];                                              \
+            const int64_t xs = yy < 0 || yy >= H ? W : (dx < 0 ? -dx : 0);                         \
+            const int64_t xe = yy < 0 || yy >= H ? W : (dx > 0 ? W - dx : W);                      \
+            for (int64_t x = 0; x < xs; x++) o[x] = (T)NAN;                                        \
+            for (int64_t x = xe > xs ? xe : xs; x < W; x++) o[x] = (T)NAN;                         \
+            if (xs < xe) local_row_##SUF(pa, b + ((yy % ring) * W + dx) * C, C, xs, xe, kind, o);  \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
     void dm_local_values_##SUF(const T *a, const T *b, int64_t H, int64_t W, int64_t C,            \
                                const int64_t *oy, const int64_t *ox, int64_t m, int64_t y0,        \
                                int64_t y1, int kind, T *out) {                                     \
-        const int64_t rows = y1 - y0;                                                              \
+        const int64_t stride = (y1 - y0) * W;                                                      \
         for (int64_t y = y0; y < y1; y++)                                                          \
-            for (int64_t j = 0; j < m; j++) {                                                      \
-                T *o = out + (j * rows + (y - y0)) * W;                                            \
-                const int64_t yy = y + oy[j], dx = ox[j];                                          \
-                int64_t xs;                                                                        \
-                const int64_t xe = local_span_##SUF(o, yy, dx, H, W, &xs);                         \
-                if (xs < xe) local_row_##SUF(a + y * W * C, b + (yy * W + dx) * C, C, xs, xe, kind, o); \
-            }                                                                                      \
+            local_offsets_##SUF(a + y * W * C, b, H, y, H, W, C, oy, ox, m, kind,                  \
+                                out + (y - y0) * W, stride);                                       \
     }                                                                                              \
                                                                                                    \
     /* row y of channels-first (C, H, W) src, channels last into dst (W, C), in blocks of 8      \
@@ -668,14 +668,8 @@ DEFINE_PAIRS(double, f64, fabs, sqrt, frexp, ldexp)
             for (int64_t yy = next > first ? next : first; yy < last; yy++)                        \
                 local_row_last_##SUF(b, yy, H, W, C, brows + (yy % ring) * W * C);                 \
             next = last > next ? last : next;                                                      \
-            for (int64_t j = 0; j < m; j++) {                                                      \
-                T *o = out + (j * rows + (y - y0)) * W;                                            \
-                const int64_t yy = y + oy[j], dx = ox[j];                                          \
-                int64_t xs;                                                                        \
-                const int64_t xe = local_span_##SUF(o, yy, dx, H, W, &xs);                         \
-                if (xs < xe)                                                                       \
-                    local_row_##SUF(arow, brows + ((yy % ring) * W + dx) * C, C, xs, xe, kind, o); \
-            }                                                                                      \
+            local_offsets_##SUF(arow, brows, ring, y, H, W, C, oy, ox, m, kind, out + (y - y0) * W, \
+                                rows * W);                                                         \
         }                                                                                          \
         free(arow);                                                                                \
         return 0;                                                                                  \
