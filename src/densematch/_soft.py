@@ -333,10 +333,7 @@ class _SoftAttention(torch.autograd.Function):
                 s = _logits(q[i : i + ta], k[j : j + tb], scale)
             else:
                 s = products[i : i + ta, j : j + tb]
-            if col_lse is None and products is None:  # the plain softmax's own tile: weights in place
-                w = _exp_(s.sub_(lse[i : i + ta, None]))
-            else:
-                w = _weights(s, factor, lse[i : i + ta], col_lse, j)
+            w = _weights(s, factor, lse[i : i + ta], col_lse, j)
             return s, w, torch.addmm(d_row[i : i + ta, None], g_v[i : i + ta], v_t[j : j + tb].T, beta=-1)
 
         col_sum = torch.zeros(nb, dtype=torch.float64, device=q.device)
@@ -448,7 +445,9 @@ def _online(
 def _weights(s: torch.Tensor, factor: float, lse: torch.Tensor, bias: torch.Tensor | None, j: int) -> torch.Tensor:
     """One tile of weights exp(factor s_ij - bias_j - lse_i) from its scaled products s (bias:
     the dual's c_j, with factor 2)."""
-    logit = factor * s if bias is None else factor * s - bias[None, j : j + s.shape[1]]
+    logit = s if factor == 1.0 else factor * s  # the plain softmax's tile as it is, no copy
+    if bias is not None:
+        logit = logit - bias[None, j : j + s.shape[1]]
     return _exp_(logit - lse[:, None])
 
 
