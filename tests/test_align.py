@@ -185,6 +185,53 @@ class TestSearch:
         torch.testing.assert_close(sums_c, sums_torch, atol=1e-4, rtol=1e-3)
         assert (p_c - truth[owner]).abs().max() < 0.05  # and both found the truth
 
+    @pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    @pytest.mark.parametrize("shape", [(2, 1, 25, 25, 31, 31), (2, 3, 20, 27, 33, 29), (1, 2, 7, 5, 40, 9)])
+    def test_the_c_cross_term_is_the_products(self, dtype, shape):
+        # Rx's two taps per output column in C against the dense products and a float64 sum over
+        # each window of the stretched image; several lane blocks of row shifts (42 at 7 x 5),
+        # channels, template widths that are no multiple of the register block
+        from densematch.alignment.search import _cross_by_products, scale_grid
+        from densematch.alignment.warp import bilinear_taps, sampling_matrix
+
+        b, c, h, w, big_h, big_w = shape
+        gen = torch.Generator().manual_seed(sum(shape))
+        t = torch.rand(b, c, h, w, generator=gen, dtype=dtype)
+        x = torch.rand(b, c, big_h, big_w, generator=gen, dtype=dtype)
+        gh, gw = scale_grid(0.8, 1.2, h, x.device, dtype), scale_grid(0.7, 1.3, w, x.device, dtype)
+        rows, cols = int(big_h * gh.max()), int(big_w * gw.max())
+        ry = sampling_matrix(rows, big_h, gh, torch.zeros_like(gh))
+        rx = sampling_matrix(cols, big_w, gw, torch.zeros_like(gw))
+        n_y, n_x = rows - h + 1, cols - w + 1
+        along_y = torch.einsum("hrH,bcHW->bchrW", ry, x)
+        taps = bilinear_taps(cols, big_w, gw, torch.zeros_like(gw))
+        by_c = native.align_cross(along_y.contiguous(), t, taps, (n_y, n_x))
+        stretched = torch.einsum("bchrW,wkW->bchwrk", along_y.double(), rx.double())
+        windows = stretched.unfold(4, h, 1).unfold(5, w, 1)  # (B, C, nh, nw, n_y, n_x, h, w)
+        reference = torch.einsum("bcnmyxrk,bcrk->bnmyx", windows, t.double())
+        tol = 1e-4 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(by_c.double(), reference, atol=tol * h * w * c, rtol=0)
+        torch.testing.assert_close(by_c, _cross_by_products(t, along_y, rx, (n_y, n_x)), atol=tol * h * w * c, rtol=0)
+
+    def test_one_mask_for_a_batch_is_each_pairs_copy(self):
+        # a (h, w) mask (or none) is broadcast over the batch, never copied per pair: the C
+        # refinement then reads one weight array for every pair; the same answers to the bit
+        cases = list(alignment_cases(3, seed=14, sizes=(SIZES[0],)))
+        t = torch.stack([c.template for c in cases])
+        x = torch.stack([c.image for c in cases])
+        mask = torch.ones(100, 100)
+        mask[30:60, 20:50] = 0.25
+        for kernel in ("auto", "torch"):
+            with config_context(kernel=kernel):
+                shared = align(t, x, template_mask=mask)
+                copied = align(t, x, template_mask=mask.expand(3, 100, 100).clone())
+                plain = align(t, x)
+                ones = align(t, x, template_mask=torch.ones(3, 100, 100))
+            for field in ("scale_h", "scale_w", "shift_y", "shift_x", "error", "warped"):
+                assert torch.equal(getattr(shared, field), getattr(copied, field)), (kernel, field)
+                torch.testing.assert_close(getattr(plain, field), getattr(ones, field), atol=1e-5, rtol=1e-5)
+
     def test_torch_and_c_give_the_same_alignments(self):
         cases = list(alignment_cases(4, seed=5))
         for c in cases:

@@ -287,27 +287,28 @@ def _at_bound(
 
 def _unit_scale(t: torch.Tensor, x: torch.Tensor) -> float:
     """The power of two that brings the larger of the two images' peak amplitudes into [1, 2)."""
-    peak = max(float(t.abs().amax()), float(x.abs().amax()))
+    peak = max(abs(float(v)) for image in (t, x) for v in torch.aminmax(image))  # no |image| temporary
     return 1.0 if peak == 0 else 2.0 ** -math.floor(math.log2(peak))
 
 
 def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Weights of shape (B, 1, h, w): ones when no mask is given."""
+    """Weights of shape (B, 1, h, w): ones when no mask is given. One (h, w) for every pair
+    (ones, or a mask of that shape) stays one, broadcast over B (stride 0): nothing copies it
+    per pair."""
     b, _, h, w = t4.shape
     if mask is None:
-        return torch.ones(b, 1, h, w, dtype=dtype, device=t4.device)
+        return torch.ones(1, 1, h, w, dtype=dtype, device=t4.device).expand(b, 1, h, w)
     m = as_tensor(mask, "template_mask").to(t4.device, dtype)
     allowed = [(h, w), (b, h, w)] if len(shape) >= 3 else [(h, w)]
     if tuple(m.shape) not in allowed:
         listed = " or ".join(str(a) for a in allowed)
         raise ValueError(f"template_mask must have shape {listed}, one weight per pixel, got {tuple(m.shape)}")
-    m = m.expand(b, h, w)
     check_finite(m, "template_mask")
     if (m < 0).any():
         raise ValueError("template_mask must hold non-negative weights, got negative values")
-    if (m.reshape(b, -1).sum(1) <= 0).any():
+    if (m.reshape(-1, h * w).sum(1) <= 0).any():
         raise ValueError("template_mask must keep some pixels: it is all zero (for at least one pair)")
-    return m.reshape(b, 1, h, w).contiguous()
+    return m.contiguous().reshape(-1, 1, h, w).expand(b, 1, h, w)
 
 
 @dataclass
@@ -374,12 +375,14 @@ def _search(
     pyramid = {1: (t, x, mask)}
     for f in levels[-2::-1]:  # 2, 4, ...: each level halves the one below it
         tb, xb, mb = pyramid[f // 2]
-        pyramid[f] = (downsample(tb, 2), downsample(xb, 2), downsample(mb, 2))
+        shared = mb[:1] if mb.stride(0) == 0 else mb  # one mask for every pair stays one
+        m_half = downsample(shared, 2)
+        pyramid[f] = (downsample(tb, 2), downsample(xb, 2), m_half.expand(b, *m_half.shape[1:]))
     coarse = levels[0]
     tc, xc, mc = pyramid[coarse]
     grid_h = scale_grid(*range_h, tc.shape[-2], x.device, x.dtype)
     grid_w = scale_grid(*range_w, tc.shape[-1], x.device, x.dtype)
-    cand, landscape = grid_search(tc, xc, None if uniform else mc, grid_h, grid_w, objective == "ncc", budget)
+    cand, landscape = grid_search(tc, xc, None if uniform else mc, grid_h, grid_w, objective == "ncc", budget, use_c)
     m = cand.shape[1]
     cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, coarse, coarse], dtype=cand.dtype, device=cand.device)
     owner = torch.arange(b, device=x.device).repeat_interleave(m)

@@ -137,7 +137,11 @@ def _refine_c(
     tolerance: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     used, owner = torch.unique(owner, return_inverse=True)  # only the pairs these candidates fit
-    t64, x64, w64 = (v[used].double().contiguous() for v in (t, x, mask[:, 0]))
+    every = used.numel() == t.shape[0]  # unique sorts: then used is 0, 1, ..., B - 1
+    t64, x64 = ((v if every else v[used]).double().contiguous() for v in (t, x))
+    # uniform weights (a broadcast view) go once, shared by every pair
+    w64 = mask[:1, 0] if mask.stride(0) == 0 else mask[:, 0] if every else mask[used, 0]
+    w64 = w64.double().contiguous()
     start = start.double()
     if photometric:
         start = torch.cat((start, torch.ones_like(start[:, :1]), torch.zeros_like(start[:, :1])), 1)

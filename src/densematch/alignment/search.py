@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ..budget import chunk_rows
-from .warp import sampling_matrix
+from ..kernels import native
+from .warp import bilinear_taps, sampling_matrix
 
 __all__ = ["downsample", "grid_search", "pick_candidates", "scale_grid"]
 
@@ -50,8 +51,10 @@ def grid_search(
     grid_w: torch.Tensor,
     ncc: bool,
     budget: int,
+    use_c: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x) and the landscape (B, nh, nw)."""
+    """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x) and the landscape (B, nh, nw).
+    ``use_c``: the cross term in C (kernels/align.c) where the C kernels can run."""
     b, c, h, w = t.shape
     hh, ww = x.shape[-2:]
     nh, nw = grid_h.numel(), grid_w.numel()
@@ -64,6 +67,8 @@ def grid_search(
     zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
     ry = sampling_matrix(rows, hh, grid_h, zeros_h)  # (nh, rows, H)
     rx = sampling_matrix(cols, ww, grid_w, zeros_w)  # (nw, cols, W)
+    # Rx's two taps per row, for the C cross term
+    taps = bilinear_taps(cols, ww, grid_w, zeros_w) if use_c and native.usable(x.device, x.dtype) else None
     # valid integer shifts: 0 <= s <= H * scale - h
     # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
     max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
@@ -91,7 +96,8 @@ def grid_search(
     def search(chunk: tuple[int, int, int]) -> None:
         s, r, col = chunk
         e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
-        args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform)
+        part_taps = None if taps is None else tuple(tap[v] for tap in taps)
+        args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, part_taps)
         score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
         found[chunk] = _best_shifts(score)
 
@@ -148,6 +154,7 @@ def _shift_scores(
     n_shift: tuple[int, int],
     ncc: bool,
     uniform: bool,
+    taps: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """(B, nh, nw, n_y, n_x): weighted squared error, or 1 - NCC, at every integer shift.
 
@@ -155,14 +162,18 @@ def _shift_scores(
     cost less than transforms: the cross term and the window sums of S and S^2 from Ry X and
     Rx's taps (:func:`_cross_by_products`, :func:`_window_moments`), no stretched image built.
     Otherwise: the cross term an FFT correlation, the sums of S^2 (and S) window sums of the
-    stretched image, or correlations with the weights.
+    stretched image, or correlations with the weights. With Rx's ``taps``, the cross term of
+    uniform weights in C (:func:`densematch.kernels.native.align_cross`).
     """
     _b, c, h, w = t.shape
     along_y = torch.einsum("hrH,bcHW->bchrW", ry, x)  # (B, C, nh, rows, W)
     wt = mask * t
     if uniform and _products_cheaper(t.shape, x.shape, ry.shape, rx.shape, n_shift, fft_size):
         # nothing stretched is built: every sum comes from along_y and Rx's two taps per column
-        cross = _cross_by_products(t, along_y, rx, n_shift)  # sum_w T S
+        if taps is not None:
+            cross = native.align_cross(along_y.contiguous(), t.contiguous(), taps, n_shift)  # sum_w T S
+        else:
+            cross = _cross_by_products(t, along_y, rx, n_shift)
         energy, plain = _window_moments(along_y, rx, (h, w), n_shift, ncc)  # sum_w S^2, sum_w S
     else:
         # stretched images (B, C, nh, nw, rows, cols)
@@ -210,9 +221,15 @@ def _best_shifts(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lowest = torch.minimum(torch.minimum(padded[..., :-2], padded[..., 1:-1]), padded[..., 2:])
     lowest = torch.minimum(torch.minimum(lowest[..., :-2, :], lowest[..., 1:-1, :]), lowest[..., 2:, :])
     minima = torch.where(score <= lowest, score, math.inf).reshape(b, nh, nw, ny * nx)
-    k = min(_SHIFTS, ny * nx)
-    best, where = minima.topk(k, dim=3, largest=False)
-    return best, where
+    # the k lowest by k passes of min (topk costs ~2x as much on these short rows)
+    best, where = [], []
+    for i in range(min(_SHIFTS, ny * nx)):
+        value, at = minima.min(dim=3, keepdim=True)
+        best.append(value)
+        where.append(at)
+        if i + 1 < _SHIFTS:
+            minima.scatter_(3, at, math.inf)
+    return torch.cat(best, 3), torch.cat(where, 3)
 
 
 def _window_moments(

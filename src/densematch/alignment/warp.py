@@ -10,28 +10,33 @@ import torch
 
 from ..checks import as_tensor
 
-__all__ = ["as_image", "sampling_matrix", "warp", "warp_batch"]
+__all__ = ["as_image", "bilinear_taps", "sampling_matrix", "warp", "warp_batch"]
+
+
+def bilinear_taps(n_out: int, n_in: int, scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The two taps (i0, i1: (M, n_out) int64) and weights (w0, w1) of output pixels i at input
+    coordinate (i + shift + 0.5) / scale - 0.5, clamped to the input like ``interpolate``
+    (i1 == i0 on the last input pixel)."""
+    i = torch.arange(n_out, dtype=scale.dtype, device=scale.device)
+    y = ((i + shift[:, None] + 0.5) / scale[:, None] - 0.5).clamp(0, n_in - 1)
+    i0 = y.floor().clamp(max=max(n_in - 2, 0))
+    frac = y - i0
+    i0 = i0.long()
+    return i0, (i0 + 1).clamp(max=n_in - 1), 1 - frac, frac
 
 
 def sampling_matrix(
     n_out: int, n_in: int, scale: torch.Tensor, shift: torch.Tensor, derivative: bool = False
 ) -> torch.Tensor:
     """(M, n_out, n_in) bilinear weights of output pixels i at input coordinate
-    (i + shift + 0.5) / scale - 0.5, clamped to the input like ``interpolate``; with
-    ``derivative=True``, their derivative with respect to that coordinate."""
-    i = torch.arange(n_out, dtype=scale.dtype, device=scale.device)
-    y = ((i + shift[:, None] + 0.5) / scale[:, None] - 0.5).clamp(0, n_in - 1)
-    i0 = y.floor().clamp(max=max(n_in - 2, 0))
-    frac = y - i0
-    i0 = i0.long()
-    i1 = (i0 + 1).clamp(max=n_in - 1)
+    (i + shift + 0.5) / scale - 0.5, clamped to the input like ``interpolate`` (:func:`bilinear_taps`);
+    with ``derivative=True``, their derivative with respect to that coordinate."""
+    i0, i1, w0, w1 = bilinear_taps(n_out, n_in, scale, shift)
     out = torch.zeros(scale.shape[0], n_out, n_in, dtype=scale.dtype, device=scale.device)
     if derivative:
-        w0, w1 = -torch.ones_like(frac), torch.ones_like(frac)
+        w0, w1 = -torch.ones_like(w0), torch.ones_like(w1)
         w0 = torch.where(i1 == i0, 0.0, w0)
         w1 = torch.where(i1 == i0, 0.0, w1)
-    else:
-        w0, w1 = 1 - frac, frac
     out.scatter_add_(2, i0[..., None], w0[..., None])
     out.scatter_add_(2, i1[..., None], w1[..., None])
     return out

@@ -249,12 +249,13 @@ static void refine_one(const pair_t *s, const double *range, int iterations, dou
 }
 
 /* Refine m candidates in place: p (m x P), candidate i fitting template owner[i] of t (B, C, h, w)
- * into image owner[i] of x (B, C, H, W) with pixel weights wt (B, h, w), scales kept in range
+ * into image owner[i] of x (B, C, H, W) with pixel weights wt (B, h, w), or one (h, w) shared by
+ * every pair where wt_shared (no copy of a uniform weight per pair), scales kept in range
  * (lo_h, hi_h, lo_w, hi_w), at most `iterations` steps, done once a step moves no template pixel
  * by `tolerance` pixels or more. out (m x 2) gets each one's weighted sums of squared and of absolute
  * residuals. Returns 0, or 1 where the scratch could not be allocated. */
-int dm_align_refine(const double *t, const double *x, const double *wt, int64_t C, int64_t h, int64_t w, int64_t H,
-                    int64_t W, const int64_t *owner, int64_t m, int P, const double *range, int iterations,
+int dm_align_refine(const double *t, const double *x, const double *wt, int wt_shared, int64_t C, int64_t h,
+                    int64_t w, int64_t H, int64_t W, const int64_t *owner, int64_t m, int P, const double *range, int iterations,
                     double tolerance, double *p,
                     double *out) {
     double *scratch = malloc(sizeof(double) * (size_t)(h + 2 * w + 2 * C * H * w));
@@ -266,7 +267,7 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int64_t 
     }
     for (int64_t i = 0; i < m; i++) {
         const int64_t o = owner[i];
-        pair_t s = {t + o * C * h * w, x + o * C * H * W, wt + o * h * w, C, h, w, H, W, P, scratch, itaps};
+        pair_t s = {t + o * C * h * w, x + o * C * H * W, wt + (wt_shared ? 0 : o * h * w), C, h, w, H, W, P, scratch, itaps};
         refine_one(&s, range, iterations, tolerance, p + i * P, out + 2 * i);
     }
     free(scratch);
@@ -274,3 +275,77 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int64_t 
     return 0;
 }
 
+
+/* align's grid search: the cross term sum_{r,k} T(r, k) S(y + r, x + k) at every integer shift
+ * (y, x) and every scale pair, for S = Ry X Rx^T, without S. A = Ry X (one per scale_h: rows x W)
+ * is given; Rx has two taps per row (i0, i1 with weights w0, w1). Per scale_h and block of LANES
+ * row shifts:
+ *   P[W'][k][y] = sum_c sum_r A(y + r, W') T(r, k)        (vectors across y: A's columns, read
+ *                                                         transposed once, slide under T)
+ *   cross[sw][y][x] = sum_k w0 P[i0(sw, x + k)][k][y] + w1 P[i1(sw, x + k)][k][y]
+ * Rx's taps take 2 w multiply-adds per output where a dense product with Rx takes W w. Sums run
+ * in one fixed order (c, r; then k), the same on every CPU. Returns 1 where scratch could not
+ * be allocated. */
+#define DEFINE_CROSS(T, SUF)                                                                       \
+    typedef T cvec_##SUF __attribute__((vector_size(32)));                                         \
+    int dm_align_cross_##SUF(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,        \
+                             const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h, \
+                             int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, T *out) {           \
+        enum { L = 32 / sizeof(T), KB = 8 };                                                       \
+        const int64_t span = L + h - 1;                                                            \
+        /* vectors, so aligned to their size (malloc promises only 16 bytes) */                    \
+        cvec_##SUF *P = aligned_alloc(sizeof(cvec_##SUF), sizeof(cvec_##SUF) * (size_t)(W * w));    \
+        T *at = malloc(sizeof(T) * (size_t)(W * span));                                            \
+        if (!P || !at) {                                                                           \
+            free(P);                                                                               \
+            free(at);                                                                              \
+            return 1;                                                                              \
+        }                                                                                          \
+        for (int64_t b = 0; b < B; b++)                                                            \
+            for (int64_t n = 0; n < nh; n++)                                                       \
+                for (int64_t y0 = 0; y0 < ny; y0 += L) {                                           \
+                    memset(P, 0, sizeof(cvec_##SUF) * (size_t)(W * w));                            \
+                    for (int64_t c = 0; c < C; c++) {                                              \
+                        const T *ac = a + ((b * C + c) * nh + n) * rows * W, *tc = t + (b * C + c) * h * w; \
+                        for (int64_t v = 0; v < W; v++) /* A's column v, rows y0 .. y0 + span - 1 */ \
+                            for (int64_t j = 0; j < span; j++)                                     \
+                                at[v * span + j] = y0 + j < rows ? ac[(y0 + j) * W + v] : 0;       \
+                        for (int64_t v = 0; v < W; v++) /* KB columns of T at a time, in registers */ \
+                            for (int64_t k0 = 0; k0 < w; k0 += KB) {                               \
+                                const int kn = w - k0 < KB ? (int)(w - k0) : KB;                   \
+                                cvec_##SUF acc[KB];                                                \
+                                for (int kk = 0; kk < KB; kk++) acc[kk] = P[v * w + k0 + (kk < kn ? kk : 0)]; \
+                                for (int64_t r = 0; r < h; r++) {                                  \
+                                    cvec_##SUF col;                                                \
+                                    memcpy(&col, at + v * span + r, sizeof col);                   \
+                                    const T *tr = tc + r * w + k0;                                 \
+                                    if (kn == KB)                                                  \
+                                        for (int kk = 0; kk < KB; kk++) acc[kk] += tr[kk] * col;   \
+                                    else                                                           \
+                                        for (int kk = 0; kk < kn; kk++) acc[kk] += tr[kk] * col;   \
+                                }                                                                  \
+                                for (int kk = 0; kk < kn; kk++) P[v * w + k0 + kk] = acc[kk];      \
+                            }                                                                      \
+                    }                                                                              \
+                    const int64_t ys = ny - y0 < L ? ny - y0 : L;                                  \
+                    for (int64_t s = 0; s < nw; s++) {                                             \
+                        const int64_t *p0 = i0 + s * cols, *p1 = i1 + s * cols;                    \
+                        const T *q0 = w0 + s * cols, *q1 = w1 + s * cols;                          \
+                        T *o = out + ((b * nh + n) * nw + s) * ny * nx;                            \
+                        for (int64_t x = 0; x < nx; x++) {                                         \
+                            cvec_##SUF acc = {0};                                                  \
+                            for (int64_t k = 0; k < w; k++) {                                      \
+                                const int64_t j = x + k;                                           \
+                                acc += q0[j] * P[p0[j] * w + k] + q1[j] * P[p1[j] * w + k];        \
+                            }                                                                      \
+                            for (int64_t l = 0; l < ys; l++) o[(y0 + l) * nx + x] = acc[l];        \
+                        }                                                                          \
+                    }                                                                              \
+                }                                                                                  \
+        free(P);                                                                                   \
+        free(at);                                                                                  \
+        return 0;                                                                                  \
+    }
+
+DEFINE_CROSS(float, f32)
+DEFINE_CROSS(double, f64)

@@ -160,6 +160,7 @@ def library() -> ctypes.CDLL | None:
         "dm_local_planar": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], flag),
         "dm_local_flow_grad": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, ptr, ptr, ptr, ptr], None),
         "dm_local_flow": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, n, flag, flag, ptr, ptr], flag),
+        "dm_align_cross": ([ptr] * 6 + [n] * 11 + [ptr], flag),
     }
     for name, (args, result) in signatures.items():
         for suffix in _SUFFIX.values():
@@ -185,7 +186,8 @@ def library() -> ctypes.CDLL | None:
         ptr,
     ]
     lib.dm_merge_certified_bf16.restype = None
-    lib.dm_align_refine.argtypes = [ptr, ptr, ptr, n, n, n, n, n, ptr, n, flag, ptr, flag, ctypes.c_double, ptr, ptr]
+    sizes = [n] * 5  # C, h, w, H, W
+    lib.dm_align_refine.argtypes = [ptr, ptr, ptr, flag, *sizes, ptr, n, flag, ptr, flag, ctypes.c_double, ptr, ptr]
     lib.dm_align_refine.restype = flag
     return lib
 
@@ -616,7 +618,8 @@ def align_refine(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Levenberg-Marquardt for align's candidates (align.c), each from its start to its end.
 
-    ``t`` (B, C, h, w), ``x`` (B, C, H, W) and ``weights`` (B, h, w) float64; candidate i fits
+    ``t`` (B, C, h, w), ``x`` (B, C, H, W) and ``weights`` (B, h, w), or (1, h, w) shared by the
+    pairs, float64; candidate i fits
     template ``owner[i]`` into its image, starting at ``params[i]`` (M, 4), or (M, 6) with gain
     and bias; scales kept in ``ranges`` (lo_h, hi_h, lo_w, hi_w). Returns the parameters (M, P)
     and each one's weighted sums of squared and of absolute residuals (M, 2). On this thread."""
@@ -626,9 +629,9 @@ def align_refine(
     _require(
         all(v.dtype == torch.float64 and v.is_contiguous() for v in (t, x, weights, params))
         and x.shape[:2] == (b, c)
-        and weights.shape == (b, h, w)
+        and weights.shape in ((b, h, w), (1, h, w))
         and n_par in (4, 6),
-        "t, x, weights and params must be contiguous float64 (B, C, h, w), (B, C, H, W), (B, h, w), (M, 4 or 6)",
+        "t, x, weights and params must be contiguous float64 (B, C, h, w), (B, C, H, W), (B or 1, h, w), (M, 4 or 6)",
     )
     owner = owner.to(torch.int64).contiguous()
     _require(owner.shape == (m,) and bool(((owner >= 0) & (owner < b)).all()), "owner must hold M pair indices")
@@ -636,9 +639,42 @@ def align_refine(
     out = torch.empty(m, 2, dtype=torch.float64)
     box = torch.tensor(ranges, dtype=torch.float64)
     failed = lib.dm_align_refine(
-        t.data_ptr(), x.data_ptr(), weights.data_ptr(), c, h, w, x.shape[2], x.shape[3], owner.data_ptr(), m,
-        n_par, box.data_ptr(), iterations, tolerance, p.data_ptr(), out.data_ptr(),
+        t.data_ptr(), x.data_ptr(), weights.data_ptr(), weights.shape[0] != b, c, h, w, x.shape[2], x.shape[3],
+        owner.data_ptr(), m, n_par, box.data_ptr(), iterations, tolerance, p.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("densematch's C kernels: align_refine could not allocate its scratch")
     return p, out
+
+
+def align_cross(
+    along_y: torch.Tensor, t: torch.Tensor, taps: tuple[torch.Tensor, ...], n_shift: tuple[int, int]
+) -> torch.Tensor:
+    """align's cross term (align.c): (B, nh, nw, n_y, n_x) sums over the template's pixels and
+    channels of T times the stretched image at every integer shift, from ``along_y`` = Ry X
+    (B, C, nh, rows, W), the template ``t`` (B, C, h, w) and Rx's taps (i0, i1, w0, w1), each
+    (nw, cols) (:func:`densematch.alignment.warp.bilinear_taps`). float32 or float64."""
+    lib = _loaded("align_cross")
+    b, c, nh, rows, big_w = along_y.shape
+    h, w = t.shape[-2:]
+    i0, i1, w0, w1 = taps
+    nw, cols = i0.shape
+    ny, nx = n_shift
+    _require(
+        along_y.dtype in _SUFFIX
+        and all(v.dtype == along_y.dtype and v.is_contiguous() for v in (along_y, t, w0, w1))
+        and all(v.dtype == torch.int64 and v.is_contiguous() and v.shape == (nw, cols) for v in (i0, i1))
+        and w0.shape == w1.shape == (nw, cols)
+        and t.shape[:2] == (b, c)
+        and ny + h - 1 <= rows
+        and nx + w - 1 <= cols
+        and bool((i0 >= 0).all() and (i1 >= 0).all() and (i0 < big_w).all() and (i1 < big_w).all()),
+        "along_y (B, C, nh, rows, W), t (B, C, h, w) and taps (nw, cols) must be contiguous, of one float "
+        "dtype, with every shift's window inside rows x cols and taps inside W",
+    )
+    out = torch.empty(b, nh, nw, ny, nx, dtype=along_y.dtype)
+    sizes = (b, c, nh, rows, big_w, h, w, nw, cols, ny, nx)
+    ptrs = (along_y.data_ptr(), t.data_ptr(), i0.data_ptr(), i1.data_ptr(), w0.data_ptr(), w1.data_ptr())
+    if getattr(lib, f"dm_align_cross_{_SUFFIX[along_y.dtype]}")(*ptrs, *sizes, out.data_ptr()):
+        raise MemoryError("densematch's C kernels: align_cross could not allocate its scratch")
+    return out

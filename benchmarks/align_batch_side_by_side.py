@@ -1,0 +1,95 @@
+"""align's batch ratio of several densematch source trees, side by side: each tree in its own
+process, the trees alternated round by round, so that a busy spell hits them alike.
+
+Run: python benchmarks/align_batch_side_by_side.py SRC [SRC ...] [--labels A,B] [--rounds 3] [--name NAME]
+
+SRC is a src/ folder: this checkout's, or an earlier revision's from
+``git archive REV src | tar -x -C DIR``. The pairs are bench_align_global's (100x100 templates in
+125x125 photographs, one per photograph, 4 per photograph: 48), one thread. Per round and tree:
+the time per pair of one call per pair (median of 3 sweeps over 32 pairs), and of one batched call
+of 16 pairs (the batch runner's chunk) and of 32 (medians of 5 calls); the ratio is the first over
+the second. The trees' C kernels are built on first use, each from its own source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def measure(src: str) -> dict[str, float]:
+    """One round in this process, for the tree at ``src`` (first on sys.path)."""
+    sys.path.insert(0, src)
+    sys.path.insert(1, HERE)
+    import torch
+
+    import densematch
+    from bench_align_global import cases
+
+    torch.set_num_threads(1)
+    pairs = cases(4, 0)[:32]
+    tpl = torch.stack([c["tpl"] for c in pairs])
+    img = torch.stack([c["img"] for c in pairs])
+
+    def per_pair(run, n: int, repeats: int) -> float:  # ms per pair, median of the repeats
+        run()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3 / n
+
+    single = per_pair(lambda: [densematch.align(c["tpl"], c["img"]) for c in pairs], len(pairs), 3)
+    out = {"single ms": single}
+    for n in (16, 32):
+        out[f"batch {n} ms"] = per_pair(lambda n=n: densematch.align(tpl[:n], img[:n]), n, 5)
+        out[f"ratio {n}"] = single / out[f"batch {n} ms"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", nargs="+")
+    ap.add_argument("--labels", help="comma-separated names of the trees, for the table (default: tree 1, ...)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--name", default="align-batch-side-by-side")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.src[0])))
+        return
+    from _common import machine, save, table
+
+    labels = args.labels.split(",") if args.labels else [f"tree {i + 1}" for i in range(len(args.src))]
+    if len(labels) != len(args.src):
+        ap.error(f"--labels must name each of the {len(args.src)} trees, got {len(labels)} names")
+    rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    for r in range(args.rounds):
+        for src, label in zip(args.src, labels, strict=True):
+            done = subprocess.run(
+                [sys.executable, __file__, src, "--child"], capture_output=True, text=True, check=True
+            )
+            rounds[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1}", label, {k: round(v, 3) for k, v in rounds[label][-1].items()}, flush=True)
+    rows = [
+        {"tree": label, **{k: f"{statistics.median(x[k] for x in got):.3f}" for k in got[0]}}
+        for label, got in rounds.items()
+    ]
+    info = machine()
+    command = " ".join(["python benchmarks/align_batch_side_by_side.py", "SRC ...", *sys.argv[1 + len(args.src) :]])
+    path = save(args.name, {"machine": info, "command": command, "rows": rows, "rounds": rounds})
+    print(f"machine: {info}\n")
+    print(table(rows, list(rows[0])))
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
