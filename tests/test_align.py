@@ -8,6 +8,8 @@ from densematch.alignment.search import _best_shifts, pick_candidates
 from densematch.app.synthetic import PHOTOS, SIZES, alignment_cases, reference_warp
 from densematch.kernels import native
 
+needs_c = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+
 
 def within(a, case, scale_tol=0.005, shift_tol=0.5) -> bool:
     return (
@@ -295,13 +297,14 @@ class TestSearch:
         assert _best_per_pair(cand, owner, err, 3).tolist() == [0, 4, 3, 2]
         assert _best_per_pair(cand, owner, err, 1).tolist() == [0, 3]
 
-    def test_several_shifts_of_one_scale_pair_are_kept(self):
+    @pytest.mark.parametrize("in_c", [False, pytest.param(True, marks=needs_c)])
+    def test_several_shifts_of_one_scale_pair_are_kept(self, in_c):
         # a periodic texture has several good shifts at one scale: the best two local minima over
         # the shifts both stay candidates (a plain minimum per scale pair kept only one)
         score = torch.full((1, 1, 1, 9, 9), 3.0)
         score[0, 0, 0, 1, 1], score[0, 0, 0, 1, 2] = 0.5, 0.6  # one basin (two cells)
         score[0, 0, 0, 7, 6] = 0.7  # another
-        best, where = _best_shifts(score)
+        best, where = _best_shifts(score, in_c)
         assert best[0, 0, 0, :2].tolist() == pytest.approx([0.5, 0.7])
         assert where[0, 0, 0, :2].tolist() == [1 * 9 + 1, 7 * 9 + 6]
 
@@ -321,3 +324,24 @@ class TestSearch:
         transforms = search.grid_search(tc, xc, None, grid_h, grid_w, ncc, 2**30)
         torch.testing.assert_close(products[1], transforms[1], atol=1e-5, rtol=1e-5)
         assert torch.equal(products[0], transforms[0])
+
+    @needs_c
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    @pytest.mark.parametrize("shape", [(2, 3, 4, 13, 13), (1, 2, 2, 1, 7), (3, 1, 1, 5, 1), (1, 1, 1, 1, 1)])
+    def test_the_c_best_shifts_are_torchs(self, dtype, shape):
+        # ties (scores on a grid of eighths), invalid shifts (inf) and rows of one shift
+        gen = torch.Generator().manual_seed(sum(shape))
+        score = (torch.rand(*shape, generator=gen, dtype=dtype) * 8).round() / 8
+        score = score.masked_fill(torch.rand(*shape, generator=gen) < 0.2, float("inf"))
+        (best_t, _), (best_c, where_c) = _best_shifts(score), _best_shifts(score, True)
+        assert torch.equal(best_c, best_t)
+        # each scale pair's local minima (no higher than their 8 neighbours) by score, ties by index
+        ny, nx = shape[-2:]
+        padded = torch.nn.functional.pad(score, (1, 1, 1, 1), value=float("inf"))
+        around = torch.stack([padded[..., dy : dy + ny, dx : dx + nx] for dy in range(3) for dx in range(3)])
+        minima = (score <= around.amin(0)).reshape(-1, ny * nx)
+        values, k = score.reshape(-1, ny * nx), best_c.shape[-1]
+        found = zip(best_c.reshape(-1, k).tolist(), where_c.reshape(-1, k).tolist(), strict=True)
+        for row, (v, at) in enumerate(found):
+            low = [(float(x), i) for i, x in enumerate(values[row].tolist()) if minima[row, i] and x < float("inf")]
+            assert [(a, i) for a, i in zip(v, at, strict=True) if a < float("inf")] == sorted(low)[:k]

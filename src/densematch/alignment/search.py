@@ -99,7 +99,7 @@ def grid_search(
         part_taps = None if taps is None else tuple(tap[v] for tap in taps)
         args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, part_taps)
         score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
-        found[chunk] = _best_shifts(score)
+        found[chunk] = _best_shifts(score, taps is not None)
 
     for chunk in chunks:
         search(chunk)
@@ -170,7 +170,7 @@ def _shift_scores(
     wt = mask * t
     if uniform and _products_cheaper(t.shape, x.shape, ry.shape, rx.shape, n_shift, fft_size):
         # nothing stretched is built: every sum comes from along_y and Rx's two taps per column
-        if taps is not None:
+        if taps is not None:  # in C, from Rx's two taps per column
             cross = native.align_cross(along_y.contiguous(), t.contiguous(), taps, n_shift)  # sum_w T S
         else:
             cross = _cross_by_products(t, along_y, rx, n_shift)
@@ -210,12 +210,14 @@ def _shift_scores(
     return 1 - cov / denom
 
 
-def _best_shifts(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _best_shifts(score: torch.Tensor, in_c: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per scale pair of ``score`` (B, nh, nw, n_y, n_x), the _SHIFTS lowest local minima over
     the shifts, (B, nh, nw, _SHIFTS) scores (inf where fewer) and flat shift indices: a
     periodic texture has several good shifts at one scale, and the truth need not be the best
-    at the coarse level."""
+    at the coarse level. ``in_c``: in one pass of C (:func:`densematch.kernels.native.align_best_shifts`)."""
     b, nh, nw, ny, nx = score.shape
+    if in_c:
+        return native.align_best_shifts(score.contiguous(), min(_SHIFTS, ny * nx))
     padded = F.pad(score, (1, 1, 1, 1), value=math.inf)
     # the 3 x 3 neighbourhood's lowest, in two passes (max_pool2d is far slower on such sizes)
     lowest = torch.minimum(torch.minimum(padded[..., :-2], padded[..., 1:-1]), padded[..., 2:])

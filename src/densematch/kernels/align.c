@@ -349,3 +349,44 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int wt_s
 
 DEFINE_CROSS(float, f32)
 DEFINE_CROSS(double, f64)
+
+/* align's grid search: per scale pair, the K lowest local minima over the shifts of score
+ * (M x ny x nx; a local minimum is no higher than any of its 8 neighbours), lowest first, ties
+ * to the lower flat index; where fewer than K, inf and index 0 fill the rest. One pass, where
+ * torch takes a padded copy, four minimum passes and a top-k. */
+#define DEFINE_BEST_SHIFTS(T, SUF)                                                                 \
+    void dm_align_best_shifts_##SUF(const T *score, int64_t M, int64_t ny, int64_t nx, int64_t K, T *best, \
+                                    int64_t *where) {                                              \
+        for (int64_t m = 0; m < M; m++) {                                                          \
+            const T *s = score + m * ny * nx;                                                      \
+            T *bv = best + m * K;                                                                  \
+            int64_t *bi = where + m * K;                                                           \
+            for (int64_t k = 0; k < K; k++) {                                                      \
+                bv[k] = (T)INFINITY;                                                               \
+                bi[k] = 0;                                                                         \
+            }                                                                                      \
+            for (int64_t y = 0; y < ny; y++)                                                       \
+                for (int64_t x = 0; x < nx; x++) {                                                 \
+                    const T v = s[y * nx + x];                                                     \
+                    if (!(v < bv[K - 1])) continue;                                                \
+                    int low = 1;                                                                   \
+                    for (int64_t dy = y > 0 ? -1 : 0; low && dy <= (y + 1 < ny ? 1 : 0); dy++)     \
+                        for (int64_t dx = x > 0 ? -1 : 0; dx <= (x + 1 < nx ? 1 : 0); dx++)       \
+                            if (s[(y + dy) * nx + x + dx] < v) {                                   \
+                                low = 0;                                                           \
+                                break;                                                             \
+                            }                                                                      \
+                    if (!low) continue;                                                            \
+                    int64_t k = K - 1;                                                             \
+                    for (; k > 0 && v < bv[k - 1]; k--) {                                          \
+                        bv[k] = bv[k - 1];                                                         \
+                        bi[k] = bi[k - 1];                                                         \
+                    }                                                                              \
+                    bv[k] = v;                                                                     \
+                    bi[k] = y * nx + x;                                                            \
+                }                                                                                  \
+        }                                                                                          \
+    }
+
+DEFINE_BEST_SHIFTS(float, f32)
+DEFINE_BEST_SHIFTS(double, f64)

@@ -161,6 +161,7 @@ def library() -> ctypes.CDLL | None:
         "dm_local_flow_grad": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, ptr, ptr, ptr, ptr], None),
         "dm_local_flow": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, n, flag, flag, ptr, ptr], flag),
         "dm_align_cross": ([ptr] * 6 + [n] * 11 + [ptr], flag),
+        "dm_align_best_shifts": ([ptr, n, n, n, n, ptr, ptr], None),
     }
     for name, (args, result) in signatures.items():
         for suffix in _SUFFIX.values():
@@ -674,7 +675,23 @@ def align_cross(
     )
     out = torch.empty(b, nh, nw, ny, nx, dtype=along_y.dtype)
     sizes = (b, c, nh, rows, big_w, h, w, nw, cols, ny, nx)
-    ptrs = (along_y.data_ptr(), t.data_ptr(), i0.data_ptr(), i1.data_ptr(), w0.data_ptr(), w1.data_ptr())
+    ptrs = (along_y.data_ptr(), t.data_ptr(), *(v.data_ptr() for v in taps))
     if getattr(lib, f"dm_align_cross_{_SUFFIX[along_y.dtype]}")(*ptrs, *sizes, out.data_ptr()):
         raise MemoryError("densematch's C kernels: align_cross could not allocate its scratch")
     return out
+
+
+def align_best_shifts(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scale pair of align's grid ``score`` (..., n_y, n_x), float32 or float64: the ``k``
+    lowest local minima over the shifts (no higher than any of their 8 neighbours), lowest first,
+    ties to the lower flat index, and their flat indices, each (..., k); inf and 0 where fewer."""
+    lib = _loaded("align_best_shifts")
+    *lead, ny, nx = score.shape
+    _require(score.dtype in _SUFFIX and score.is_contiguous() and k >= 1, "score must be contiguous float, k >= 1")
+    best = torch.empty(*lead, k, dtype=score.dtype)
+    where = torch.empty(*lead, k, dtype=torch.int64)
+    rows = best.numel() // k
+    getattr(lib, f"dm_align_best_shifts_{_SUFFIX[score.dtype]}")(
+        score.data_ptr(), rows, ny, nx, k, best.data_ptr(), where.data_ptr()
+    )
+    return best, where
