@@ -5,10 +5,11 @@ Run: python benchmarks/align_batch_side_by_side.py SRC [SRC ...] [--labels A,B] 
 
 SRC is a src/ folder: this checkout's, or an earlier revision's from
 ``git archive REV src | tar -x -C DIR``. The pairs are bench_align_global's (100x100 templates in
-125x125 photographs, one per photograph, 4 per photograph: 48), one thread. Per round and tree:
-the time per pair of one call per pair (median of 3 sweeps over 32 pairs), and of one batched call
-of 16 pairs (the batch runner's chunk) and of 32 (medians of 5 calls); the ratio is the first over
-the second. The trees' C kernels are built on first use, each from its own source.
+125x125 photographs, 4 per photograph: the first 32), one thread. Per round and tree, five times
+over after a warm-up, interleaved: the time per pair of one call per pair (a sweep over the 32),
+of one batched call of 16 pairs (the batch runner's chunk) and of one of 32. Each is the median
+of the five; each ratio is the median of the five sweeps' time over the batch's beside it. The
+trees' C kernels are built on first use, each from its own source.
 """
 
 from __future__ import annotations
@@ -38,20 +39,24 @@ def measure(src: str) -> dict[str, float]:
     tpl = torch.stack([c["tpl"] for c in pairs])
     img = torch.stack([c["img"] for c in pairs])
 
-    def per_pair(run, n: int, repeats: int) -> float:  # ms per pair, median of the repeats
-        run()
-        times = []
-        for _ in range(repeats):
+    def batch(n: int) -> None:
+        densematch.align(tpl[:n], img[:n])
+
+    def each() -> None:
+        for c in pairs:
+            densematch.align(c["tpl"], c["img"])
+
+    runs = {"single": (each, len(pairs)), "batch 16": (lambda: batch(16), 16), "batch 32": (lambda: batch(32), 32)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(6):  # interleaved, so that a slow spell slows all three alike
+        for name, (run, n) in runs.items():
             t0 = time.perf_counter()
             run()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3 / n
-
-    single = per_pair(lambda: [densematch.align(c["tpl"], c["img"]) for c in pairs], len(pairs), 3)
-    out = {"single ms": single}
-    for n in (16, 32):
-        out[f"batch {n} ms"] = per_pair(lambda n=n: densematch.align(tpl[:n], img[:n]), n, 5)
-        out[f"ratio {n}"] = single / out[f"batch {n} ms"]
+            if repeat:  # the first is a warm-up
+                times[name].append((time.perf_counter() - t0) * 1e3 / n)
+    out = {f"{name} ms": statistics.median(t) for name, t in times.items()}
+    for n in (16, 32):  # each repeat's own ratio, then their median
+        out[f"ratio {n}"] = statistics.median(a / b for a, b in zip(times["single"], times[f"batch {n}"], strict=True))
     return out
 
 

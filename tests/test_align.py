@@ -81,19 +81,28 @@ class TestAlign:
         assert torch.allclose(rgb.scale_w, a.scale_w, atol=1e-4) and rgb.warped.shape == (3, 3, 100, 100)
 
     def test_memory_bounds_the_search_in_chunks(self):
+        from densematch.alignment.search import downsample, grid_search, scale_grid
+
         cases = list(alignment_cases(2, seed=13, sizes=(SIZES[0],)))
         t = torch.stack([c.template for c in cases])
         x = torch.stack([c.image for c in cases])
         free = align(t, x)
-        for memory in ("7MiB", "2MiB"):  # a few scale rows at a time, then a few scale pairs
-            tight = align(t, x, memory=memory)
-            for field in ("scale_h", "scale_w", "shift_y", "shift_x"):
-                torch.testing.assert_close(getattr(tight, field), getattr(free, field))
-            torch.testing.assert_close(tight.landscape, free.landscape)
+        tight = align(t, x, memory="1500KiB")  # the grid one pair at a time
+        for field in ("scale_h", "scale_w", "shift_y", "shift_x"):
+            torch.testing.assert_close(getattr(tight, field), getattr(free, field))
+        torch.testing.assert_close(tight.landscape, free.landscape)
+        # the grid alone (the coarse level's 25x25 in 31x31): a few scale rows at a time, then a
+        # few scale pairs, with and without the C kernels, against one chunk
+        tc, xc = downsample(t[:, None], 4), downsample(x[:, None], 4)
+        grid = scale_grid(0.8, 1.2, 25, x.device, x.dtype)
+        for use_c in (False, True):
+            whole = grid_search(tc, xc, None, grid, grid, False, 2**30, use_c)
+            for budget in (100 * 2**10, 30 * 2**10):
+                torch.testing.assert_close(grid_search(tc, xc, None, grid, grid, False, budget, use_c), whole)
         with pytest.raises(ValueError, match=r"memory=1048576 bytes cannot hold the refinement of one candidate"):
             align(t, x, memory="1MiB")
-        with pytest.raises(ValueError, match=r"memory=51200 bytes cannot hold the search of one scale pair"):
-            align(t, x, memory="50KiB")
+        with pytest.raises(ValueError, match=r"memory=8192 bytes cannot hold the search of one scale pair"):
+            align(t, x, memory="8KiB")
 
     def test_integer_and_numpy_images(self):
         c = next(alignment_cases(1, seed=11, kinds=("photo",), noise=(0.0,)))

@@ -80,7 +80,12 @@ def grid_search(
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
-    per_pair = fh * fw * item * (6 * c + 8)  # one pair, one scale pair: images, squares, spectra
+    products = uniform and _products_cheaper(t.shape, ww, nh, nw, (n_y, n_x), (fh, fw))
+    if products:  # one pair, one scale pair: its scores' few (n_y, n_x) arrays, and its share of
+        # its scale_h's Ry X, products over the template's rows and window sums over them
+        per_pair = item * (8 * n_y * n_x + math.ceil((c * (rows + n_y * h) + 4 * n_y) * ww / nw))
+    else:  # the stretched images, their squares and spectra
+        per_pair = fh * fw * item * (6 * c + 8)
     stretch = f"({grid_h.max().item():g}, {grid_w.max().item():g})"
     what = f"the search of one scale pair of a {hh}x{ww} image stretched up to {stretch}"
     chunk_rows(budget, per_pair, what, fix="raise memory or narrow the scale ranges")
@@ -97,7 +102,7 @@ def grid_search(
         s, r, col = chunk
         e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
         part_taps = None if taps is None else tuple(tap[v] for tap in taps)
-        args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, part_taps)
+        args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, products, part_taps)
         score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
         found[chunk] = _best_shifts(score, taps is not None)
 
@@ -154,12 +159,14 @@ def _shift_scores(
     n_shift: tuple[int, int],
     ncc: bool,
     uniform: bool,
+    products: bool,
     taps: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """(B, nh, nw, n_y, n_x): weighted squared error, or 1 - NCC, at every integer shift.
 
     sum_w (T - S)^2 = sum_w T^2 - 2 sum_w T S + sum_w S^2. Uniform weights, where products
-    cost less than transforms: the cross term and the window sums of S and S^2 from Ry X and
+    cost less than transforms (``products``, decided once per call by :func:`grid_search`, which
+    sizes its chunks by it): the cross term and the window sums of S and S^2 from Ry X and
     Rx's taps (:func:`_cross_by_products`, :func:`_window_moments`), no stretched image built.
     Otherwise: the cross term an FFT correlation, the sums of S^2 (and S) window sums of the
     stretched image, or correlations with the weights. With Rx's ``taps``, the cross term of
@@ -168,7 +175,7 @@ def _shift_scores(
     _b, c, h, w = t.shape
     along_y = torch.einsum("hrH,bcHW->bchrW", ry, x)  # (B, C, nh, rows, W)
     wt = mask * t
-    if uniform and _products_cheaper(t.shape, x.shape, ry.shape, rx.shape, n_shift, fft_size):
+    if products:
         # nothing stretched is built: every sum comes from along_y and Rx's two taps per column
         if taps is not None:  # in C, from Rx's two taps per column
             cross = native.align_cross(along_y.contiguous(), t.contiguous(), taps, n_shift)  # sum_w T S
@@ -267,13 +274,12 @@ def _window_moments(
 
 
 def _products_cheaper(
-    t: torch.Size, x: torch.Size, ry: torch.Size, rx: torch.Size, n_shift: tuple[int, int], fft_size: tuple[int, int]
+    t: torch.Size, big_w: int, nh: int, nw: int, n_shift: tuple[int, int], fft_size: tuple[int, int]
 ) -> bool:
     """Whether :func:`_cross_by_products`' multiply-adds cost less than the FFT correlation's
     transforms, counting a transform's flops at 4x a matrix product's (small batched FFTs run far
     from a CPU's peak; BLAS runs near it)."""
-    (b, c, h, w), big_w = t, x[-1]
-    nh, nw = ry[0], rx[0]
+    b, c, h, w = t
     products = b * c * nh * n_shift[0] * w * big_w * (h + nw * n_shift[1])
     fft = b * c * nh * nw * fft_size[0] * fft_size[1] * math.log2(fft_size[0] * fft_size[1]) * 2.5
     return products <= 4 * fft
