@@ -54,7 +54,7 @@ def grid_search(
     use_c: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x) and the landscape (B, nh, nw).
-    ``use_c``: the cross term in C (kernels/align.c) where the C kernels can run."""
+    ``use_c``: the cross term and the best shifts in C (kernels/align.c) where the C kernels run."""
     b, c, h, w = t.shape
     hh, ww = x.shape[-2:]
     nh, nw = grid_h.numel(), grid_w.numel()
@@ -67,8 +67,8 @@ def grid_search(
     zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
     ry = sampling_matrix(rows, hh, grid_h, zeros_h)  # (nh, rows, H)
     rx = sampling_matrix(cols, ww, grid_w, zeros_w)  # (nw, cols, W)
-    # Rx's two taps per row, for the C cross term
-    taps = bilinear_taps(cols, ww, grid_w, zeros_w) if use_c and native.usable(x.device, x.dtype) else None
+    in_c = use_c and native.usable(x.device, x.dtype)
+    taps = bilinear_taps(cols, ww, grid_w, zeros_w) if in_c else None  # Rx's two taps per row, for C
     # valid integer shifts: 0 <= s <= H * scale - h
     # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
     max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
@@ -104,7 +104,7 @@ def grid_search(
         part_taps = None if taps is None else tuple(tap[v] for tap in taps)
         args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, products, part_taps)
         score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
-        found[chunk] = _best_shifts(score, taps is not None)
+        found[chunk] = _best_shifts(score, in_c)
 
     for chunk in chunks:
         search(chunk)

@@ -286,12 +286,19 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int wt_s
  * Rx's taps take 2 w multiply-adds per output where a dense product with Rx takes W w. Sums run
  * in one fixed order (c, r; then k), the same on every CPU. Returns 1 where scratch could not
  * be allocated. */
+/* 64-byte vectors of row shifts: one register on AVX-512, two on AVX2 (lane by lane the same
+ * arithmetic, so the same bits on either); KB columns of the template in registers at a time */
+#ifdef __AVX512F__
+#define CROSS_KB 8
+#else
+#define CROSS_KB 4
+#endif
 #define DEFINE_CROSS(T, SUF)                                                                       \
-    typedef T cvec_##SUF __attribute__((vector_size(32)));                                         \
+    typedef T cvec_##SUF __attribute__((vector_size(64)));                                         \
     int dm_align_cross_##SUF(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,        \
                              const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h, \
                              int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, T *out) {           \
-        enum { L = 32 / sizeof(T), KB = 8 };                                                       \
+        enum { L = 64 / sizeof(T), KB = CROSS_KB };                                                \
         const int64_t span = L + h - 1;                                                            \
         /* vectors, so aligned to their size (malloc promises only 16 bytes) */                    \
         cvec_##SUF *P = aligned_alloc(sizeof(cvec_##SUF), sizeof(cvec_##SUF) * (size_t)(W * w));    \
