@@ -48,6 +48,11 @@ _SAME = (1e-3, 0.1)
 # refinement done once a step moves no template pixel this far (in the level's pixels): coarse
 # levels only hand a start to the next
 _TOLERANCE, _COARSE_TOLERANCE = 1e-3, 0.05
+# a candidate that full resolution moved this far (pixels at the template's far edge) came from a
+# coarse start that was off, and crossed fine texture on the way, whose small basins can hold it
+# short of the truth: it is refined again from where it stopped, first on both images blurred
+# (a 3x3 binomial filter), then sharp, and the better of the two stays
+_FAR = 1.0
 
 
 @dataclass
@@ -392,13 +397,14 @@ def _search(
         tf, xf, mf = pyramid[f]
         scale = torch.tensor([1.0, 1.0, f, f], dtype=cand.dtype, device=cand.device)
         tolerance = _TOLERANCE if f == 1 else _COARSE_TOLERANCE
-        found, sums = _refine_all(
-            tf, xf, mf, owner, cand / scale, range_h, range_w, photometric, budget, use_c, tolerance
-        )
-        cand = found * scale
+        args = (range_h, range_w, photometric, budget, use_c)
+        found, sums = _refine_all(tf, xf, mf, owner, cand / scale, *args, tolerance)
         if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
+            cand = found * scale
             keep = _best_per_pair(cand, owner, sums[:, 0], _KEEP[min(i, len(_KEEP) - 1)])
             cand, owner = cand[keep], owner[keep]
+        else:
+            cand, owner, sums = _refine_far(tf, xf, mf, owner, cand, found, sums, args)
     if objective == "ncc":
         err = objective_at(t, x, mask, owner, (cand[:, 0], cand[:, 1], cand[:, 2], cand[:, 3]), objective)
     else:
@@ -408,6 +414,36 @@ def _search(
     sh, sw, sy, sx = cand[pick].unbind(1)
     warped = warp_batch(x, sh, sw, sy, sx, (h, w))
     return _Found(sh, sw, sy, sx, err[pick], warped, landscape, grid_h, grid_w)
+
+
+def _refine_far(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    owner: torch.Tensor,
+    start: torch.Tensor,
+    found: torch.Tensor,
+    sums: torch.Tensor,
+    args: tuple[tuple[float, float], tuple[float, float], bool, int, bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The full-resolution candidates ``found`` (M, 4) from ``start``, with their ``sums`` and
+    ``owner``, plus each one that moved over _FAR pixels refined again from where it stopped
+    (blurred, then sharp): the two compete as candidates of their pair."""
+    h, w = t.shape[-2:]
+    edge = torch.tensor([h, w, 1.0, 1.0], dtype=found.dtype, device=found.device)
+    far = ((found - start).abs() * edge).amax(1) > _FAR
+    if not bool(far.any()):
+        return found, owner, sums
+    blurred, _ = _refine_all(_blur(t), _blur(x), mask, owner[far], found[far], *args, _COARSE_TOLERANCE)
+    again, again_sums = _refine_all(t, x, mask, owner[far], blurred, *args, _TOLERANCE)
+    return torch.cat((found, again)), torch.cat((owner, owner[far])), torch.cat((sums, again_sums))
+
+
+def _blur(v: torch.Tensor) -> torch.Tensor:
+    """v (B, C, H, W) filtered by [1, 2, 1] / 4 along each axis, edges replicated."""
+    p = torch.nn.functional.pad(v, (1, 1, 1, 1), mode="replicate")
+    rows = (p[..., :-2, :] + 2 * p[..., 1:-1, :] + p[..., 2:, :]) * 0.25
+    return (rows[..., :-2] + 2 * rows[..., 1:-1] + rows[..., 2:]) * 0.25
 
 
 def _best_per_pair(cand: torch.Tensor, owner: torch.Tensor, err: torch.Tensor, keep: int) -> torch.Tensor:
