@@ -64,7 +64,7 @@ def test_more_exact_ties_than_any_candidate_list(path, metric):
     # are exact ties among the copies of its best row, and must be the 8 lowest of them
     kernel = path.startswith("kernel")
     cap = Precision().cap(8)
-    for seed in range(2 if kernel else 4):
+    for seed in range(1 if kernel else 4):  # the kernel under Triton's interpreter: ~5 s a seed
         g = torch.Generator().manual_seed(seed)
         distinct = torch.randint(0, 3, (12, 6), generator=g).float()
         b = distinct.repeat(cap + 10, 1)[torch.randperm(12 * (cap + 10), generator=g)]
