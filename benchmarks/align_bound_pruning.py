@@ -34,7 +34,7 @@ import densematch
 from _common import machine, save, table
 from bench_align_global import cases
 
-SIZES = [(0.04, 4.0), (0.02, 2.0), (0.01, 1.0), (0.005, 0.5), (0.0025, 0.25)]
+SIZES = [(0.04, 4.0), (0.02, 2.0), (0.01, 1.0), (0.005, 0.5), (0.0025, 0.25), (0.00125, 0.125)]
 SCALES = (0.8, 1.2)
 Span = tuple[torch.Tensor, torch.Tensor]
 
@@ -80,6 +80,51 @@ def box_range(
     return lo, hi
 
 
+def sample_span(n: int, n_in: int, s: torch.Tensor, t: torch.Tensor, ds: float, dt: float) -> Span:
+    """Per cell (M,) and output pixel c < n, the interval [lo, hi] of input coordinates its
+    bilinear sample takes over the cell (monotone in both parameters: the ends come from two
+    corners), clamped to the input."""
+    c = torch.arange(n, dtype=torch.float64)
+    lo = ((c + (t - dt)[:, None] + 0.5) / (s + ds)[:, None] - 0.5).clamp(0, n_in - 1)
+    hi = ((c + (t + dt)[:, None] + 0.5) / (s - ds)[:, None] - 0.5).clamp(0, n_in - 1)
+    return lo, hi
+
+
+def bilinear_range(img: torch.Tensor, ys: Span, xs: Span) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, h, w) minimum and maximum of the bilinear interpolant of img (H, W) over each pixel's
+    box of sample positions [y_lo, y_hi] x [x_lo, x_hi], exactly: on each unit square the
+    interpolant is bilinear, so its extremes over the box lie among the box's corners, the grid
+    lines' crossings of its edges and the grid points inside; those are the products of
+    {y_lo, integers between, y_hi} and the same in x."""
+
+    def points(span: Span) -> torch.Tensor:  # (K, M, n): the candidate coordinates, ends included
+        lo, hi = span
+        k = int((hi.ceil() - lo.floor()).max()) + 1
+        base = lo.floor()
+        return torch.stack([torch.minimum(torch.maximum(base + i, lo), hi) for i in range(k)])
+
+    def taps(v: torch.Tensor, n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i0 = v.floor().clamp(max=max(n_in - 2, 0))
+        return i0.long(), (i0 + 1).clamp(max=n_in - 1).long(), v - i0
+
+    big_h, big_w = img.shape
+    py, px = points(ys), points(xs)  # (Ky, M, h), (Kx, M, w)
+    y0, y1, fy = taps(py, big_h)
+    x0, x1, fx = taps(px, big_w)
+    lo = hi = None
+    for a in range(px.shape[0]):  # the image along x at each candidate column, every row
+        along = img[:, x0[a]] * (1 - fx[a]) + img[:, x1[a]] * fx[a]  # (H, M, w)
+        along = along.permute(1, 0, 2)  # (M, H, w)
+        for b in range(py.shape[0]):
+            g0 = along.gather(1, y0[b][:, :, None].expand(-1, -1, along.shape[2]))
+            g1 = along.gather(1, y1[b][:, :, None].expand(-1, -1, along.shape[2]))
+            v = g0 * (1 - fy[b])[:, :, None] + g1 * fy[b][:, :, None]  # (M, h, w)
+            lo = v if lo is None else torch.minimum(lo, v)
+            hi = v if hi is None else torch.maximum(hi, v)
+    assert lo is not None and hi is not None
+    return lo, hi
+
+
 def cell_count(big: int, small: int, ds: float, dt: float) -> float:
     """Cells of size (2 ds, 2 dt) per axis over scales 0.8..1.2 and shifts 0..big s - small."""
     a, b = SCALES
@@ -93,27 +138,40 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--exact",
+        action="store_true",
+        help="the bilinear interpolant's own range over each pixel's sample box, not the range of "
+        "every whole pixel a sample can touch (which stays wide however small the cell)",
+    )
+    ap.add_argument("--finest", type=int, default=len(SIZES), help="only the N finest cell sizes")
     ap.add_argument("--name", default="align-bound-pruning")
     args = ap.parse_args()
+    sizes = SIZES[-args.finest :]
     torch.set_num_threads(args.threads)
     cs = cases(1, args.seed)[: args.cases]
     gen = torch.Generator().manual_seed(args.seed)
-    left: dict[tuple[float, float], list[float]] = {size: [] for size in SIZES}
-    far = {size: [0.0] * 4 for size in SIZES}  # farthest cell left from the answer, per parameter
+    left: dict[tuple[float, float], list[float]] = {size: [] for size in sizes}
+    far = {size: [0.0] * 4 for size in sizes}  # farthest cell left from the answer, per parameter
     for c in cs:
         tpl, img = c["tpl"].double(), c["img"].double()
         (h, w), (big_h, big_w) = tpl.shape, img.shape
         a = densematch.align(c["tpl"], c["img"])
         answer = float((densematch.warp(img, a.scale_h, a.scale_w, a.shift_y, a.shift_x, (h, w)) - tpl).abs().mean())
-        for ds, dt in SIZES:
+        for ds, dt in sizes:
             u = torch.rand(4, args.cells, generator=gen, dtype=torch.float64)
             sh, sw = (SCALES[0] + (SCALES[1] - SCALES[0]) * u[i] for i in (0, 1))
             ty, tx = u[2] * (big_h * sh - h), u[3] * (big_w * sw - w)
             kept = []
-            for part in torch.arange(args.cells).split(250):
-                rows = reach(h, big_h, sh[part], ty[part], ds, dt)
-                cols = reach(w, big_w, sw[part], tx[part], ds, dt)
-                lo, hi = box_range(img, rows, cols)
+            for part in torch.arange(args.cells).split(250 if not args.exact else 50):
+                if args.exact:
+                    ys = sample_span(h, big_h, sh[part], ty[part], ds, dt)
+                    xs = sample_span(w, big_w, sw[part], tx[part], ds, dt)
+                    lo, hi = bilinear_range(img, ys, xs)
+                else:
+                    rows = reach(h, big_h, sh[part], ty[part], ds, dt)
+                    cols = reach(w, big_w, sw[part], tx[part], ds, dt)
+                    lo, hi = box_range(img, rows, cols)
                 bound = ((lo - tpl).clamp_min(0) + (tpl - hi).clamp_min(0)).mean((1, 2))
                 kept.append(part[bound <= answer])
             alive = torch.cat(kept)
@@ -122,9 +180,9 @@ def main() -> None:
             gap = torch.stack((sh - a.scale_h, sw - a.scale_w, ty - a.shift_y, tx - a.shift_x), 1)[alive].abs()
             for i in range(4):
                 far[(ds, dt)][i] = max(far[(ds, dt)][i], float(gap[:, i].max()) if len(alive) else 0.0)
-        print(c["photo"], f"E*={answer:.4f}", [round(left[s][-1], 3) for s in SIZES], flush=True)
+        print(c["photo"], f"E*={answer:.4f}", [round(left[s][-1], 3) for s in sizes], flush=True)
     out = []
-    for ds, dt in SIZES:
+    for ds, dt in sizes:
         share = statistics.mean(left[(ds, dt)])
         n = cell_count(big_h, h, ds, dt) ** 2
         out.append(
