@@ -196,7 +196,7 @@ class TestSearch:
         torch.testing.assert_close(sums_c, sums_torch, atol=1e-4, rtol=1e-3)
         assert (p_c - truth[owner]).abs().max() < 0.05  # and both found the truth
 
-    @pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+    @needs_c
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
     @pytest.mark.parametrize("shape", [(2, 1, 25, 25, 31, 31), (2, 3, 20, 27, 33, 29), (1, 2, 7, 5, 40, 9)])
     def test_the_c_cross_term_is_the_products(self, dtype, shape):

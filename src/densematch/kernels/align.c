@@ -255,9 +255,8 @@ static void refine_one(const pair_t *s, const double *range, int iterations, dou
  * by `tolerance` pixels or more. out (m x 2) gets each one's weighted sums of squared and of absolute
  * residuals. Returns 0, or 1 where the scratch could not be allocated. */
 int dm_align_refine(const double *t, const double *x, const double *wt, int wt_shared, int64_t C, int64_t h,
-                    int64_t w, int64_t H, int64_t W, const int64_t *owner, int64_t m, int P, const double *range, int iterations,
-                    double tolerance, double *p,
-                    double *out) {
+                    int64_t w, int64_t H, int64_t W, const int64_t *owner, int64_t m, int P, const double *range,
+                    int iterations, double tolerance, double *p, double *out) {
     double *scratch = malloc(sizeof(double) * (size_t)(h + 2 * w + 2 * C * H * w));
     int64_t *itaps = malloc(sizeof(int64_t) * (size_t)(2 * h + 2 * w));
     if (!scratch || !itaps) {
@@ -267,14 +266,14 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int wt_s
     }
     for (int64_t i = 0; i < m; i++) {
         const int64_t o = owner[i];
-        pair_t s = {t + o * C * h * w, x + o * C * H * W, wt + (wt_shared ? 0 : o * h * w), C, h, w, H, W, P, scratch, itaps};
+        const double *wo = wt + (wt_shared ? 0 : o * h * w);
+        pair_t s = {t + o * C * h * w, x + o * C * H * W, wo, C, h, w, H, W, P, scratch, itaps};
         refine_one(&s, range, iterations, tolerance, p + i * P, out + 2 * i);
     }
     free(scratch);
     free(itaps);
     return 0;
 }
-
 
 /* align's grid search: the cross term sum_{r,k} T(r, k) S(y + r, x + k) at every integer shift
  * (y, x) and every scale pair, for S = Ry X Rx^T, without S. A = Ry X (one per scale_h: rows x W)
@@ -284,10 +283,10 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int wt_s
  *                                                         transposed once, slide under T)
  *   cross[sw][y][x] = sum_k w0 P[i0(sw, x + k)][k][y] + w1 P[i1(sw, x + k)][k][y]
  * Rx's taps take 2 w multiply-adds per output where a dense product with Rx takes W w. Sums run
- * in one fixed order (c, r; then k), the same on every CPU. Returns 1 where scratch could not
- * be allocated. */
-/* 64-byte vectors of row shifts: one register on AVX-512, two on AVX2 (lane by lane the same
- * arithmetic, so the same bits on either); KB columns of the template in registers at a time */
+ * in one fixed order (c, r; then k), the same on every CPU: the row shifts are 64-byte vectors,
+ * one register on AVX-512 and two on AVX2, lane by lane the same arithmetic, and the template's
+ * columns go KB at a time through registers, which changes no sum. Returns 1 where scratch could
+ * not be allocated. */
 #ifdef __AVX512F__
 #define CROSS_KB 8
 #else
@@ -313,7 +312,8 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int wt_s
                 for (int64_t y0 = 0; y0 < ny; y0 += L) {                                           \
                     memset(P, 0, sizeof(cvec_##SUF) * (size_t)(W * w));                            \
                     for (int64_t c = 0; c < C; c++) {                                              \
-                        const T *ac = a + ((b * C + c) * nh + n) * rows * W, *tc = t + (b * C + c) * h * w; \
+                        const T *ac = a + ((b * C + c) * nh + n) * rows * W;                       \
+                        const T *tc = t + (b * C + c) * h * w;                                     \
                         for (int64_t v = 0; v < W; v++) /* A's column v, rows y0 .. y0 + span - 1 */ \
                             for (int64_t j = 0; j < span; j++)                                     \
                                 at[v * span + j] = y0 + j < rows ? ac[(y0 + j) * W + v] : 0;       \
