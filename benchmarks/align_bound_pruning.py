@@ -33,96 +33,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 import densematch
 from _common import machine, save, table
 from bench_align_global import cases
+from densematch.alignment.certify import bilinear_range, pixel_range, sample_spans
 
 SIZES = [(0.04, 4.0), (0.02, 2.0), (0.01, 1.0), (0.005, 0.5), (0.0025, 0.25), (0.00125, 0.125)]
 SCALES = (0.8, 1.2)
-Span = tuple[torch.Tensor, torch.Tensor]
-
-
-def reach(n: int, n_in: int, s: torch.Tensor, t: torch.Tensor, ds: float, dt: float) -> Span:
-    """Per cell (centres s, t: (M,)) and output pixel c < n: the first input pixel a bilinear
-    sample can touch and how many, over scales s +- ds and shifts t +- dt (align's convention:
-    pixel c reads input coordinate (c + t + 0.5) / s - 0.5, clamped to the input)."""
-    c = torch.arange(n, dtype=torch.float64)
-    corners = [
-        ((c + (t + et)[:, None] + 0.5) / (s + es)[:, None] - 0.5).clamp(0, n_in - 1)
-        for es in (-ds, ds)
-        for et in (-dt, dt)
-    ]
-    lo = torch.stack(corners).amin(0).floor()
-    hi = torch.stack(corners).amax(0).ceil().clamp(max=n_in - 1)
-    return lo.long(), (hi - lo).long() + 1
-
-
-def box_range(
-    img: torch.Tensor, rows: tuple[torch.Tensor, ...], cols: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor, ...]:
-    """(M, h, w) minimum and maximum of img (H, W) over each pixel's box of rows x columns."""
-    (r0, rn), (c0, cn) = rows, cols
-    big_h, big_w = img.shape
-    lo1 = hi1 = None
-    for k in range(int(cn.max())):
-        idx = (c0 + k).clamp(max=big_w - 1)  # (M, w)
-        v = img[:, idx].permute(1, 0, 2)  # (M, H, w)
-        use = (k < cn)[:, None, :]
-        lo1 = v if lo1 is None else torch.where(use, torch.minimum(lo1, v), lo1)
-        hi1 = v if hi1 is None else torch.where(use, torch.maximum(hi1, v), hi1)
-    assert lo1 is not None and hi1 is not None
-    lo = hi = None
-    for k in range(int(rn.max())):
-        idx = (r0 + k).clamp(max=big_h - 1)  # (M, h)
-        at = idx[:, :, None].expand(-1, -1, lo1.shape[2])
-        vl, vh = lo1.gather(1, at), hi1.gather(1, at)
-        use = (k < rn)[:, :, None]
-        lo = vl if lo is None else torch.where(use, torch.minimum(lo, vl), lo)
-        hi = vh if hi is None else torch.where(use, torch.maximum(hi, vh), hi)
-    assert lo is not None and hi is not None
-    return lo, hi
-
-
-def sample_span(n: int, n_in: int, s: torch.Tensor, t: torch.Tensor, ds: float, dt: float) -> Span:
-    """Per cell (M,) and output pixel c < n, the interval [lo, hi] of input coordinates its
-    bilinear sample takes over the cell (monotone in both parameters: the ends come from two
-    corners), clamped to the input."""
-    c = torch.arange(n, dtype=torch.float64)
-    lo = ((c + (t - dt)[:, None] + 0.5) / (s + ds)[:, None] - 0.5).clamp(0, n_in - 1)
-    hi = ((c + (t + dt)[:, None] + 0.5) / (s - ds)[:, None] - 0.5).clamp(0, n_in - 1)
-    return lo, hi
-
-
-def bilinear_range(img: torch.Tensor, ys: Span, xs: Span) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, h, w) minimum and maximum of the bilinear interpolant of img (H, W) over each pixel's
-    box of sample positions [y_lo, y_hi] x [x_lo, x_hi], exactly: on each unit square the
-    interpolant is bilinear, so its extremes over the box lie among the box's corners, the grid
-    lines' crossings of its edges and the grid points inside; those are the products of
-    {y_lo, integers between, y_hi} and the same in x."""
-
-    def points(span: Span) -> torch.Tensor:  # (K, M, n): the candidate coordinates, ends included
-        lo, hi = span
-        k = int((hi.ceil() - lo.floor()).max()) + 1
-        base = lo.floor()
-        return torch.stack([torch.minimum(torch.maximum(base + i, lo), hi) for i in range(k)])
-
-    def taps(v: torch.Tensor, n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        i0 = v.floor().clamp(max=max(n_in - 2, 0))
-        return i0.long(), (i0 + 1).clamp(max=n_in - 1).long(), v - i0
-
-    big_h, big_w = img.shape
-    py, px = points(ys), points(xs)  # (Ky, M, h), (Kx, M, w)
-    y0, y1, fy = taps(py, big_h)
-    x0, x1, fx = taps(px, big_w)
-    lo = hi = None
-    for a in range(px.shape[0]):  # the image along x at each candidate column, every row
-        along = img[:, x0[a]] * (1 - fx[a]) + img[:, x1[a]] * fx[a]  # (H, M, w)
-        along = along.permute(1, 0, 2)  # (M, H, w)
-        for b in range(py.shape[0]):
-            g0 = along.gather(1, y0[b][:, :, None].expand(-1, -1, along.shape[2]))
-            g1 = along.gather(1, y1[b][:, :, None].expand(-1, -1, along.shape[2]))
-            v = g0 * (1 - fy[b])[:, :, None] + g1 * fy[b][:, :, None]  # (M, h, w)
-            lo = v if lo is None else torch.minimum(lo, v)
-            hi = v if hi is None else torch.maximum(hi, v)
-    assert lo is not None and hi is not None
-    return lo, hi
 
 
 def cell_count(big: int, small: int, ds: float, dt: float) -> float:
@@ -164,14 +78,9 @@ def main() -> None:
             ty, tx = u[2] * (big_h * sh - h), u[3] * (big_w * sw - w)
             kept = []
             for part in torch.arange(args.cells).split(250 if not args.exact else 50):
-                if args.exact:
-                    ys = sample_span(h, big_h, sh[part], ty[part], ds, dt)
-                    xs = sample_span(w, big_w, sw[part], tx[part], ds, dt)
-                    lo, hi = bilinear_range(img, ys, xs)
-                else:
-                    rows = reach(h, big_h, sh[part], ty[part], ds, dt)
-                    cols = reach(w, big_w, sw[part], tx[part], ds, dt)
-                    lo, hi = box_range(img, rows, cols)
+                ys = sample_spans(torch.arange(h), big_h, sh[part], ty[part], ds, dt)
+                xs = sample_spans(torch.arange(w), big_w, sw[part], tx[part], ds, dt)
+                lo, hi = (bilinear_range if args.exact else pixel_range)(img, ys, xs)
                 bound = ((lo - tpl).clamp_min(0) + (tpl - hi).clamp_min(0)).mean((1, 2))
                 kept.append(part[bound <= answer])
             alive = torch.cat(kept)

@@ -21,6 +21,13 @@ def within(a, case, scale_tol=0.005, shift_tol=0.5) -> bool:
 
 
 class TestWarp:
+    def test_python_numbers_keep_a_float64_images_precision(self):
+        # a Python float went through torch's default float32 on its way to the image's dtype
+        img = torch.rand(30, 30, dtype=torch.float64)
+        params = (1.0123456789012, 0.9876543210987, 2.123456789012, 3.987654321098)
+        exact = warp(img, *(torch.tensor(p, dtype=torch.float64) for p in params), (20, 20))
+        assert torch.equal(warp(img, *params, (20, 20)), exact)
+
     def test_integer_crop_equals_interpolate(self):
         img = torch.rand(37, 41)
         ref = torch.nn.functional.interpolate(img[None, None], scale_factor=(1.17, 0.86), mode="bilinear")

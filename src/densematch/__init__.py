@@ -8,7 +8,7 @@ from ._info import show_config
 from ._knn import KNNIndex, knn
 from ._match import DenseMatcher, Matches, match
 from ._soft import SoftMatches, soft_match
-from .alignment import Alignment, align, warp
+from .alignment import Alignment, Certificate, align, certify_alignment, warp
 from .budget import parse_memory
 from .config import config_context, get_config
 from .local import LocalCostVolume, LocalMatcher, local_cost_volume, local_match
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Alignment",
+    "Certificate",
     "DenseMatcher",
     "KNNIndex",
     "LocalCostVolume",
@@ -28,6 +29,7 @@ __all__ = [
     "SoftMatches",
     "__version__",
     "align",
+    "certify_alignment",
     "config_context",
     "get_config",
     "knn",

@@ -99,8 +99,9 @@ def _warp_param(value: Any, name: str, b: int, x4: torch.Tensor) -> torch.Tensor
     wrong_type = TypeError(f"{name} must be a real number or a tensor of shape ({b},), got {type(value).__name__}")
     if isinstance(value, (bool, np.bool_)):
         raise wrong_type
-    try:
-        t = torch.as_tensor(value, device=x4.device)
+    try:  # a Python number straight in the image's dtype (not through float32, torch's default)
+        plain = isinstance(value, (int, float)) and not isinstance(value, bool)
+        t = torch.as_tensor(value, device=x4.device, dtype=x4.dtype if plain else None)
     except (TypeError, ValueError, RuntimeError):
         raise wrong_type from None
     if t.is_complex() or t.dtype == torch.bool:

@@ -1,0 +1,285 @@
+"""A certificate for :func:`densematch.align`'s answer: a branch and bound over the whole search
+space showing that no fit better than the answer lies outside its neighbourhood.
+
+For a cell of parameters (each scale within +-ds, each shift within +-dt of its centre), every
+template pixel samples the image from a box of positions: the warp is separable and monotone in
+each parameter, so two corners of the cell give the box. The mean over pixels of the distance from
+the template's value to the range the image's bilinear interpolant takes over its box is a lower
+bound on the error of every fit in the cell; a cell whose bound exceeds the answer's error holds
+no better fit. The range is the one of every whole pixel the box touches while the boxes span
+pixels (cheap and wide), and the interpolant's own range once they span less (exact: on each unit
+square the interpolant is bilinear, so its extremes over the box lie among the box's corners, the
+grid lines' crossings of its edges and the grid points inside). A sum over some of the rows is
+already a lower bound, so every fourth row is summed first and most cells stop there. Cells left
+are split in 16 until none is left outside the answer's neighbourhood, or they are too small.
+
+Seconds to minutes per pair on one CPU thread (BENCHMARKS.md, "align's answers certified"): an
+offline check of an answer, not part of :func:`align`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checks import check_choice
+from .api import Alignment, _check_range
+from .warp import as_image, warp
+
+__all__ = ["Certificate", "bilinear_range", "certify_alignment", "pixel_range", "sample_spans"]
+
+_ROOT = (0.02, 2.0)  # the first cells' half sizes: scale, shift (px)
+Span = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Certificate:
+    """The result of :func:`certify_alignment`.
+
+    Attributes
+    ----------
+    certified : bool
+        No fit better than the answer (by ``objective``) lies outside ``near`` of it.
+    error : float
+        The answer's error, the line every cell had to clear.
+    reason : str
+        Why not, where not certified: cells left at the finest size, or out of time.
+    cells_examined : int
+        Cells whose bound was computed, over all sizes.
+    cells_left : Tensor of shape (n, 4)
+        Centres (scale_h, scale_w, shift_y, shift_x) of the cells the bound could not rule out
+        at the size the search stopped at (``cell_size``); empty where certified.
+    cell_size : tuple of float
+        That size: half widths in scale and in shift (px).
+    seconds : float
+    """
+
+    certified: bool
+    error: float
+    reason: str
+    cells_examined: int
+    cells_left: torch.Tensor
+    cell_size: tuple[float, float]
+    seconds: float
+
+
+def sample_spans(idx: torch.Tensor, n_in: int, scale: torch.Tensor, shift: torch.Tensor, ds: float, dt: float) -> Span:
+    """Per cell (centres ``scale``, ``shift``: (M,)) and output pixel c in ``idx`` (n,): the
+    interval [lo, hi] (M, n) of input coordinates its bilinear sample takes over scales
+    scale +- ds and shifts shift +- dt (align's convention, clamped to the input). The
+    coordinate is monotone in each parameter, so the cell's corners bound it."""
+    c = idx.to(scale.dtype)
+    corners = torch.stack(
+        [((c + (shift + et)[:, None] + 0.5) / (scale + es)[:, None] - 0.5) for es in (-ds, ds) for et in (-dt, dt)]
+    )
+    return corners.amin(0).clamp(0, n_in - 1), corners.amax(0).clamp(0, n_in - 1)
+
+
+def pixel_range(image: torch.Tensor, ys: Span, xs: Span) -> Span:
+    """(M, h, w) minimum and maximum of ``image`` (H, W) over every whole pixel the boxes
+    ``ys`` x ``xs`` (each (M, h) and (M, w) intervals) can touch: a bilinear sample is a convex
+    combination of those, so its value lies within."""
+    big_h, big_w = image.shape
+
+    def reach(span: Span, n_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = span[0].floor()
+        return first.long(), (span[1].ceil().clamp(max=n_in - 1) - first).long() + 1
+
+    (r0, rn), (c0, cn) = reach(ys, big_h), reach(xs, big_w)
+    lo1 = hi1 = None
+    for k in range(int(cn.max())):  # over the columns of each box, for every row
+        v = image[:, (c0 + k).clamp(max=big_w - 1)].permute(1, 0, 2)  # (M, H, w)
+        use = (k < cn)[:, None, :]
+        lo1 = v if lo1 is None else torch.where(use, torch.minimum(lo1, v), lo1)
+        hi1 = v if hi1 is None else torch.where(use, torch.maximum(hi1, v), hi1)
+    assert lo1 is not None and hi1 is not None
+    lo = hi = None
+    for k in range(int(rn.max())):  # then over its rows
+        at = (r0 + k).clamp(max=big_h - 1)[:, :, None].expand(-1, -1, lo1.shape[2])
+        vl, vh = lo1.gather(1, at), hi1.gather(1, at)
+        use = (k < rn)[:, :, None]
+        lo = vl if lo is None else torch.where(use, torch.minimum(lo, vl), lo)
+        hi = vh if hi is None else torch.where(use, torch.maximum(hi, vh), hi)
+    assert lo is not None and hi is not None
+    return lo, hi
+
+
+def bilinear_range(image: torch.Tensor, ys: Span, xs: Span) -> Span:
+    """(M, h, w) minimum and maximum of the bilinear interpolant of ``image`` (H, W) over each
+    box ``ys`` x ``xs``, exactly: its extremes lie among the products of {lo, the integers
+    between, hi} on each axis (the corners of the box's pieces on the unit squares)."""
+
+    def points(span: Span) -> torch.Tensor:  # (K, M, n)
+        lo, hi = span
+        base = lo.floor()
+        k = int((hi.ceil() - base).max()) + 1
+        return torch.stack([torch.minimum(torch.maximum(base + i, lo), hi) for i in range(k)])
+
+    def taps(v: torch.Tensor, n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i0 = v.floor().clamp(max=max(n_in - 2, 0))  # sampling_matrix's rule
+        return i0.long(), (i0 + 1).clamp(max=n_in - 1).long(), v - i0
+
+    big_h, big_w = image.shape
+    py, px = points(ys), points(xs)
+    y0, y1, fy = taps(py, big_h)
+    x0, x1, fx = taps(px, big_w)
+    lo = hi = None
+    for a in range(px.shape[0]):
+        along = (image[:, x0[a]] * (1 - fx[a]) + image[:, x1[a]] * fx[a]).permute(1, 0, 2)  # (M, H, w)
+        for b in range(py.shape[0]):
+            g0 = along.gather(1, y0[b][:, :, None].expand(-1, -1, along.shape[2]))
+            g1 = along.gather(1, y1[b][:, :, None].expand(-1, -1, along.shape[2]))
+            v = g0 * (1 - fy[b])[:, :, None] + g1 * fy[b][:, :, None]
+            lo = v if lo is None else torch.minimum(lo, v)
+            hi = v if hi is None else torch.maximum(hi, v)
+    assert lo is not None and hi is not None
+    return lo, hi
+
+
+def certify_alignment(
+    template: Any,
+    image: Any,
+    alignment: Alignment,
+    *,
+    scale_h: tuple[float, float] = (0.8, 1.2),
+    scale_w: tuple[float, float] = (0.8, 1.2),
+    objective: str = "l1",
+    near: tuple[float, float] = (0.015, 1.5),
+    finest: tuple[float, float] = (0.0003, 0.03),
+    time_limit: float | None = None,
+) -> Certificate:
+    """Show that no fit better than ``alignment``'s lies farther than ``near`` from it.
+
+    Parameters
+    ----------
+    template : Tensor or ndarray of shape (h, w), (1, h, w) or (1, C, h, w)
+    image : Tensor or ndarray of shape (H, W), (1, H, W) or (1, C, H, W)
+        The pair ``alignment`` was found for: one pair, in :func:`densematch.align`'s layout.
+    alignment : Alignment
+        :func:`densematch.align`'s answer for the pair (of a single pair, or a batch of one),
+        searched over ``scale_h`` and ``scale_w``.
+    scale_h, scale_w : (float, float), default=(0.8, 1.2)
+        The ranges searched: the space certified.
+    objective : {"l1", "l2"}, default="l1"
+        The error compared: mean absolute or squared difference, per pixel and channel.
+    near : (float, float), default=(0.015, 1.5)
+        The answer's neighbourhood, in scale and in shift (px): cells inside it are not examined.
+        Much tighter than this, the rim of the answer's own basin (where the error rises only as
+        fast as the noise lets it) can stay within the bound.
+    finest : (float, float), default=(0.0003, 0.03)
+        The smallest cells' half widths: below them, cells left are reported, not split.
+    time_limit : float, optional
+        Seconds; past them the search stops, uncertified.
+
+    Returns
+    -------
+    Certificate
+    """
+    objective = check_choice(objective, "objective", ("l1", "l2"))
+    range_h, range_w = _check_range(scale_h, "scale_h"), _check_range(scale_w, "scale_w")
+    answer = _one_answer(alignment)
+    t, x = as_image(template, "template").double(), as_image(image, "image").double()
+    if t.ndim not in (2, 3, 4) or x.ndim != t.ndim or t.shape[: t.ndim - 2] != x.shape[: x.ndim - 2]:
+        raise ValueError(
+            f"template and image must be one pair in align's layout, (h, w), (1, h, w) or (1, C, h, w), with the "
+            f"same leading sizes, got {tuple(t.shape)} and {tuple(x.shape)}"
+        )
+    if t.ndim > 2 and t.shape[0] != 1:
+        raise ValueError(f"template and image must be one pair (a batch of 1), got a batch of {t.shape[0]}")
+    t, x = t.reshape(-1, *t.shape[-2:]), x.reshape(-1, *x.shape[-2:])  # (C, h, w), (C, H, W)
+    (n_c, h, w), (big_h, big_w) = t.shape, x.shape[-2:]
+    residual = warp(x[None], *answer, (h, w))[0] - t  # (C, h, w)
+    error = float(residual.abs().mean() if objective == "l1" else residual.square().mean())
+    line = error * (1 + 1e-9)  # a bound must clear the error by more than float64 rounding
+    started = time.perf_counter()
+    a = torch.tensor(answer, dtype=torch.float64)
+    # half widths per parameter; a scale range of one value stays that value (no width to split)
+    ds = min(_ROOT[0], range_h[0] / 4, range_w[0] / 4)  # every cell's scales positive
+    widths = [ds if hi > lo else 0.0 for lo, hi in (range_h, range_w)] + [_ROOT[1]] * 2
+    half = torch.tensor(widths, dtype=torch.float64)
+    tops = (big_h * range_h[1] - h, big_w * range_w[1] - w)
+    cells = _first_cells((range_h, range_w), tops, half)
+    sparse = torch.arange(0, h, 4)
+    dense = torch.tensor([r for r in range(h) if r % 4], dtype=torch.long)
+    examined = 0
+
+    def bound(part: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        sh, sw, ty, tx = part.unbind(1)
+        ys = sample_spans(rows, big_h, sh, ty, float(half[0]), float(half[2]))
+        xs = sample_spans(torch.arange(w), big_w, sw, tx, float(half[1]), float(half[3]))
+        total = torch.zeros(len(part), dtype=torch.float64)
+        for ch in range(n_c):
+            lo, hi = (pixel_range if half[2] > 0.5 else bilinear_range)(x[ch], ys, xs)
+            tc = t[ch, rows]
+            gap = (lo - tc).clamp_min(0) + (tc - hi).clamp_min(0)
+            total += (gap if objective == "l1" else gap.square()).sum((1, 2))
+        return total / (n_c * h * w)
+
+    def result(left: torch.Tensor, reason: str = "") -> Certificate:
+        seconds = time.perf_counter() - started
+        size = (float(half[:2].max()), float(half[2]))
+        return Certificate(not reason, error, reason, examined, left, size, seconds)
+
+    while True:
+        sh, sw, ty, tx = cells.unbind(1)
+        # cells that hold a valid fit (the template inside the stretched image) outside the
+        # answer's neighbourhood
+        valid = (ty - half[2] <= big_h * (sh + half[0]) - h) & (tx - half[3] <= big_w * (sw + half[1]) - w)
+        gap = (cells - a).abs() + half
+        inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
+        cells = cells[valid & ~inside]
+        kept = []
+        for part in torch.split(cells, max(1, (40 if half[2] <= 0.5 else 200) // n_c)):
+            low = bound(part, sparse)
+            maybe, low = part[low <= line], low[low <= line]
+            if len(maybe) and len(dense):  # the other rows, for what every fourth one did not rule out
+                low = low + bound(maybe, dense)
+                maybe = maybe[low <= line]
+            kept.append(maybe)
+            if time_limit is not None and time.perf_counter() - started > time_limit:
+                return result(torch.cat(kept), f"out of time after {time_limit:g} s")
+        examined += len(cells)
+        cells = torch.cat(kept) if kept else cells[:0]
+        if not len(cells):
+            return result(cells)
+        scales_done = bool(((half[:2] > 0) & (half[:2] / 2 < finest[0])).any())
+        if scales_done or half[2] / 2 < finest[1]:
+            far = ", ".join(f"{v:.3g}" for v in (cells - a).abs().amax(0).tolist())
+            return result(cells, f"{len(cells)} cells left at the finest size, up to ({far}) from the answer")
+        half = half / 2
+        split = [torch.tensor([-1.0, 1.0] if v > 0 else [0.0], dtype=torch.float64) for v in half]
+        corners = torch.cartesian_prod(*split).reshape(-1, 4)
+        cells = (cells[:, None, :] + corners * half).reshape(-1, 4)
+
+
+def _one_answer(alignment: Any) -> tuple[float, float, float, float]:
+    """The warp of one pair's Alignment (floats, or a batch of one's tensors)."""
+    if not isinstance(alignment, Alignment):
+        raise TypeError(f"alignment must be the Alignment densematch.align returned, got {type(alignment).__name__}")
+    values = (alignment.scale_h, alignment.scale_w, alignment.shift_y, alignment.shift_x)
+    if any(isinstance(v, torch.Tensor) and v.numel() != 1 for v in values):
+        raise TypeError("alignment must be one pair's (certify each pair of a batch on its own)")
+    sh, sw, sy, sx = (float(v) for v in values)
+    return sh, sw, sy, sx
+
+
+def _first_cells(
+    ranges: tuple[tuple[float, float], tuple[float, float]], tops: tuple[float, float], half: torch.Tensor
+) -> torch.Tensor:
+    """Centres (M, 4) of cells of half widths ``half`` (4,) covering the scale ranges and the
+    shifts from 0 to ``tops`` (the largest valid shift on each axis)."""
+
+    def axis(lo: float, hi: float, width: float) -> torch.Tensor:
+        if width == 0:
+            return torch.tensor([lo], dtype=torch.float64)
+        n = max(1, math.ceil((hi - lo) / (2 * width)))
+        return lo + width * (2 * torch.arange(n, dtype=torch.float64) + 1)
+
+    (range_h, range_w), (top_y, top_x) = ranges, tops
+    hs = half.tolist()
+    scales = (axis(*range_h, hs[0]), axis(*range_w, hs[1]))
+    return torch.cartesian_prod(*scales, axis(0.0, max(top_y, 0.0), hs[2]), axis(0.0, max(top_x, 0.0), hs[3]))

@@ -1,0 +1,120 @@
+"""densematch.certify_alignment: the branch and bound that certifies align's answer, and the
+ranges its bound rests on."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import densematch
+from densematch.alignment.certify import bilinear_range, pixel_range, sample_spans
+
+
+def textured(side: int, seed: int) -> torch.Tensor:
+    """A smooth random texture (bicubic from a coarse grid of noise), values about 0..1."""
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(1, 1, side // 2, side // 2, generator=g)
+    return torch.nn.functional.interpolate(coarse, size=(side, side), mode="bicubic", align_corners=False)[0, 0]
+
+
+def pair(side: int, size: int, warp_args: tuple[float, ...], seed: int = 0, channels: int = 0):
+    img = textured(side, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tpl = densematch.warp(img, *warp_args, (size, size)) + 0.01 * torch.randn(size, size, generator=g)
+    if channels:  # one pair of two channels (align's (1, C, h, w)): the second brightened and halved
+        img, tpl = torch.stack((img, 0.5 * img + 0.2))[None], torch.stack((tpl, 0.5 * tpl + 0.2))[None]
+    return tpl, img
+
+
+@pytest.mark.parametrize(("objective", "channels"), [("l1", 0), ("l2", 0), ("l1", 2)])
+def test_a_translation_is_certified_and_a_shifted_answer_is_not(objective, channels):
+    tpl, img = pair(44, 32, (1.0, 1.0, 7.3, 4.6), channels=channels)
+    fixed = {"scale_h": (1.0, 1.0), "scale_w": (1.0, 1.0)}
+    a = densematch.align(tpl, img, objective=objective, **fixed)
+    cert = densematch.certify_alignment(tpl, img, a, objective=objective, **fixed)
+    assert cert.certified and cert.reason == "" and len(cert.cells_left) == 0
+    assert cert.error == pytest.approx(a.error, rel=1e-5)
+    # 4 px off: the truth's fits beat it, so the cells around the truth stay (stopped at 0.5 px)
+    wrong = dataclasses.replace(a, shift_x=a.shift_x - 4)
+    cert = densematch.certify_alignment(tpl, img, wrong, objective=objective, finest=(1e-4, 0.5), **fixed)
+    assert not cert.certified and "cells left at the finest size" in cert.reason
+    truth = torch.tensor([1.0, 1.0, 7.3, 4.6], dtype=torch.float64)
+    half = torch.tensor([0.0, 0.0, *[cert.cell_size[1]] * 2], dtype=torch.float64)
+    assert ((cert.cells_left - truth).abs() <= half + 1e-9).all(1).any()
+
+
+def test_a_stretch_is_certified():
+    tpl, img = pair(34, 32, (1.01, 0.99, 1.3, 0.6), seed=3)
+    ranges = {"scale_h": (0.98, 1.04), "scale_w": (0.96, 1.02)}
+    a = densematch.align(tpl, img, **ranges)
+    cert = densematch.certify_alignment(tpl, img, a, **ranges)
+    assert cert.certified, cert.reason
+    assert cert.cells_examined > 0 and cert.seconds > 0
+
+
+def test_out_of_time_is_not_certified():
+    tpl, img = pair(44, 32, (1.0, 1.0, 7.3, 4.6))
+    a = densematch.align(tpl, img)
+    cert = densematch.certify_alignment(tpl, img, a, time_limit=0.0)
+    assert not cert.certified and cert.reason == "out of time after 0 s"
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"objective": "ncc"}, ValueError, "objective must be one of"),
+        ({"scale_h": (1.2, 0.8)}, ValueError, "scale_h must be a pair"),
+        ({"template": torch.rand(1, 3, 32, 32)}, ValueError, "template and image must be one pair in align's layout"),
+        ({"template": torch.rand(2, 32, 32), "image": torch.rand(2, 44, 44)}, ValueError, "a batch of 2"),
+        ({"alignment": "a"}, TypeError, "alignment must be the Alignment densematch.align returned, got str"),
+    ],
+)
+def test_bad_input_is_named(change, error, message):
+    tpl, img = pair(44, 32, (1.0, 1.0, 7.3, 4.6))
+    a = densematch.align(tpl, img)
+    args = {"template": tpl, "image": img, "alignment": a, **change}
+    with pytest.raises(error, match=message):
+        densematch.certify_alignment(args.pop("template"), args.pop("image"), args.pop("alignment"), **args)
+
+
+def test_a_batch_of_one_is_one_pair_and_a_batch_of_two_is_refused():
+    tpl, img = pair(44, 32, (1.0, 1.0, 7.3, 4.6))
+    fixed = {"scale_h": (1.0, 1.0), "scale_w": (1.0, 1.0)}
+    one = densematch.align(tpl[None], img[None], **fixed)
+    assert densematch.certify_alignment(tpl[None], img[None], one, **fixed).certified
+    two = densematch.align(torch.stack((tpl, tpl)), torch.stack((img, img)), **fixed)
+    with pytest.raises(TypeError, match="certify each pair of a batch on its own"):
+        densematch.certify_alignment(tpl, img, two, **fixed)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    scale=st.tuples(st.floats(0.8, 1.2), st.floats(0.8, 1.2)),
+    ds=st.sampled_from([0.0, 1e-4, 0.003, 0.02]),
+    dt=st.sampled_from([0.0, 0.01, 0.3, 2.0]),
+)
+def test_the_ranges_hold_every_warp_of_the_cell(seed, scale, ds, dt):
+    # the bound's foundation: at any parameters inside a cell, every template pixel's sample lies
+    # within the interpolant's exact range over its box, which lies within the whole pixels'
+    img = textured(30, seed).double()
+    g = torch.Generator().manual_seed(seed)
+    h = w = 16
+    sh, sw = (torch.tensor([s], dtype=torch.float64) for s in scale)
+    ty = torch.rand(1, generator=g, dtype=torch.float64) * (30 * sh - h - dt).clamp_min(0) + dt
+    tx = torch.rand(1, generator=g, dtype=torch.float64) * (30 * sw - w - dt).clamp_min(0) + dt
+    ys = sample_spans(torch.arange(h), 30, sh, ty, ds, dt)
+    xs = sample_spans(torch.arange(w), 30, sw, tx, ds, dt)
+    lo, hi = bilinear_range(img, ys, xs)
+    wide_lo, wide_hi = pixel_range(img, ys, xs)
+    assert (wide_lo <= lo + 1e-12).all() and (hi <= wide_hi + 1e-12).all()
+    for u in torch.rand(8, 4, generator=g, dtype=torch.float64) * 2 - 1:
+        params = (sh + ds * u[0], sw + ds * u[1], ty + dt * u[2], tx + dt * u[3])
+        v = densematch.warp(img, *(float(p) for p in params), (h, w))
+        assert (lo[0] - 1e-12 <= v).all() and (v <= hi[0] + 1e-12).all()
+    if ds == dt == 0:  # a cell of one point: the range is its warp
+        v = densematch.warp(img, float(sh), float(sw), float(ty), float(tx), (h, w))
+        torch.testing.assert_close(lo[0], v, rtol=0, atol=1e-12)
+        torch.testing.assert_close(hi[0], v, rtol=0, atol=1e-12)
