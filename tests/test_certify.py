@@ -59,6 +59,7 @@ def test_out_of_time_is_not_certified():
     a = densematch.align(tpl, img)
     cert = densematch.certify_alignment(tpl, img, a, time_limit=0.0)
     assert not cert.certified and cert.reason == "out of time after 0 s"
+    assert len(cert.cells_left) > 0  # the cells not reached are left, not dropped
 
 
 @pytest.mark.parametrize(
@@ -66,6 +67,7 @@ def test_out_of_time_is_not_certified():
     [
         ({"objective": "ncc"}, ValueError, "objective must be one of"),
         ({"scale_h": (1.2, 0.8)}, ValueError, "scale_h must be a pair"),
+        ({"near": (0.01, -1.0)}, ValueError, "near must be a pair"),
         ({"template": torch.rand(1, 3, 32, 32)}, ValueError, "template and image must be one pair in align's layout"),
         ({"template": torch.rand(2, 32, 32), "image": torch.rand(2, 44, 44)}, ValueError, "a batch of 2"),
         ({"alignment": "a"}, TypeError, "alignment must be the Alignment densematch.align returned, got str"),

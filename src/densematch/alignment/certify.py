@@ -180,6 +180,9 @@ def certify_alignment(
     Certificate
     """
     objective = check_choice(objective, "objective", ("l1", "l2"))
+    for name, pair in (("near", near), ("finest", finest)):
+        if len(pair) != 2 or not all(math.isfinite(v) and v > 0 for v in pair):
+            raise ValueError(f"{name} must be a pair (scale, shift in px) of positive numbers, got {pair!r}")
     range_h, range_w = _check_range(scale_h, "scale_h"), _check_range(scale_w, "scale_w")
     answer = _one_answer(alignment)
     t, x = as_image(template, "template").double(), as_image(image, "image").double()
@@ -232,8 +235,9 @@ def certify_alignment(
         gap = (cells - a).abs() + half
         inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
         cells = cells[valid & ~inside]
-        kept = []
-        for part in torch.split(cells, max(1, (40 if half[2] <= 0.5 else 200) // n_c)):
+        kept, step = [], max(1, (40 if half[2] <= 0.5 else 200) // n_c)
+        for start in range(0, len(cells), step):
+            part = cells[start : start + step]
             low = bound(part, sparse)
             maybe, low = part[low <= line], low[low <= line]
             if len(maybe) and len(dense):  # the other rows, for what every fourth one did not rule out
@@ -241,7 +245,8 @@ def certify_alignment(
                 maybe = maybe[low <= line]
             kept.append(maybe)
             if time_limit is not None and time.perf_counter() - started > time_limit:
-                return result(torch.cat(kept), f"out of time after {time_limit:g} s")
+                left = torch.cat([*kept, cells[start + step :]])  # with the cells not reached
+                return result(left, f"out of time after {time_limit:g} s")
         examined += len(cells)
         cells = torch.cat(kept) if kept else cells[:0]
         if not len(cells):
