@@ -138,6 +138,17 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
+def report(name: str, rows: list[dict[str, Any]], command: str | None = None, **extra: Any) -> Path:
+    """Save ``rows`` (and ``extra``) with the machine and the command (default: this one's argv)
+    as results/NAME.json, and print the machine, the rows as a table and where they went."""
+    info = machine()
+    path = save(name, {"machine": info, "command": command or " ".join(sys.argv), "rows": rows, **extra})
+    print(f"machine: {info}\n")
+    print(table(rows, list(rows[0])))
+    print(f"saved {path}")
+    return path
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:

@@ -71,7 +71,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.src[0])))
         return
-    from _common import machine, save, table
+    from _common import report
 
     labels = args.labels.split(",") if args.labels else [f"tree {i + 1}" for i in range(len(args.src))]
     if len(labels) != len(args.src):
@@ -88,12 +88,8 @@ def main() -> None:
         {"tree": label, **{k: f"{statistics.median(x[k] for x in got):.3f}" for k in got[0]}}
         for label, got in rounds.items()
     ]
-    info = machine()
     command = " ".join(["python benchmarks/align_batch_side_by_side.py", "SRC ...", *sys.argv[1 + len(args.src) :]])
-    path = save(args.name, {"machine": info, "command": command, "rows": rows, "rounds": rounds})
-    print(f"machine: {info}\n")
-    print(table(rows, list(rows[0])))
-    print(f"saved {path}")
+    report(args.name, rows, command, rounds=rounds)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import densematch
-from _common import machine, save, table
+from _common import report
 from bench_align_global import cases
 from densematch.alignment.certify import bilinear_range, pixel_range, sample_spans
 
@@ -106,12 +106,7 @@ def main() -> None:
                 ),
             }
         )
-    info = machine()
-    per_case = {f"{ds:g},{dt:g}": v for (ds, dt), v in left.items()}
-    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": out, "per_case": per_case})
-    print(f"machine: {info}\n")
-    print(table(out, list(out[0])))
-    print(f"saved {path}")
+    report(args.name, out, per_case={f"{ds:g},{dt:g}": v for (ds, dt), v in left.items()})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import densematch
-from _common import machine, save, table
+from _common import report
 from bench_align_global import cases
 
 
@@ -49,11 +49,7 @@ def main() -> None:
             }
         )
         print(rows[-1], flush=True)
-    info = machine()
-    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
-    print(f"machine: {info}\n")
-    print(table(rows, list(rows[0])))
-    print(f"saved {path}")
+    report(args.name, rows)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine, save, table
+from _common import report
 from densematch.alignment.search import _best_shifts, _cross_by_products, _window_moments, scale_grid
 from densematch.alignment.warp import bilinear_taps, sampling_matrix
 from densematch.kernels import native
@@ -65,11 +65,7 @@ def main() -> None:
                 run()
             times[name].append((time.perf_counter() - t0) / 5 * 1e3 / b)
     rows_out = [{"part": name, "ms per pair": f"{statistics.median(v):.3f}"} for name, v in times.items()]
-    info = machine()
-    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows_out, "times": times})
-    print(f"machine: {info}\n")
-    print(table(rows_out, list(rows_out[0])))
-    print(f"saved {path}")
+    report(args.name, rows_out, times=times)
 
 
 if __name__ == "__main__":

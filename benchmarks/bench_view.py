@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine, save, table
+from _common import report
 
 
 def main() -> None:
@@ -74,11 +74,8 @@ def main() -> None:
             )
             print(rows[-1], flush=True)
         browser.close()
-    info = machine()
-    out = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
-    print(f"\nmachine: {info}\n")
-    print(table(rows, list(rows[0])))
-    print(f"saved {out}")
+    print()
+    report(args.name, rows)
 
 
 if __name__ == "__main__":
