@@ -28,7 +28,7 @@ import torch
 
 from ..checks import check_choice
 from .api import Alignment, _check_range
-from .warp import as_image, warp
+from .warp import as_image, taps_at, warp
 
 __all__ = ["Certificate", "bilinear_range", "certify_alignment", "pixel_range", "sample_spans"]
 
@@ -119,21 +119,17 @@ def bilinear_range(image: torch.Tensor, ys: Span, xs: Span) -> Span:
         k = int((hi.ceil() - base).max()) + 1
         return torch.stack([torch.minimum(torch.maximum(base + i, lo), hi) for i in range(k)])
 
-    def taps(v: torch.Tensor, n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        i0 = v.floor().clamp(max=max(n_in - 2, 0))  # sampling_matrix's rule
-        return i0.long(), (i0 + 1).clamp(max=n_in - 1).long(), v - i0
-
     big_h, big_w = image.shape
     py, px = points(ys), points(xs)
-    y0, y1, fy = taps(py, big_h)
-    x0, x1, fx = taps(px, big_w)
+    y0, y1, gy0, gy1 = taps_at(py, big_h)  # sampling_matrix's rule
+    x0, x1, gx0, gx1 = taps_at(px, big_w)
     lo = hi = None
     for a in range(px.shape[0]):
-        along = (image[:, x0[a]] * (1 - fx[a]) + image[:, x1[a]] * fx[a]).permute(1, 0, 2)  # (M, H, w)
+        along = (image[:, x0[a]] * gx0[a] + image[:, x1[a]] * gx1[a]).permute(1, 0, 2)  # (M, H, w)
         for b in range(py.shape[0]):
             g0 = along.gather(1, y0[b][:, :, None].expand(-1, -1, along.shape[2]))
             g1 = along.gather(1, y1[b][:, :, None].expand(-1, -1, along.shape[2]))
-            v = g0 * (1 - fy[b])[:, :, None] + g1 * fy[b][:, :, None]
+            v = g0 * gy0[b][:, :, None] + g1 * gy1[b][:, :, None]
             lo = v if lo is None else torch.minimum(lo, v)
             hi = v if hi is None else torch.maximum(hi, v)
     assert lo is not None and hi is not None

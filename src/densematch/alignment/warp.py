@@ -10,19 +10,23 @@ import torch
 
 from ..checks import as_tensor
 
-__all__ = ["as_image", "bilinear_taps", "sampling_matrix", "warp", "warp_batch"]
+__all__ = ["as_image", "bilinear_taps", "sampling_matrix", "taps_at", "warp", "warp_batch"]
 
 
-def bilinear_taps(n_out: int, n_in: int, scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The two taps (i0, i1: (M, n_out) int64) and weights (w0, w1) of output pixels i at input
-    coordinate (i + shift + 0.5) / scale - 0.5, clamped to the input like ``interpolate``
-    (i1 == i0 on the last input pixel)."""
-    i = torch.arange(n_out, dtype=scale.dtype, device=scale.device)
-    y = ((i + shift[:, None] + 0.5) / scale[:, None] - 0.5).clamp(0, n_in - 1)
+def taps_at(y: torch.Tensor, n_in: int) -> tuple[torch.Tensor, ...]:
+    """The two taps (i0, i1: int64) and weights (w0, w1) of bilinear samples at input
+    coordinates ``y`` in [0, n_in - 1] (i1 == i0 on the last input pixel)."""
     i0 = y.floor().clamp(max=max(n_in - 2, 0))
     frac = y - i0
     i0 = i0.long()
     return i0, (i0 + 1).clamp(max=n_in - 1), 1 - frac, frac
+
+
+def bilinear_taps(n_out: int, n_in: int, scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`taps_at` of output pixels i (M, n_out) at input coordinate
+    (i + shift + 0.5) / scale - 0.5, clamped to the input like ``interpolate``."""
+    i = torch.arange(n_out, dtype=scale.dtype, device=scale.device)
+    return taps_at(((i + shift[:, None] + 0.5) / scale[:, None] - 0.5).clamp(0, n_in - 1), n_in)
 
 
 def sampling_matrix(
