@@ -603,10 +603,6 @@ def _grid_columns(oy: torch.Tensor, ox: torch.Tensor) -> int:
     return cols.numel() if torch.equal(grid[:, 0], oy) and torch.equal(grid[:, 1], ox) else 0
 
 
-if __name__ == "__main__":
-    print(build())
-
-
 def align_refine(
     t: torch.Tensor,
     x: torch.Tensor,
@@ -695,3 +691,7 @@ def align_best_shifts(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         score.data_ptr(), rows, ny, nx, k, best.data_ptr(), where.data_ptr()
     )
     return best, where
+
+
+if __name__ == "__main__":
+    print(build())
