@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..checks import check_choice
+from ..config import kernel_setting
+from ..kernels import native
+from ..threads import share_out, workers_for
 from .api import Alignment, _check_range
 from .warp import as_image, taps_at, warp
 
@@ -189,7 +193,7 @@ def certify_alignment(
         )
     if t.ndim > 2 and t.shape[0] != 1:
         raise ValueError(f"template and image must be one pair (a batch of 1), got a batch of {t.shape[0]}")
-    t, x = t.reshape(-1, *t.shape[-2:]), x.reshape(-1, *x.shape[-2:])  # (C, h, w), (C, H, W)
+    t, x = t.reshape(-1, *t.shape[-2:]).contiguous(), x.reshape(-1, *x.shape[-2:]).contiguous()  # (C, h, w), (C, H, W)
     (n_c, h, w), (big_h, big_w) = t.shape, x.shape[-2:]
     residual = warp(x[None], *answer, (h, w))[0] - t  # (C, h, w)
     error = float(residual.abs().mean() if objective == "l1" else residual.square().mean())
@@ -201,60 +205,111 @@ def certify_alignment(
     widths = [ds if hi > lo else 0.0 for lo, hi in (range_h, range_w)] + [_ROOT[1]] * 2
     half = torch.tensor(widths, dtype=torch.float64)
     tops = (big_h * range_h[1] - h, big_w * range_w[1] - w)
-    cells = _first_cells((range_h, range_w), tops, half)
-    sparse = torch.arange(0, h, 4)
-    dense = torch.tensor([r for r in range(h) if r % 4], dtype=torch.long)
+    rows = torch.cat([torch.arange(0, h, 4), torch.tensor([r for r in range(h) if r % 4], dtype=torch.long)])
+    in_c = kernel_setting() != "torch" and native.usable(x.device, x.dtype)
+    bound = _bound_in_c(t, x, rows, objective, line, share_out_to=workers_for(x.device)) if in_c else None
     examined = 0
 
-    def bound(part: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        sh, sw, ty, tx = part.unbind(1)
-        ys = sample_spans(rows, big_h, sh, ty, float(half[0]), float(half[2]))
-        xs = sample_spans(torch.arange(w), big_w, sw, tx, float(half[1]), float(half[3]))
-        total = torch.zeros(len(part), dtype=torch.float64)
-        for ch in range(n_c):
-            lo, hi = (pixel_range if half[2] > 0.5 else bilinear_range)(x[ch], ys, xs)
-            tc = t[ch, rows]
-            gap = (lo - tc).clamp_min(0) + (tc - hi).clamp_min(0)
-            total += (gap if objective == "l1" else gap.square()).sum((1, 2))
-        return total / (n_c * h * w)
+    def prune(cells: torch.Tensor) -> torch.Tensor:
+        """The cells of ``cells`` (at the current size) that hold a valid fit outside the answer's
+        neighbourhood and whose bound does not exceed the line."""
+        nonlocal examined
+        sh, sw, ty, tx = cells.unbind(1)
+        valid = (ty - half[2] <= big_h * (sh + half[0]) - h) & (tx - half[3] <= big_w * (sw + half[1]) - w)
+        gap = (cells - a).abs() + half
+        inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
+        cells = cells[valid & ~inside]
+        examined += len(cells)
+        exact = bool(half[2] <= 0.5)
+        if bound is not None:
+            return cells[bound(cells, tuple(half.tolist()), exact) <= line]
+        kept, step = [], max(1, (40 if exact else 200) // n_c)
+        for start in range(0, len(cells), step):
+            kept.append(_pruned_in_torch(cells[start : start + step], t, x, rows, half, exact, objective, line))
+        return torch.cat(kept) if kept else cells
 
     def result(left: torch.Tensor, reason: str = "") -> Certificate:
         seconds = time.perf_counter() - started
         size = (float(half[:2].max()), float(half[2]))
         return Certificate(not reason, error, reason, examined, left, size, seconds)
 
+    # each size's cells are the children of the last size's survivors, made a group at a time
+    parents, offsets = _first_cells((range_h, range_w), tops, half), torch.zeros(1, 4, dtype=torch.float64)
     while True:
-        sh, sw, ty, tx = cells.unbind(1)
-        # cells that hold a valid fit (the template inside the stretched image) outside the
-        # answer's neighbourhood
-        valid = (ty - half[2] <= big_h * (sh + half[0]) - h) & (tx - half[3] <= big_w * (sw + half[1]) - w)
-        gap = (cells - a).abs() + half
-        inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
-        cells = cells[valid & ~inside]
-        kept, step = [], max(1, (40 if half[2] <= 0.5 else 200) // n_c)
-        for start in range(0, len(cells), step):
-            part = cells[start : start + step]
-            low = bound(part, sparse)
-            maybe, low = part[low <= line], low[low <= line]
-            if len(maybe) and len(dense):  # the other rows, for what every fourth one did not rule out
-                low = low + bound(maybe, dense)
-                maybe = maybe[low <= line]
-            kept.append(maybe)
+        kept, group = [], max(1, (4096 if bound is not None else 1024) // len(offsets))
+        for start in range(0, len(parents), group):
+            kept.append(prune((parents[start : start + group, None, :] + offsets).reshape(-1, 4)))
             if time_limit is not None and time.perf_counter() - started > time_limit:
-                left = torch.cat([*kept, cells[start + step :]])  # with the cells not reached
-                return result(left, f"out of time after {time_limit:g} s")
-        examined += len(cells)
-        cells = torch.cat(kept) if kept else cells[:0]
-        if not len(cells):
-            return result(cells)
+                rest = (parents[start + group :, None, :] + offsets).reshape(-1, 4)  # the cells not reached
+                return result(torch.cat([*kept, rest]), f"out of time after {time_limit:g} s")
+        left = torch.cat(kept)
+        if not len(left):
+            return result(left)
         scales_done = bool(((half[:2] > 0) & (half[:2] / 2 < finest[0])).any())
         if scales_done or half[2] / 2 < finest[1]:
-            far = ", ".join(f"{v:.3g}" for v in (cells - a).abs().amax(0).tolist())
-            return result(cells, f"{len(cells)} cells left at the finest size, up to ({far}) from the answer")
+            far = ", ".join(f"{v:.3g}" for v in (left - a).abs().amax(0).tolist())
+            return result(left, f"{len(left)} cells left at the finest size, up to ({far}) from the answer")
         half = half / 2
         split = [torch.tensor([-1.0, 1.0] if v > 0 else [0.0], dtype=torch.float64) for v in half]
-        corners = torch.cartesian_prod(*split).reshape(-1, 4)
-        cells = (cells[:, None, :] + corners * half).reshape(-1, 4)
+        parents, offsets = left, torch.cartesian_prod(*split).reshape(-1, 4) * half
+
+
+def _pruned_in_torch(
+    cells: torch.Tensor,
+    t: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    half: torch.Tensor,
+    exact: bool,
+    objective: str,
+    line: float,
+) -> torch.Tensor:
+    """The cells whose bound (torch's ranges) does not exceed ``line``: every fourth row first
+    (the first quarter of ``rows``), the others for the cells those did not rule out."""
+    (n_c, h, w), big_h, big_w = t.shape, *x.shape[-2:]
+    sparse, dense = rows[: (h + 3) // 4], rows[(h + 3) // 4 :]
+
+    def bound(part: torch.Tensor, some: torch.Tensor) -> torch.Tensor:
+        sh, sw, ty, tx = part.unbind(1)
+        ys = sample_spans(some, big_h, sh, ty, float(half[0]), float(half[2]))
+        xs = sample_spans(torch.arange(w), big_w, sw, tx, float(half[1]), float(half[3]))
+        total = torch.zeros(len(part), dtype=torch.float64)
+        for ch in range(n_c):
+            lo, hi = (bilinear_range if exact else pixel_range)(x[ch], ys, xs)
+            tc = t[ch, some]
+            gap = (lo - tc).clamp_min(0) + (tc - hi).clamp_min(0)
+            total += (gap if objective == "l1" else gap.square()).sum((1, 2))
+        return total / (n_c * h * w)
+
+    low = bound(cells, sparse)
+    maybe, low = cells[low <= line], low[low <= line]
+    if len(maybe) and len(dense):
+        maybe = maybe[low + bound(maybe, dense) <= line]
+    return maybe
+
+
+def _bound_in_c(
+    t: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, objective: str, line: float, share_out_to: int
+) -> Callable[[torch.Tensor, tuple[float, ...], bool], torch.Tensor]:
+    """The bound per cell in C (:func:`densematch.kernels.native.certify_bound`), over
+    ``share_out_to`` threads, each cell's sum stopped once it passes the line."""
+    n = t.numel()
+    stop = line * n
+
+    def bound(cells: torch.Tensor, half: tuple[float, ...], exact: bool) -> torch.Tensor:
+        out = torch.empty(len(cells), dtype=torch.float64)
+        step = max(1, -(-len(cells) // share_out_to))
+
+        def run(start: int) -> None:
+            part = cells[start : start + step].contiguous()
+            out[start : start + step] = native.certify_bound(
+                x, t, part, half, rows, exact=exact, squared=objective == "l2", stop=stop
+            )
+
+        share_out(range(0, len(cells), step), run, share_out_to, name="densematch-certify")
+        return out / n
+
+    return bound
 
 
 def _one_answer(alignment: Any) -> tuple[float, float, float, float]:

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 # one library from these: the engine's kernels, and align's refinement
-SOURCES = (Path(__file__).with_name("native.c"), Path(__file__).with_name("align.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("native.c", "align.c", "certify.c"))
 FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11")
 # x86-64 psABI levels, highest first, with the /proc/cpuinfo flags each needs
 X86_LEVELS = {

@@ -190,6 +190,8 @@ def library() -> ctypes.CDLL | None:
     sizes = [n] * 5  # C, h, w, H, W
     lib.dm_align_refine.argtypes = [ptr, ptr, ptr, flag, *sizes, ptr, n, flag, ptr, flag, ctypes.c_double, ptr, ptr]
     lib.dm_align_refine.restype = flag
+    lib.dm_certify_bound.argtypes = [ptr, ptr, *sizes, ptr, n, ptr, ptr, n, flag, flag, ctypes.c_double, ptr]
+    lib.dm_certify_bound.restype = flag
     return lib
 
 
@@ -691,6 +693,47 @@ def align_best_shifts(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         score.data_ptr(), rows, ny, nx, k, best.data_ptr(), where.data_ptr()
     )
     return best, where
+
+
+def certify_bound(
+    image: torch.Tensor,
+    template: torch.Tensor,
+    cells: torch.Tensor,
+    half: tuple[float, float, float, float],
+    rows: torch.Tensor,
+    *,
+    exact: bool,
+    squared: bool,
+    stop: float,
+) -> torch.Tensor:
+    """certify_alignment's bound (certify.c): per cell of ``cells`` (M, 4) (centres scale_h,
+    scale_w, shift_y, shift_x; half widths ``half``), the sum over the template's ``rows`` (in
+    that order) and channels of each pixel's distance (squared: its square) from its value in
+    ``template`` (C, h, w) to the range of ``image`` (C, H, W) over the box it samples from:
+    whole pixels, or with ``exact`` the bilinear interpolant's own. A cell's sum stops at the first
+    row after which it exceeds ``stop``. (M,) float64, on this thread."""
+    lib = _loaded("certify_bound")
+    c, h, w = template.shape
+    _require(
+        all(v.dtype == torch.float64 and v.is_contiguous() for v in (image, template, cells))
+        and image.ndim == 3
+        and image.shape[0] == c
+        and cells.ndim == 2
+        and cells.shape[1] == 4
+        and rows.dtype == torch.int64
+        and bool(((rows >= 0) & (rows < h)).all()),
+        "image (C, H, W), template (C, h, w) and cells (M, 4) must be contiguous float64, rows template rows",
+    )
+    rows = rows.contiguous()
+    spread = torch.tensor(half, dtype=torch.float64)
+    out = torch.empty(cells.shape[0], dtype=torch.float64)
+    failed = lib.dm_certify_bound(
+        image.data_ptr(), template.data_ptr(), c, h, w, image.shape[1], image.shape[2], cells.data_ptr(),
+        cells.shape[0], spread.data_ptr(), rows.data_ptr(), rows.numel(), exact, squared, stop, out.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("densematch's C kernels: certify_bound could not allocate its scratch")
+    return out
 
 
 if __name__ == "__main__":

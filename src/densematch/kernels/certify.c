@@ -1,0 +1,175 @@
+/* certify_alignment's bound in C (densematch.alignment.certify): per cell of warp parameters, a
+ * lower bound on the error of every fit inside it, summed row by row over the template and
+ * stopped as soon as it passes the line the caller gives (a partial sum is already a bound).
+ *
+ * Template pixel (r, c) of a fit (scale_h, scale_w, shift_y, shift_x) samples the image
+ * bilinearly at y = (r + shift_y + 0.5) / scale_h - 0.5, x likewise, clamped to the image. Over a
+ * cell (centre +- half on each parameter) the coordinate is monotone in each parameter, so the
+ * cell's corners give each row's and each column's interval of coordinates, and each pixel samples
+ * from the box of their product. The range of the image over that box is taken either over every
+ * whole pixel it touches ("pixel": cheap, wide) or as the bilinear interpolant's own range
+ * ("exact": its extremes lie among the box's corners, the grid lines' crossings of its edges and
+ * the grid points inside, so among the products of {lo, the integers between, hi} on each axis).
+ * A pixel's term is its template value's distance to that range (squared for l2).
+ *
+ * Torch's path (certify.py: sample_spans, pixel_range, bilinear_range) computes the same ranges
+ * from the same corners and taps; the two are compared in tests/test_certify.py. What is added
+ * here is the row-by-row stop and no per-operation cost, which is what makes millions of small
+ * cells affordable.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* the interval [lo, hi] of input coordinates output pixel i samples over a cell (centres scale,
+ * shift; half widths ds, dt), clamped to [0, n_in - 1], from the four corners */
+static inline void span(int64_t i, int64_t n_in, double scale, double shift, double ds, double dt, double *lo,
+                        double *hi) {
+    double a = INFINITY, b = -INFINITY;
+    const double es[2] = {-ds, ds}, et[2] = {-dt, dt};
+    for (int u = 0; u < 2; u++)
+        for (int v = 0; v < 2; v++) {
+            const double y = ((double)i + (shift + et[v]) + 0.5) / (scale + es[u]) - 0.5;
+            a = y < a ? y : a;
+            b = y > b ? y : b;
+        }
+    const double top = (double)(n_in - 1);
+    *lo = a < 0 ? 0 : (a > top ? top : a);
+    *hi = b < 0 ? 0 : (b > top ? top : b);
+}
+
+/* the points {lo, the integers strictly between, hi} of an interval, as bilinear taps
+ * (warp.taps_at's rule: i0 = min(floor(p), n_in - 2), i1 = min(i0 + 1, n_in - 1)); returns how many */
+static inline int points(double lo, double hi, int64_t n_in, int64_t *i0, int64_t *i1, double *g0, double *g1) {
+    const double base = floor(lo), top = (double)(n_in > 2 ? n_in - 2 : 0);
+    const int k = (int)(ceil(hi) - base) + 1;
+    for (int a = 0; a < k; a++) {
+        double p = base + a;
+        p = p < lo ? lo : (p > hi ? hi : p);
+        const double f0 = floor(p) > top ? top : floor(p);
+        i0[a] = (int64_t)f0;
+        i1[a] = i0[a] + 1 < n_in ? i0[a] + 1 : n_in - 1;
+        g1[a] = p - f0;
+        g0[a] = 1 - g1[a];
+    }
+    return k;
+}
+
+static inline double term(double t, double lo, double hi, int squared) {
+    const double gap = (lo - t > 0 ? lo - t : 0) + (t - hi > 0 ? t - hi : 0);
+    return squared ? gap * gap : gap;
+}
+
+/* Sums over the template's rows (in the order given) and channels of each cell's terms, into
+ * out[m]; a cell stops at the first row after which its sum exceeds stop. image (C, H, W),
+ * template (C, h, w), cells (M, 4) centres (scale_h, scale_w, shift_y, shift_x), half (4).
+ * Returns 1 where its scratch cannot be allocated. */
+int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H,
+                     int64_t W, const double *cells, int64_t M, const double *half, const int64_t *rows,
+                     int64_t n_rows, int exact, int squared, double stop, double *out) {
+    const int64_t KX = W + 2, KY = H + 2; /* the most points an interval can hold */
+    double *xlo = malloc(sizeof(double) * (size_t)(4 * w + 2 * w * KX + 2 * KY));
+    int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 2 * KY + w));
+    double *along = exact ? malloc(sizeof(double) * (size_t)(C * H * w * KX)) : NULL;
+    char *ready = malloc((size_t)(C * H) + 1);
+    if (!xlo || !xi || (exact && !along) || !ready) {
+        free(xlo);
+        free(xi);
+        free(along);
+        free(ready);
+        return 1;
+    }
+    double *xhi = xlo + w, *lo = xhi + w, *hi = lo + w, *xg0 = hi + w, *xg1 = xg0 + w * KX;
+    double *yg0 = xg1 + w * KX, *yg1 = yg0 + KY;
+    int64_t *xi0 = xi, *xi1 = xi0 + w * KX, *yi0 = xi1 + w * KX, *yi1 = yi0 + KY, *kx = yi1 + KY;
+    for (int64_t m = 0; m < M; m++) {
+        const double *cell = cells + 4 * m;
+        int64_t c_first = W, c_last = 0, K = 1; /* the image columns any box reaches; points' stride */
+        for (int64_t j = 0; j < w; j++) {
+            span(j, W, cell[1], cell[3], half[1], half[3], xlo + j, xhi + j);
+            const int64_t f = (int64_t)floor(xlo[j]), l = (int64_t)ceil(xhi[j]);
+            c_first = f < c_first ? f : c_first;
+            c_last = l > c_last ? l : c_last;
+            K = l - f + 1 > K ? l - f + 1 : K;
+        }
+        if (exact)
+            for (int64_t j = 0; j < w; j++)
+                kx[j] = points(xlo[j], xhi[j], W, xi0 + j * K, xi1 + j * K, xg0 + j * K, xg1 + j * K);
+        c_last = c_last < W - 1 ? c_last : W - 1;
+        if (exact)
+            for (int64_t r = 0; r < C * H; r++) ready[r] = 0;
+        double total = 0;
+        for (int64_t q = 0; q < n_rows && !(total > stop); q++) {
+            const int64_t i = rows[q];
+            double ylo, yhi;
+            span(i, H, cell[0], cell[2], half[0], half[2], &ylo, &yhi);
+            for (int64_t ch = 0; ch < C; ch++) {
+                const double *img = image + ch * H * W, *t = tpl + (ch * h + i) * w;
+                if (exact) {
+                    const int ky = points(ylo, yhi, H, yi0, yi1, yg0, yg1);
+                    for (int64_t j = 0; j < w; j++) {
+                        lo[j] = INFINITY;
+                        hi[j] = -INFINITY;
+                    }
+                    for (int b = 0; b < ky; b++) {
+                        const int64_t rr[2] = {yi0[b], yi1[b]};
+                        for (int e = 0; e < 2; e++) /* the image along x at this row's points, once per cell */
+                            if (!ready[ch * H + rr[e]]) {
+                                const double *src = img + rr[e] * W;
+                                double *dst = along + (ch * H + rr[e]) * w * K;
+                                for (int64_t j = 0; j < w; j++)
+                                    for (int a = 0; a < kx[j]; a++) {
+                                        const int64_t o = j * K + a;
+                                        dst[o] = src[xi0[o]] * xg0[o] + src[xi1[o]] * xg1[o];
+                                    }
+                                ready[ch * H + rr[e]] = 1;
+                            }
+                        const double *a0 = along + (ch * H + rr[0]) * w * K, *a1 = along + (ch * H + rr[1]) * w * K;
+                        const double g0 = yg0[b], g1 = yg1[b];
+                        for (int64_t j = 0; j < w; j++)
+                            for (int a = 0; a < kx[j]; a++) {
+                                const int64_t o = j * K + a;
+                                const double v = a0[o] * g0 + a1[o] * g1;
+                                lo[j] = v < lo[j] ? v : lo[j];
+                                hi[j] = v > hi[j] ? v : hi[j];
+                            }
+                    }
+                    for (int64_t j = 0; j < w; j++) total += term(t[j], lo[j], hi[j], squared);
+                } else {
+                    /* every whole pixel the box touches: columns' extremes over the rows, then rows' */
+                    const int64_t r0 = (int64_t)floor(ylo), r_end = (int64_t)ceil(yhi);
+                    const int64_t r1 = r_end < H - 1 ? r_end : H - 1;
+                    double *cmin = xg0, *cmax = xg1; /* scratch: W values each */
+                    for (int64_t c = c_first; c <= c_last; c++) {
+                        double a = img[r0 * W + c], b = a;
+                        for (int64_t r = r0 + 1; r <= r1; r++) {
+                            const double v = img[r * W + c];
+                            a = v < a ? v : a;
+                            b = v > b ? v : b;
+                        }
+                        cmin[c] = a;
+                        cmax[c] = b;
+                    }
+                    double s = 0;
+                    for (int64_t j = 0; j < w; j++) {
+                        const int64_t c0 = (int64_t)floor(xlo[j]), c_end = (int64_t)ceil(xhi[j]);
+                        const int64_t c1 = c_end < W - 1 ? c_end : W - 1;
+                        double a = cmin[c0], b = cmax[c0];
+                        for (int64_t c = c0 + 1; c <= c1; c++) {
+                            a = cmin[c] < a ? cmin[c] : a;
+                            b = cmax[c] > b ? cmax[c] : b;
+                        }
+                        s += term(t[j], a, b, squared);
+                    }
+                    total += s;
+                }
+            }
+        }
+        out[m] = total;
+    }
+    free(xlo);
+    free(xi);
+    free(along);
+    free(ready);
+    return 0;
+}
