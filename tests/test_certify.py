@@ -2,6 +2,7 @@
 ranges its bound rests on."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 import densematch
 from densematch.alignment.certify import bilinear_range, pixel_range, sample_spans
+from densematch.kernels import native
 
 
 def textured(side: int, seed: int) -> torch.Tensor:
@@ -35,6 +37,7 @@ def test_a_translation_is_certified_and_a_shifted_answer_is_not(objective, chann
     a = densematch.align(tpl, img, objective=objective, **fixed)
     cert = densematch.certify_alignment(tpl, img, a, objective=objective, **fixed)
     assert cert.certified and cert.reason == "" and len(cert.cells_left) == 0
+    assert cert.within == (0.015, 0.015, 1.5, 1.5)  # the default near
     assert cert.error == pytest.approx(a.error, rel=1e-5)
     # 4 px off: the truth's fits beat it, so the cells around the truth stay (stopped at 0.5 px)
     wrong = dataclasses.replace(a, shift_x=a.shift_x - 4)
@@ -43,6 +46,9 @@ def test_a_translation_is_certified_and_a_shifted_answer_is_not(objective, chann
     truth = torch.tensor([1.0, 1.0, 7.3, 4.6], dtype=torch.float64)
     half = torch.tensor([0.0, 0.0, *[cert.cell_size[1]] * 2], dtype=torch.float64)
     assert ((cert.cells_left - truth).abs() <= half + 1e-9).all(1).any()
+    # what is shown all the same: better fits, the truth's among them, lie within reach
+    offset = (truth - torch.tensor([wrong.scale_h, wrong.scale_w, wrong.shift_y, wrong.shift_x])).abs()
+    assert (offset <= torch.tensor(cert.within, dtype=torch.float64)).all() and cert.within[3] >= 3.5
 
 
 def test_a_stretch_is_certified():
@@ -120,3 +126,55 @@ def test_the_ranges_hold_every_warp_of_the_cell(seed, scale, ds, dt):
         v = densematch.warp(img, float(sh), float(sw), float(ty), float(tx), (h, w))
         torch.testing.assert_close(lo[0], v, rtol=0, atol=1e-12)
         torch.testing.assert_close(hi[0], v, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    half=st.sampled_from([(0.02, 0.02, 2.0, 2.0), (0.005, 0.0, 0.5, 0.3), (0.0003, 0.0003, 0.03, 0.03)]),
+    exact=st.booleans(),
+    squared=st.booleans(),
+)
+def test_the_c_bound_is_torchs_sum_and_stops_past_the_line(seed, half, exact, squared):
+    # certify.c against the torch ranges it replaces, over two channels and cells anywhere
+    # (clamped at the image's edges included); stopped, a sum is partial but past the line
+    g = torch.Generator().manual_seed(seed)
+    img = torch.stack((textured(40, seed), textured(40, seed + 1))).double()
+    tpl = torch.rand(2, 24, 20, generator=g, dtype=torch.float64)
+    m = 30
+    cells = torch.cat([0.8 + 0.4 * torch.rand(m, 2, generator=g), 30 * torch.rand(m, 2, generator=g) - 5], 1)
+    cells = cells.double()
+    rows = torch.randperm(24, generator=g)
+    ys = sample_spans(torch.arange(24), 40, cells[:, 0], cells[:, 2], half[0], half[2])
+    xs = sample_spans(torch.arange(20), 40, cells[:, 1], cells[:, 3], half[1], half[3])
+    want = torch.zeros(m, dtype=torch.float64)
+    for ch in range(2):
+        lo, hi = (bilinear_range if exact else pixel_range)(img[ch], ys, xs)
+        gap = (lo - tpl[ch]).clamp_min(0) + (tpl[ch] - hi).clamp_min(0)
+        want += (gap.square() if squared else gap).sum((1, 2))
+    full = native.certify_bound(img, tpl, cells, half, rows, exact=exact, squared=squared, stop=math.inf)
+    torch.testing.assert_close(full, want, rtol=1e-12, atol=1e-12)
+    stop = float(want.median())
+    part = native.certify_bound(img, tpl, cells, half, rows, exact=exact, squared=squared, stop=stop)
+    past = full > stop
+    assert (part[past] > stop).all() and (part[past] <= full[past] * (1 + 1e-12)).all()
+    torch.testing.assert_close(part[~past], full[~past], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("objective", ["l1", "l2"])
+def test_c_and_torch_reach_the_same_verdict_and_cells(objective):
+    # the default path (C) and torch's (kernel="torch") rule out the same cells: same certificate
+    tpl, img = pair(34, 24, (1.02, 0.97, 3.2, 5.7), seed=6)
+    ranges = {"scale_h": (1.0, 1.04), "scale_w": (0.96, 1.0)}
+    a = densematch.align(tpl, img, objective=objective, **ranges)
+    wrong = dataclasses.replace(a, shift_y=a.shift_y + 3)
+    for answer in (a, wrong):
+        args = {"objective": objective, "finest": (0.004, 0.4), "near": (0.07, 1.5), **ranges}
+        c_path = densematch.certify_alignment(tpl, img, answer, **args)
+        with densematch.config_context(kernel="torch"):
+            torch_path = densematch.certify_alignment(tpl, img, answer, **args)
+        assert c_path.certified == torch_path.certified and c_path.cells_examined == torch_path.cells_examined
+        assert torch.equal(c_path.cells_left, torch_path.cells_left) and c_path.within == torch_path.within
+        scales = c_path.cells_left[:, :2] - torch.tensor([1.02, 0.98], dtype=torch.float64)
+        assert (scales.abs() <= 0.02 + c_path.cell_size[0] + 1e-9).all()  # none beyond the ranges
+        assert c_path.certified == (answer is a), c_path.reason  # a 24-pixel template pins scales loosely

@@ -59,6 +59,10 @@ class Certificate:
         at the size the search stopped at (``cell_size``); empty where certified.
     cell_size : tuple of float
         That size: half widths in scale and in shift (px).
+    within : tuple of float
+        What was shown either way: every fit better than the answer lies within this distance of
+        it in (scale_h, scale_w, shift_y, shift_x): ``near`` where certified, else the reach of the
+        cells left (a basin wider than ``near`` along a valley of near-equal fits, say).
     seconds : float
     """
 
@@ -68,6 +72,7 @@ class Certificate:
     cells_examined: int
     cells_left: torch.Tensor
     cell_size: tuple[float, float]
+    within: tuple[float, ...]
     seconds: float
 
 
@@ -205,7 +210,7 @@ def certify_alignment(
     widths = [ds if hi > lo else 0.0 for lo, hi in (range_h, range_w)] + [_ROOT[1]] * 2
     half = torch.tensor(widths, dtype=torch.float64)
     tops = (big_h * range_h[1] - h, big_w * range_w[1] - w)
-    rows = torch.cat([torch.arange(0, h, 4), torch.tensor([r for r in range(h) if r % 4], dtype=torch.long)])
+    rows = _row_order(t)
     in_c = kernel_setting() != "torch" and native.usable(x.device, x.dtype)
     bound = _bound_in_c(t, x, rows, objective, line, share_out_to=workers_for(x.device)) if in_c else None
     examined = 0
@@ -216,6 +221,7 @@ def certify_alignment(
         nonlocal examined
         sh, sw, ty, tx = cells.unbind(1)
         valid = (ty - half[2] <= big_h * (sh + half[0]) - h) & (tx - half[3] <= big_w * (sw + half[1]) - w)
+        valid &= (sh - half[0] <= range_h[1]) & (sw - half[1] <= range_w[1])  # the last cells pass the range
         gap = (cells - a).abs() + half
         inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
         cells = cells[valid & ~inside]
@@ -231,7 +237,9 @@ def certify_alignment(
     def result(left: torch.Tensor, reason: str = "") -> Certificate:
         seconds = time.perf_counter() - started
         size = (float(half[:2].max()), float(half[2]))
-        return Certificate(not reason, error, reason, examined, left, size, seconds)
+        reach = ((left - a).abs() + half).amax(0).tolist() if len(left) else [0.0] * 4
+        box = tuple(max(r, n) for r, n in zip(reach, (near[0], near[0], near[1], near[1]), strict=True))
+        return Certificate(not reason, error, reason, examined, left, size, box, seconds)
 
     # each size's cells are the children of the last size's survivors, made a group at a time
     parents, offsets = _first_cells((range_h, range_w), tops, half), torch.zeros(1, 4, dtype=torch.float64)
@@ -312,6 +320,15 @@ def _bound_in_c(
     return bound
 
 
+def _row_order(t: torch.Tensor) -> torch.Tensor:
+    """The template's rows (of ``t`` (C, h, w)), most varied first: a false fit's bound grows
+    where the template has structure the image's box does not, so those rows end it soonest."""
+    across = (t[:, :, 1:] - t[:, :, :-1]).abs().sum((0, 2))
+    down = (t[:, 1:] - t[:, :-1]).abs().sum((0, 2))
+    varied = across + torch.cat([down, down.new_zeros(1)]) + torch.cat([down.new_zeros(1), down])
+    return varied.argsort(descending=True, stable=True)
+
+
 def _one_answer(alignment: Any) -> tuple[float, float, float, float]:
     """The warp of one pair's Alignment (floats, or a batch of one's tensors)."""
     if not isinstance(alignment, Alignment):
@@ -332,7 +349,7 @@ def _first_cells(
     def axis(lo: float, hi: float, width: float) -> torch.Tensor:
         if width == 0:
             return torch.tensor([lo], dtype=torch.float64)
-        n = max(1, math.ceil((hi - lo) / (2 * width)))
+        n = max(1, math.ceil((hi - lo) / (2 * width) - 1e-9))  # not one more for a rounding
         return lo + width * (2 * torch.arange(n, dtype=torch.float64) + 1)
 
     (range_h, range_w), (top_y, top_x) = ranges, tops

@@ -38,21 +38,22 @@ static inline void span(int64_t i, int64_t n_in, double scale, double shift, dou
     *hi = b < 0 ? 0 : (b > top ? top : b);
 }
 
-/* the points {lo, the integers strictly between, hi} of an interval, as bilinear taps
- * (warp.taps_at's rule: i0 = min(floor(p), n_in - 2), i1 = min(i0 + 1, n_in - 1)); returns how many */
-static inline int points(double lo, double hi, int64_t n_in, int64_t *i0, int64_t *i1, double *g0, double *g1) {
+/* the points {lo, the integers strictly between, hi} of an interval as bilinear taps, K of them
+ * at stride n (the last repeated past the interval's own count: the same extremes), by
+ * warp.taps_at's rule: i0 = min(floor(p), n_in - 2), i1 = min(i0 + 1, n_in - 1) */
+static inline void points(double lo, double hi, int64_t n_in, int64_t K, int64_t n, int64_t *i0, int64_t *i1,
+                          double *g0, double *g1) {
     const double base = floor(lo), top = (double)(n_in > 2 ? n_in - 2 : 0);
-    const int k = (int)(ceil(hi) - base) + 1;
-    for (int a = 0; a < k; a++) {
-        double p = base + a;
+    for (int64_t a = 0; a < K; a++) {
+        double p = base + (double)a;
         p = p < lo ? lo : (p > hi ? hi : p);
         const double f0 = floor(p) > top ? top : floor(p);
-        i0[a] = (int64_t)f0;
-        i1[a] = i0[a] + 1 < n_in ? i0[a] + 1 : n_in - 1;
-        g1[a] = p - f0;
-        g0[a] = 1 - g1[a];
+        const int64_t o = a * n;
+        i0[o] = (int64_t)f0;
+        i1[o] = i0[o] + 1 < n_in ? i0[o] + 1 : n_in - 1;
+        g1[o] = p - f0;
+        g0[o] = 1 - g1[o];
     }
-    return k;
 }
 
 static inline double term(double t, double lo, double hi, int squared) {
@@ -69,7 +70,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                      int64_t n_rows, int exact, int squared, double stop, double *out) {
     const int64_t KX = W + 2, KY = H + 2; /* the most points an interval can hold */
     double *xlo = malloc(sizeof(double) * (size_t)(4 * w + 2 * w * KX + 2 * KY));
-    int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 2 * KY + w));
+    int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 2 * KY));
     double *along = exact ? malloc(sizeof(double) * (size_t)(C * H * w * KX)) : NULL;
     char *ready = malloc((size_t)(C * H) + 1);
     if (!xlo || !xi || (exact && !along) || !ready) {
@@ -81,10 +82,10 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
     }
     double *xhi = xlo + w, *lo = xhi + w, *hi = lo + w, *xg0 = hi + w, *xg1 = xg0 + w * KX;
     double *yg0 = xg1 + w * KX, *yg1 = yg0 + KY;
-    int64_t *xi0 = xi, *xi1 = xi0 + w * KX, *yi0 = xi1 + w * KX, *yi1 = yi0 + KY, *kx = yi1 + KY;
+    int64_t *xi0 = xi, *xi1 = xi0 + w * KX, *yi0 = xi1 + w * KX, *yi1 = yi0 + KY;
     for (int64_t m = 0; m < M; m++) {
         const double *cell = cells + 4 * m;
-        int64_t c_first = W, c_last = 0, K = 1; /* the image columns any box reaches; points' stride */
+        int64_t c_first = W, c_last = 0, K = 1; /* the image columns any box reaches; points per column */
         for (int64_t j = 0; j < w; j++) {
             span(j, W, cell[1], cell[3], half[1], half[3], xlo + j, xhi + j);
             const int64_t f = (int64_t)floor(xlo[j]), l = (int64_t)ceil(xhi[j]);
@@ -92,12 +93,12 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
             c_last = l > c_last ? l : c_last;
             K = l - f + 1 > K ? l - f + 1 : K;
         }
-        if (exact)
-            for (int64_t j = 0; j < w; j++)
-                kx[j] = points(xlo[j], xhi[j], W, xi0 + j * K, xi1 + j * K, xg0 + j * K, xg1 + j * K);
         c_last = c_last < W - 1 ? c_last : W - 1;
-        if (exact)
+        if (exact) {
+            /* point a of column j at a * w + j: the loops below run along the columns */
+            for (int64_t j = 0; j < w; j++) points(xlo[j], xhi[j], W, K, w, xi0 + j, xi1 + j, xg0 + j, xg1 + j);
             for (int64_t r = 0; r < C * H; r++) ready[r] = 0;
+        }
         double total = 0;
         for (int64_t q = 0; q < n_rows && !(total > stop); q++) {
             const int64_t i = rows[q];
@@ -106,30 +107,26 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
             for (int64_t ch = 0; ch < C; ch++) {
                 const double *img = image + ch * H * W, *t = tpl + (ch * h + i) * w;
                 if (exact) {
-                    const int ky = points(ylo, yhi, H, yi0, yi1, yg0, yg1);
+                    const int64_t ky = (int64_t)(ceil(yhi) - floor(ylo)) + 1;
+                    points(ylo, yhi, H, ky, 1, yi0, yi1, yg0, yg1);
                     for (int64_t j = 0; j < w; j++) {
                         lo[j] = INFINITY;
                         hi[j] = -INFINITY;
                     }
-                    for (int b = 0; b < ky; b++) {
+                    for (int64_t b = 0; b < ky; b++) {
                         const int64_t rr[2] = {yi0[b], yi1[b]};
-                        for (int e = 0; e < 2; e++) /* the image along x at this row's points, once per cell */
+                        for (int e = 0; e < 2; e++) /* the image along x at the points, once per row and cell */
                             if (!ready[ch * H + rr[e]]) {
                                 const double *src = img + rr[e] * W;
                                 double *dst = along + (ch * H + rr[e]) * w * K;
-                                for (int64_t j = 0; j < w; j++)
-                                    for (int a = 0; a < kx[j]; a++) {
-                                        const int64_t o = j * K + a;
-                                        dst[o] = src[xi0[o]] * xg0[o] + src[xi1[o]] * xg1[o];
-                                    }
+                                for (int64_t o = 0; o < w * K; o++) dst[o] = src[xi0[o]] * xg0[o] + src[xi1[o]] * xg1[o];
                                 ready[ch * H + rr[e]] = 1;
                             }
                         const double *a0 = along + (ch * H + rr[0]) * w * K, *a1 = along + (ch * H + rr[1]) * w * K;
                         const double g0 = yg0[b], g1 = yg1[b];
-                        for (int64_t j = 0; j < w; j++)
-                            for (int a = 0; a < kx[j]; a++) {
-                                const int64_t o = j * K + a;
-                                const double v = a0[o] * g0 + a1[o] * g1;
+                        for (int64_t a = 0; a < K; a++)
+                            for (int64_t j = 0; j < w; j++) {
+                                const double v = a0[a * w + j] * g0 + a1[a * w + j] * g1;
                                 lo[j] = v < lo[j] ? v : lo[j];
                                 hi[j] = v > hi[j] ? v : hi[j];
                             }
