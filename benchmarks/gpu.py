@@ -206,10 +206,11 @@ def main() -> None:
         ref = densematch.local_cost_volume(fa, fb, 3, **kw)
         got = densematch.local_cost_volume(fa.to(dev), fb.to(dev), 3, **{**kw, "flow": flow.to(dev)})
         checks[f"local_match volume {sampling}"] = bool(torch.allclose(got.cpu(), ref, atol=1e-4))
-    ref_soft = densematch.soft_match(fa, fb).coords
-    checks["soft_match"] = bool(
-        torch.allclose(densematch.soft_match(fa.to(dev), fb.to(dev)).coords.cpu(), ref_soft, atol=1e-3)
-    )
+    ref_soft, got_soft = densematch.soft_match(fa, fb), densematch.soft_match(fa.to(dev), fb.to(dev))
+    for field in ("coords", "spread", "max_weight"):  # max_weight: the fused kernel's log-sum-exp
+        checks[f"soft_match {field}"] = bool(
+            torch.allclose(getattr(got_soft, field).cpu(), getattr(ref_soft, field), atol=1e-3)
+        )
     print("checks:", checks, flush=True)
 
     rows += match_rows(dev, small=args.small, checks=checks)

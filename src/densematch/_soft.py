@@ -176,25 +176,36 @@ _PAIR_BYTES = 80
 def _fused(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """On a GPU, the softmax moments through torch's fused attention (flash or memory-efficient
-    kernels only: never the math kernel, which builds the Na x Nb weights), with the values
-    padded to the features' width, or None where no fused kernel takes these inputs. The
-    largest weight is exp(max logit - log-sum-exp), from one more tiled pass of products."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    c = max(q.shape[1], v.shape[1])
-    qp, kp = (F.pad(x, (0, c - x.shape[1])) for x in (q, k))  # zero columns change no product
+    """On a GPU, the softmax moments through torch's fused attention kernel (never the math
+    kernel, which builds the Na x Nb weights), with features and values padded to one width, or
+    None where no fused kernel takes these inputs. The largest weight is exp(max logit -
+    log-sum-exp), from the kernel's own log-sum-exp and the maxima of one tiled pass of products
+    (no exponentials, no sums)."""
+    c = -(-max(q.shape[1], v.shape[1]) // 8) * 8  # a width every fused kernel takes; zero columns change no product
+    qp, kp = (F.pad(x, (0, c - x.shape[1])) for x in (q, k))
     vp = F.pad(v.to(q.dtype), (0, c - v.shape[1]))
     try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch explains each kernel it cannot use
-            out = F.scaled_dot_product_attention(qp[None, None], kp[None, None], vp[None, None], scale=scale)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch explains a kernel it cannot use
+            out, lse = _attention(qp[None, None], kp[None, None], vp[None, None], scale)
     except RuntimeError:
         return None
     ta, tb = _tiles(q.shape[0], k.shape[0], q.shape[1], budget)
     with torch.no_grad():
-        lse_rows, best = _row_stats(q.detach(), k.detach(), scale, ta, tb)
-    return out[0, 0, :, : v.shape[1]].double(), torch.exp(best - lse_rows)
+        best = _row_max(q.detach(), k.detach(), scale, ta, tb)
+        top = torch.exp(best - lse[0, 0, : q.shape[0]].to(best.dtype)).clamp_max(1.0)  # two roundings apart
+    return out[0, 0, :, : v.shape[1]].double(), top
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention (1, 1, N, c) and its log-sum-exp per row (1, 1, >= N), differentiable in q, k and
+    v: torch's memory-efficient kernel on a GPU (it takes float32; flash takes half precision
+    only), its flash kernel on a CPU (where the tests reach this path)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+    else:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scale)
+    return out, lse
 
 
 class _TilesThenFlash(torch.autograd.Function):
