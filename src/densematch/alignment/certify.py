@@ -10,11 +10,12 @@ no better fit. The range is the one of every whole pixel the box touches while t
 pixels (cheap and wide), and the interpolant's own range once they span less (exact: on each unit
 square the interpolant is bilinear, so its extremes over the box lie among the box's corners, the
 grid lines' crossings of its edges and the grid points inside). A sum over some of the rows is
-already a lower bound, so every fourth row is summed first and most cells stop there. Cells left
-are split in 16 until none is left outside the answer's neighbourhood, or they are too small.
+already a lower bound, so the rows most varied are summed first and most cells stop early (in C,
+kernels/certify.c, row by row; torch's path sums every fourth row first). Cells left are split in
+16 until none is left outside the answer's neighbourhood, or they are too small.
 
-Seconds to minutes per pair on one CPU thread (BENCHMARKS.md, "align's answers certified"): an
-offline check of an answer, not part of :func:`align`.
+Seconds to minutes per pair on one CPU thread (BENCHMARKS.md, "align's answers certified in C"):
+an offline check of an answer, not part of :func:`align`.
 """
 
 from __future__ import annotations

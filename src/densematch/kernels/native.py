@@ -699,7 +699,7 @@ def certify_bound(
     image: torch.Tensor,
     template: torch.Tensor,
     cells: torch.Tensor,
-    half: tuple[float, float, float, float],
+    half: tuple[float, ...],
     rows: torch.Tensor,
     *,
     exact: bool,
