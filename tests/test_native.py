@@ -364,6 +364,13 @@ class TestBuild:
             "    h.update(out.numpy().tobytes())\n"
             "for v in native.align_best_shifts(torch.rand(4, 13, 13, generator=g), 3):\n"
             "    h.update(v.numpy().tobytes())\n"
+            # certify_alignment's bound: both ranges, both objectives, whole sums
+            "cells = torch.tensor([[1.02, 0.95, 2.5, 3.5], [0.9, 1.1, 0.2, 4.0]], dtype=torch.float64)\n"
+            "for exact in (False, True):\n"
+            "    for sq in (False, True):\n"
+            "        b = native.certify_bound(xs[0], t[0], cells, (0.01, 0.02, 0.7, 0.3), torch.arange(20),\n"
+            "                                 exact=exact, squared=sq, stop=float('inf'))\n"
+            "        h.update(b.numpy().tobytes())\n"
             "print(native.status()['level'], h.hexdigest())\n"
         )
         # the levels side by side, each building its library into the cache
