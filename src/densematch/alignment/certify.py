@@ -259,8 +259,10 @@ def certify_alignment(
             far = ", ".join(f"{v:.3g}" for v in (left - a).abs().amax(0).tolist())
             return result(left, f"{len(left)} cells left at the finest size, up to ({far}) from the answer")
         half = half / 2
-        split = [torch.tensor([-1.0, 1.0] if v > 0 else [0.0], dtype=torch.float64) for v in half]
-        parents, offsets = left, torch.cartesian_prod(*split).reshape(-1, 4) * half
+        sh, sw, ty, tx = (torch.tensor([-1.0, 1.0] if v > 0 else [0.0], dtype=torch.float64) for v in half)
+        # children with one scale_w and shift_x in a row: they share their columns' work in C
+        corners = torch.cartesian_prod(sw, tx, sh, ty).reshape(-1, 4)[:, [2, 0, 3, 1]]
+        parents, offsets = left, corners * half
 
 
 def _pruned_in_torch(

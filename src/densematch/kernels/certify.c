@@ -83,21 +83,26 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
     double *xhi = xlo + w, *lo = xhi + w, *hi = lo + w, *xg0 = hi + w, *xg1 = xg0 + w * KX;
     double *yg0 = xg1 + w * KX, *yg1 = yg0 + KY;
     int64_t *xi0 = xi, *xi1 = xi0 + w * KX, *yi0 = xi1 + w * KX, *yi1 = yi0 + KY;
+    int64_t c_first = W, c_last = 0, K = 1; /* the image columns any box reaches; points per column */
     for (int64_t m = 0; m < M; m++) {
         const double *cell = cells + 4 * m;
-        int64_t c_first = W, c_last = 0, K = 1; /* the image columns any box reaches; points per column */
-        for (int64_t j = 0; j < w; j++) {
-            span(j, W, cell[1], cell[3], half[1], half[3], xlo + j, xhi + j);
-            const int64_t f = (int64_t)floor(xlo[j]), l = (int64_t)ceil(xhi[j]);
-            c_first = f < c_first ? f : c_first;
-            c_last = l > c_last ? l : c_last;
-            K = l - f + 1 > K ? l - f + 1 : K;
-        }
-        c_last = c_last < W - 1 ? c_last : W - 1;
-        if (exact) {
-            /* point a of column j at a * w + j: the loops below run along the columns */
-            for (int64_t j = 0; j < w; j++) points(xlo[j], xhi[j], W, K, w, xi0 + j, xi1 + j, xg0 + j, xg1 + j);
-            for (int64_t r = 0; r < C * H; r++) ready[r] = 0;
+        /* cells in a row with the same scale_w and shift_x (siblings, as certify.py orders
+         * them) share their columns' boxes, and the image along x at their points */
+        if (m == 0 || cell[1] != cell[1 - 4] || cell[3] != cell[3 - 4]) {
+            c_first = W, c_last = 0, K = 1;
+            for (int64_t j = 0; j < w; j++) {
+                span(j, W, cell[1], cell[3], half[1], half[3], xlo + j, xhi + j);
+                const int64_t f = (int64_t)floor(xlo[j]), l = (int64_t)ceil(xhi[j]);
+                c_first = f < c_first ? f : c_first;
+                c_last = l > c_last ? l : c_last;
+                K = l - f + 1 > K ? l - f + 1 : K;
+            }
+            c_last = c_last < W - 1 ? c_last : W - 1;
+            if (exact) {
+                /* point a of column j at a * w + j: the loops below run along the columns */
+                for (int64_t j = 0; j < w; j++) points(xlo[j], xhi[j], W, K, w, xi0 + j, xi1 + j, xg0 + j, xg1 + j);
+                for (int64_t r = 0; r < C * H; r++) ready[r] = 0;
+            }
         }
         double total = 0;
         for (int64_t q = 0; q < n_rows && !(total > stop); q++) {
