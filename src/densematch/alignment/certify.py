@@ -11,7 +11,7 @@ pixels (cheap and wide), and the interpolant's own range once they span less (ex
 square the interpolant is bilinear, so its extremes over the box lie among the box's corners, the
 grid lines' crossings of its edges and the grid points inside). A sum over some of the rows is
 already a lower bound, so the rows most varied are summed first and most cells stop early (in C,
-kernels/certify.c, row by row; torch's path sums every fourth row first). Cells left are split in
+kernels/certify.c, row by row; torch's path sums a quarter of them first). Cells left are split in
 16 until none is left outside the answer's neighbourhood, or they are too small.
 
 Seconds to minutes per pair on one CPU thread (BENCHMARKS.md, "align's answers certified in C"):
@@ -222,7 +222,8 @@ def certify_alignment(
         nonlocal examined
         sh, sw, ty, tx = cells.unbind(1)
         valid = (ty - half[2] <= big_h * (sh + half[0]) - h) & (tx - half[3] <= big_w * (sw + half[1]) - w)
-        valid &= (sh - half[0] <= range_h[1]) & (sw - half[1] <= range_w[1])  # the last cells pass the range
+        # and not wholly past the top of a scale range (the first cells can overhang it)
+        valid &= (sh - half[0] <= range_h[1]) & (sw - half[1] <= range_w[1])
         gap = (cells - a).abs() + half
         inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
         cells = cells[valid & ~inside]
@@ -275,8 +276,8 @@ def _pruned_in_torch(
     objective: str,
     line: float,
 ) -> torch.Tensor:
-    """The cells whose bound (torch's ranges) does not exceed ``line``: every fourth row first
-    (the first quarter of ``rows``), the others for the cells those did not rule out."""
+    """The cells whose bound (torch's ranges) does not exceed ``line``: the first quarter of
+    ``rows`` (the most varied) first, the others for the cells those did not rule out."""
     (n_c, h, w), big_h, big_w = t.shape, *x.shape[-2:]
     sparse, dense = rows[: (h + 3) // 4], rows[(h + 3) // 4 :]
 
