@@ -76,7 +76,8 @@ def test_out_of_time_is_not_certified():
         ({"near": (0.01, -1.0)}, ValueError, "near must be a pair"),
         ({"template": torch.rand(1, 3, 32, 32)}, ValueError, "template and image must be one pair in align's layout"),
         ({"template": torch.rand(2, 32, 32), "image": torch.rand(2, 44, 44)}, ValueError, "a batch of 2"),
-        ({"alignment": "a"}, TypeError, "alignment must be the Alignment densematch.align returned, got str"),
+        ({"alignment": "a"}, TypeError, r"the Alignment densematch.align returned \(or its as_dict\(\)\), got str"),
+        ({"alignment": {"scale_h": 1.0}}, TypeError, "got dict"),
     ],
 )
 def test_bad_input_is_named(change, error, message):
@@ -92,9 +93,11 @@ def test_a_batch_of_one_is_one_pair_and_a_batch_of_two_is_refused():
     fixed = {"scale_h": (1.0, 1.0), "scale_w": (1.0, 1.0)}
     one = densematch.align(tpl[None], img[None], **fixed)
     assert densematch.certify_alignment(tpl[None], img[None], one, **fixed).certified
+    assert densematch.certify_alignment(tpl, img, one.as_dict(), **fixed).certified  # its lists of one
     two = densematch.align(torch.stack((tpl, tpl)), torch.stack((img, img)), **fixed)
-    with pytest.raises(TypeError, match="certify each pair of a batch on its own"):
-        densematch.certify_alignment(tpl, img, two, **fixed)
+    for answer in (two, two.as_dict()):
+        with pytest.raises(TypeError, match="certify each pair of a batch on its own"):
+            densematch.certify_alignment(tpl, img, answer, **fixed)
 
 
 @settings(max_examples=15, deadline=None)

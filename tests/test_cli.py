@@ -135,6 +135,28 @@ def test_align_json_and_picture(images, tmp_path):
     assert text.returncode == 0 and "scale_h 1.06" in text.stdout
 
 
+def test_align_certify(images, tmp_path):
+    # --certify proves the answer global (a translation, scales fixed: a second or so), says so
+    # in a line or in the JSON, and names what it cannot take
+    pair = (str(images / "template.npy"), str(images / "image.npy"))
+    img = torch.from_numpy(np.load(images / "image.npy"))
+    np.save(tmp_path / "t.npy", warp(img, 1.0, 1.0, 6.5, 3.25, (100, 100)).numpy())
+    fixed = ("--scale-h", "1", "1", "--scale-w", "1", "1")
+    code, out, err = in_process("align", str(tmp_path / "t.npy"), pair[1], *fixed, "--certify", "--json")
+    assert code == 0, err
+    c = json.loads(out)["certificate"]
+    assert c["certified"] and c["reason"] == "" and c["within"] == [0.015, 0.015, 1.5, 1.5]
+    code, out, err = in_process("align", str(tmp_path / "t.npy"), pair[1], *fixed, "--certify", "60")
+    assert code == 0 and "certified: no better fit lies farther than 0.015 in scale or 1.5 px (" in out
+    for extra, message in (
+        (("--objective", "ncc"), "--certify needs --objective l1 or l2 (its bound is on differences), got ncc"),
+        (("--mask", pair[0]), "--certify does not take --mask"),
+        (("--certify", "0"), "--certify takes a positive number of seconds (or none), got 0.0"),
+    ):
+        code, out, err = in_process("align", *pair, "--certify", *extra)
+        assert code != 0 and out == "" and message in err and err.count("\n") == 1
+
+
 def test_distance_full_and_nearest(images, tmp_path):
     out = run("distance", str(images / "x.npy"), str(images / "p.npy"), "-o", str(tmp_path / "d.npy"))
     assert out.returncode == 0, out.stderr

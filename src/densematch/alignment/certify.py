@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +149,7 @@ def bilinear_range(image: torch.Tensor, ys: Span, xs: Span) -> Span:
 def certify_alignment(
     template: Any,
     image: Any,
-    alignment: Alignment,
+    alignment: Alignment | Mapping[str, Any],
     *,
     scale_h: tuple[float, float] = (0.8, 1.2),
     scale_w: tuple[float, float] = (0.8, 1.2),
@@ -165,9 +165,9 @@ def certify_alignment(
     template : Tensor or ndarray of shape (h, w), (1, h, w) or (1, C, h, w)
     image : Tensor or ndarray of shape (H, W), (1, H, W) or (1, C, H, W)
         The pair ``alignment`` was found for: one pair, in :func:`densematch.align`'s layout.
-    alignment : Alignment
-        :func:`densematch.align`'s answer for the pair (of a single pair, or a batch of one),
-        searched over ``scale_h`` and ``scale_w``.
+    alignment : Alignment or dict
+        :func:`densematch.align`'s answer for the pair (of a single pair, or a batch of one), or
+        its ``as_dict()``, searched over ``scale_h`` and ``scale_w``.
     scale_h, scale_w : (float, float), default=(0.8, 1.2)
         The ranges searched: the space certified.
     objective : {"l1", "l2"}, default="l1"
@@ -334,13 +334,20 @@ def _row_order(t: torch.Tensor) -> torch.Tensor:
 
 
 def _one_answer(alignment: Any) -> tuple[float, float, float, float]:
-    """The warp of one pair's Alignment (floats, or a batch of one's tensors)."""
-    if not isinstance(alignment, Alignment):
-        raise TypeError(f"alignment must be the Alignment densematch.align returned, got {type(alignment).__name__}")
-    values = (alignment.scale_h, alignment.scale_w, alignment.shift_y, alignment.shift_x)
-    if any(isinstance(v, torch.Tensor) and v.numel() != 1 for v in values):
+    """The warp of one pair's Alignment (floats, or a batch of one's tensors), or of its
+    :meth:`~densematch.alignment.api.Alignment.as_dict`."""
+    keys = ("scale_h", "scale_w", "shift_y", "shift_x")
+    if isinstance(alignment, Alignment):
+        values = tuple(getattr(alignment, key) for key in keys)
+    elif isinstance(alignment, Mapping) and all(key in alignment for key in keys):
+        values = tuple(alignment[key] for key in keys)
+    else:
+        got = type(alignment).__name__
+        raise TypeError(f"alignment must be the Alignment densematch.align returned (or its as_dict()), got {got}")
+    numbers = [torch.as_tensor(v, dtype=torch.float64) for v in values]  # a batch's lists or tensors too
+    if any(v.numel() != 1 for v in numbers):
         raise TypeError("alignment must be one pair's (certify each pair of a batch on its own)")
-    sh, sw, sy, sx = (float(v) for v in values)
+    sh, sw, sy, sx = (float(v) for v in numbers)
     return sh, sw, sy, sx
 
 

@@ -23,14 +23,14 @@ from .. import __version__
 from .._match import Matches
 from .._match import run as run_match
 from .._refine import REFINES
-from ..alignment import OBJECTIVES
+from ..alignment import OBJECTIVES, Certificate
 from ..metrics import METRICS
 from ..options import MatchOptions
 from ..precision import PRECISIONS, RANKINGS
 from ..progress import say
 from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, PAGE_OUTPUTS, check_output, is_image, save_arrays
-from .tasks import PairResult, align_pairs, distance_pair, match_pair
+from .tasks import PairResult, align_pairs, certify_pair, distance_pair, match_pair
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 _PRECISION_HELP = "exact (float32 results, half precision where faster), float32, fast (approximate)"
@@ -156,10 +156,11 @@ def _recorded(task: str, inputs: list[str], options: dict[str, Any]) -> dict[str
 def cmd_align(args: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun one pair is too small to shard: rank 0 aligns it, once
+    options = task_options("align", args)
+    if args.certify is not None:
+        _check_certify(args)
     t0 = time.perf_counter()
-    (r,) = align_pairs(
-        [(args.template, args.image)], viz=bool(args.viz), page=bool(args.html), **task_options("align", args)
-    )
+    (r,) = align_pairs([(args.template, args.image)], viz=bool(args.viz), page=bool(args.html), **options)
     if isinstance(r, Exception):
         raise r
     seconds = time.perf_counter() - t0
@@ -167,18 +168,48 @@ def cmd_align(args: argparse.Namespace) -> int:
         _write_picture(r, args.viz)
     _write_page(r, args.html)
     a = r.result
+    lines = [
+        f"scale_h {a['scale_h']:.5f}  scale_w {a['scale_w']:.5f}  "
+        f"shift_y {a['shift_y']:.3f}  shift_x {a['shift_x']:.3f}",
+        f"error ({args.objective}) {a['error']:.6f} per pixel; found in {seconds * 1e3:.0f} ms",
+    ]
+    if args.certify is not None:
+        limit = None if args.certify == float("inf") else args.certify
+        ranges = {key: options[key] for key in ("scale_h", "scale_w", "objective")}
+        c = certify_pair(args.template, args.image, a, time_limit=limit, **ranges)
+        a = {**a, "certificate": {"certified": c.certified, "reason": c.reason, "within": list(c.within),
+                                  "cells_examined": c.cells_examined, "seconds": c.seconds}}  # fmt: skip
+        lines.append(_certificate_line(c))
     if args.json:
         print(json.dumps(a))
     elif not args.quiet:
-        print(
-            f"scale_h {a['scale_h']:.5f}  scale_w {a['scale_w']:.5f}  "
-            f"shift_y {a['shift_y']:.3f}  shift_x {a['shift_x']:.3f}"
-        )
-        print(f"error ({args.objective}) {a['error']:.6f} per pixel; found in {seconds * 1e3:.0f} ms")
+        print("\n".join(lines))
         for path in (args.viz, args.html):
             if path:
                 print(f"wrote {path}")
     return 0
+
+
+def _check_certify(args: argparse.Namespace) -> None:
+    if not args.certify > 0:
+        raise CommandError(f"--certify takes a positive number of seconds (or none), got {args.certify}")
+    if args.objective not in ("l1", "l2"):
+        raise CommandError(f"--certify needs --objective l1 or l2 (its bound is on differences), got {args.objective}")
+    if args.mask:
+        raise CommandError("--certify does not take --mask (its bound weighs every template pixel alike)")
+
+
+def _certificate_line(c: Certificate) -> str:
+    """The certificate in one line."""
+    ds, _, dt, _ = c.within
+    if c.certified:
+        return (
+            f"certified: no better fit lies farther than {ds:g} in scale or {dt:g} px "
+            f"({c.cells_examined} cells, {c.seconds:.1f} s)"
+        )
+    names = ("scale_h", "scale_w", "shift_y", "shift_x")
+    reach = ", ".join(f"{name} {v:.3g}" for name, v in zip(names, c.within, strict=True))
+    return f"not certified ({c.reason}); better fits lie within {reach} of it"
 
 
 def cmd_distance(args: argparse.Namespace) -> int:
@@ -418,6 +449,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("image", metavar="IMAGE", help="the larger image")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     _align_options(a)
+    a.add_argument(
+        "--certify",
+        nargs="?",
+        const=float("inf"),
+        type=float,
+        metavar="SECONDS",
+        help="then prove offline that no better fit lies farther than 0.015 in scale or 1.5 px "
+        "(seconds to minutes; SECONDS caps it)",
+    )
     a.add_argument("--viz", metavar="OUT.png", help="write template, warped image, difference and landscape")
     a.add_argument("--html", metavar="PAGE.html", help=_HTML_HELP)
     _common(a)
