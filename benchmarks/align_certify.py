@@ -2,7 +2,8 @@
 a branch and bound over the whole search space showing that no fit better than align's answer
 lies outside its neighbourhood.
 
-Run: python benchmarks/align_certify.py [--cases 12] [--budget 600] [--near DS DT] [--threads 1] [--name NAME]
+Run: python benchmarks/align_certify.py [--cases 12] [--per-photo 1] [--photos P ...] [--budget 600] [--near DS DT]
+     [--threads 1] [--name NAME]
 
 Cases: bench_align_global's (100x100 templates in 125x125 photographs, scales over 0.8..1.2, noise
 0.01), one per photograph. For each, align's answer, then the certificate of the default l1
@@ -30,6 +31,8 @@ from bench_align_global import cases
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=12)
+    ap.add_argument("--per-photo", type=int, default=1, help="cases per photograph (bench_align_global's 4)")
+    ap.add_argument("--photos", nargs="+", help="only these photographs' cases")
     ap.add_argument("--budget", type=float, default=600.0, help="seconds per case")
     ap.add_argument("--near", type=float, nargs=2, default=(0.015, 1.5), metavar=("DS", "DT"))
     ap.add_argument("--threads", type=int, default=1)
@@ -38,7 +41,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for c in cases(1, args.seed)[: args.cases]:
+    for c in cases(args.per_photo, args.seed)[: args.cases]:
+        if args.photos and c["photo"] not in args.photos:
+            continue
         a = densematch.align(c["tpl"], c["img"])
         got = densematch.certify_alignment(c["tpl"], c["img"], a, near=tuple(args.near), time_limit=args.budget)
         rows.append(
