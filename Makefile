@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml scripts/install-torch.sh scripts/install-browser.sh | $
 demo: $(STAMP)
 	$(BIN)/densematch demo
 
+# one worker per core, each test file on one worker (its subprocesses, torchrun's port, Ray's
+# cluster stay its own); tests/conftest.py gives each worker its share of the cores' threads
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile -p no:benchmark
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

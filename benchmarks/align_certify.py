@@ -3,7 +3,7 @@ a branch and bound over the whole search space showing that no fit better than a
 lies outside its neighbourhood.
 
 Run: python benchmarks/align_certify.py [--cases 12] [--per-photo 1] [--photos P ...] [--budget 600] [--near DS DT]
-     [--threads 1] [--name NAME]
+     [--finest DS DT] [--threads 1] [--name NAME]
 
 Cases: bench_align_global's (100x100 templates in 125x125 photographs, scales over 0.8..1.2, noise
 0.01), one per photograph. For each, align's answer, then the certificate of the default l1
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--photos", nargs="+", help="only these photographs' cases")
     ap.add_argument("--budget", type=float, default=600.0, help="seconds per case")
     ap.add_argument("--near", type=float, nargs=2, default=(0.015, 1.5), metavar=("DS", "DT"))
+    ap.add_argument("--finest", type=float, nargs=2, default=(0.0003, 0.03), metavar=("DS", "DT"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="align-certify")
@@ -45,7 +46,9 @@ def main() -> None:
         if args.photos and c["photo"] not in args.photos:
             continue
         a = densematch.align(c["tpl"], c["img"])
-        got = densematch.certify_alignment(c["tpl"], c["img"], a, near=tuple(args.near), time_limit=args.budget)
+        got = densematch.certify_alignment(
+            c["tpl"], c["img"], a, near=tuple(args.near), finest=tuple(args.finest), time_limit=args.budget
+        )
         rows.append(
             {
                 "photo": c["photo"],

@@ -1,6 +1,12 @@
+import os
+
 import numpy as np
 import pytest
 import torch
+
+# under pytest-xdist (make test) each worker takes its share of the cores, not all of them each
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def patch_features(image: np.ndarray, size: int = 5) -> torch.Tensor:

@@ -88,7 +88,8 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
         const double *cell = cells + 4 * m;
         /* cells in a row with the same scale_w and shift_x (siblings, as certify.py orders
          * them) share their columns' boxes, and the image along x at their points */
-        if (m == 0 || cell[1] != cell[1 - 4] || cell[3] != cell[3 - 4]) {
+        const double *before = m > 0 ? cell - 4 : NULL;
+        if (!before || cell[1] != before[1] || cell[3] != before[3]) {
             c_first = W, c_last = 0, K = 1;
             for (int64_t j = 0; j < w; j++) {
                 span(j, W, cell[1], cell[3], half[1], half[3], xlo + j, xhi + j);
