@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--photos", nargs="+", help="only these photographs' cases")
     ap.add_argument("--budget", type=float, default=600.0, help="seconds per case")
     ap.add_argument("--near", type=float, nargs=2, default=(0.015, 1.5), metavar=("DS", "DT"))
-    ap.add_argument("--finest", type=float, nargs=2, default=(0.0003, 0.03), metavar=("DS", "DT"))
+    ap.add_argument("--finest", type=float, nargs=2, default=(0.00004, 0.004), metavar=("DS", "DT"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="align-certify")

@@ -39,10 +39,13 @@ def test_a_translation_is_certified_and_a_shifted_answer_is_not(objective, chann
     assert cert.certified and cert.reason == "" and len(cert.cells_left) == 0
     assert cert.within == (0.015, 0.015, 1.5, 1.5)  # the default near
     assert cert.error == pytest.approx(a.error, rel=1e-5)
-    # 4 px off: the truth's fits beat it, so the cells around the truth stay (stopped at 0.5 px)
+    # 4 px off: the truth's fits beat it; the first cell whose centre does ends the search
     wrong = dataclasses.replace(a, shift_x=a.shift_x - 4)
-    cert = densematch.certify_alignment(tpl, img, wrong, objective=objective, finest=(1e-4, 0.5), **fixed)
-    assert not cert.certified and "cells left at the finest size" in cert.reason
+    cert = densematch.certify_alignment(tpl, img, wrong, objective=objective, **fixed)
+    assert not cert.certified and cert.reason.startswith("a better fit lies at (")
+    residual = densematch.warp(img, *cert.better_fit, tuple(tpl.shape[-2:])) - tpl
+    better = residual.abs().mean() if objective == "l1" else residual.square().mean()
+    assert float(better) < cert.error * (1 - 1e-9)  # better indeed, by the warp itself
     truth = torch.tensor([1.0, 1.0, 7.3, 4.6], dtype=torch.float64)
     half = torch.tensor([0.0, 0.0, *[cert.cell_size[1]] * 2], dtype=torch.float64)
     assert ((cert.cells_left - truth).abs() <= half + 1e-9).all(1).any()
@@ -178,6 +181,7 @@ def test_c_and_torch_reach_the_same_verdict_and_cells(objective):
             torch_path = densematch.certify_alignment(tpl, img, answer, **args)
         assert c_path.certified == torch_path.certified and c_path.cells_examined == torch_path.cells_examined
         assert torch.equal(c_path.cells_left, torch_path.cells_left) and c_path.within == torch_path.within
+        assert (c_path.better_fit is None) == (torch_path.better_fit is None) == (answer is a)
         scales = c_path.cells_left[:, :2] - torch.tensor([1.02, 0.98], dtype=torch.float64)
         assert (scales.abs() <= 0.02 + c_path.cell_size[0] + 1e-9).all()  # none beyond the ranges
         assert c_path.certified == (answer is a), c_path.reason  # a 24-pixel template pins scales loosely

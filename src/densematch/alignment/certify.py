@@ -64,6 +64,10 @@ class Certificate:
         What was shown either way: every fit better than the answer lies within this distance of
         it in (scale_h, scale_w, shift_y, shift_x): ``near`` where certified, else the reach of the
         cells left (a basin wider than ``near`` along a valley of near-equal fits, say).
+    better_fit : tuple of float or None
+        A fit (scale_h, scale_w, shift_y, shift_x) shown better than the answer, outside ``near``:
+        the centre of a cell left whose error is lower. It ends the search (the answer is not
+        the global minimum); None where none was met.
     seconds : float
     """
 
@@ -74,6 +78,7 @@ class Certificate:
     cells_left: torch.Tensor
     cell_size: tuple[float, float]
     within: tuple[float, ...]
+    better_fit: tuple[float, ...] | None
     seconds: float
 
 
@@ -155,7 +160,7 @@ def certify_alignment(
     scale_w: tuple[float, float] = (0.8, 1.2),
     objective: str = "l1",
     near: tuple[float, float] = (0.015, 1.5),
-    finest: tuple[float, float] = (0.0003, 0.03),
+    finest: tuple[float, float] = (0.00004, 0.004),
     time_limit: float | None = None,
 ) -> Certificate:
     """Show that no fit better than ``alignment``'s lies farther than ``near`` from it.
@@ -176,7 +181,7 @@ def certify_alignment(
         The answer's neighbourhood, in scale and in shift (px): cells inside it are not examined.
         Much tighter than this, the rim of the answer's own basin (where the error rises only as
         fast as the noise lets it) can stay within the bound.
-    finest : (float, float), default=(0.0003, 0.03)
+    finest : (float, float), default=(0.00004, 0.004)
         The smallest cells' half widths: below them, cells left are reported, not split.
     time_limit : float, optional
         Seconds; past them the search stops, uncertified.
@@ -236,12 +241,23 @@ def certify_alignment(
             kept.append(_pruned_in_torch(cells[start : start + step], t, x, rows, half, exact, objective, line))
         return torch.cat(kept) if kept else cells
 
-    def result(left: torch.Tensor, reason: str = "") -> Certificate:
+    def centre_errors(cells: torch.Tensor) -> torch.Tensor:
+        """The error at each cell's centre (a cell of no width: its range is its warp), exact
+        where it is no more than the line (C stops the others' sums past it)."""
+        if bound is not None:
+            return bound(cells, (0.0,) * 4, True)
+        point = torch.zeros(4, dtype=torch.float64)
+        parts = [
+            _bound_in_torch(cells[i : i + 40], t, x, rows, point, True, objective) for i in range(0, len(cells), 40)
+        ]
+        return torch.cat(parts)
+
+    def result(left: torch.Tensor, reason: str = "", better: tuple[float, ...] | None = None) -> Certificate:
         seconds = time.perf_counter() - started
         size = (float(half[:2].max()), float(half[2]))
         reach = ((left - a).abs() + half).amax(0).tolist() if len(left) else [0.0] * 4
         box = tuple(max(r, n) for r, n in zip(reach, (near[0], near[0], near[1], near[1]), strict=True))
-        return Certificate(not reason, error, reason, examined, left, size, box, seconds)
+        return Certificate(not reason, error, reason, examined, left, size, box, better, seconds)
 
     # each size's cells are the children of the last size's survivors, made a group at a time
     parents, offsets = _first_cells((range_h, range_w), tops, half), torch.zeros(1, 4, dtype=torch.float64)
@@ -255,6 +271,12 @@ def certify_alignment(
         left = torch.cat(kept)
         if not len(left):
             return result(left)
+        better = centre_errors(left)  # a cell whose very centre beats the answer settles it
+        if bool((better < error * (1 - 1e-9)).any()):
+            i = int(better.argmin())
+            at = ", ".join(f"{v:.6g}" for v in left[i].tolist())
+            reason = f"a better fit lies at ({at}): error {float(better[i]):.6g} against the answer's {error:.6g}"
+            return result(left, reason, tuple(left[i].tolist()))
         scales_done = bool(((half[:2] > 0) & (half[:2] / 2 < finest[0])).any())
         if scales_done or half[2] / 2 < finest[1]:
             far = ", ".join(f"{v:.3g}" for v in (left - a).abs().amax(0).tolist())
@@ -278,26 +300,37 @@ def _pruned_in_torch(
 ) -> torch.Tensor:
     """The cells whose bound (torch's ranges) does not exceed ``line``: the first quarter of
     ``rows`` (the most varied) first, the others for the cells those did not rule out."""
-    (n_c, h, w), big_h, big_w = t.shape, *x.shape[-2:]
-    sparse, dense = rows[: (h + 3) // 4], rows[(h + 3) // 4 :]
-
-    def bound(part: torch.Tensor, some: torch.Tensor) -> torch.Tensor:
-        sh, sw, ty, tx = part.unbind(1)
-        ys = sample_spans(some, big_h, sh, ty, float(half[0]), float(half[2]))
-        xs = sample_spans(torch.arange(w), big_w, sw, tx, float(half[1]), float(half[3]))
-        total = torch.zeros(len(part), dtype=torch.float64)
-        for ch in range(n_c):
-            lo, hi = (bilinear_range if exact else pixel_range)(x[ch], ys, xs)
-            tc = t[ch, some]
-            gap = (lo - tc).clamp_min(0) + (tc - hi).clamp_min(0)
-            total += (gap if objective == "l1" else gap.square()).sum((1, 2))
-        return total / (n_c * h * w)
-
-    low = bound(cells, sparse)
+    quarter = (t.shape[1] + 3) // 4
+    sparse, dense = rows[:quarter], rows[quarter:]
+    low = _bound_in_torch(cells, t, x, sparse, half, exact, objective)
     maybe, low = cells[low <= line], low[low <= line]
     if len(maybe) and len(dense):
-        maybe = maybe[low + bound(maybe, dense) <= line]
+        maybe = maybe[low + _bound_in_torch(maybe, t, x, dense, half, exact, objective) <= line]
     return maybe
+
+
+def _bound_in_torch(
+    cells: torch.Tensor,
+    t: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    half: torch.Tensor,
+    exact: bool,
+    objective: str,
+) -> torch.Tensor:
+    """Per cell (M,), the sum over ``rows`` of the template ``t`` (C, h, w) of each pixel's term
+    against ``x``'s (C, H, W) range over its box, divided by every pixel's count."""
+    (n_c, h, w), big_h, big_w = t.shape, *x.shape[-2:]
+    sh, sw, ty, tx = cells.unbind(1)
+    ys = sample_spans(rows, big_h, sh, ty, float(half[0]), float(half[2]))
+    xs = sample_spans(torch.arange(w), big_w, sw, tx, float(half[1]), float(half[3]))
+    total = torch.zeros(len(cells), dtype=torch.float64)
+    for ch in range(n_c):
+        lo, hi = (bilinear_range if exact else pixel_range)(x[ch], ys, xs)
+        tc = t[ch, rows]
+        gap = (lo - tc).clamp_min(0) + (tc - hi).clamp_min(0)
+        total += (gap if objective == "l1" else gap.square()).sum((1, 2))
+    return total / (n_c * h * w)
 
 
 def _bound_in_c(
