@@ -46,6 +46,7 @@ def test_a_translation_is_certified_and_a_shifted_answer_is_not(objective, chann
     residual = densematch.warp(img, *cert.better_fit, tuple(tpl.shape[-2:])) - tpl
     better = residual.abs().mean() if objective == "l1" else residual.square().mean()
     assert float(better) < cert.error * (1 - 1e-9)  # better indeed, by the warp itself
+    assert cert.better_fit[:2] == (1.0, 1.0) and all(0 <= v <= 44 - 32 for v in cert.better_fit[2:])  # a fit searched
     truth = torch.tensor([1.0, 1.0, 7.3, 4.6], dtype=torch.float64)
     half = torch.tensor([0.0, 0.0, *[cert.cell_size[1]] * 2], dtype=torch.float64)
     assert ((cert.cells_left - truth).abs() <= half + 1e-9).all(1).any()

@@ -271,7 +271,13 @@ def certify_alignment(
         left = torch.cat(kept)
         if not len(left):
             return result(left)
-        better = centre_errors(left)  # a cell whose very centre beats the answer settles it
+        # a cell whose very centre is a fit of the space searched and beats the answer settles it
+        sh, sw, ty, tx = left.unbind(1)
+        fits = (sh >= range_h[0]) & (sh <= range_h[1]) & (sw >= range_w[0]) & (sw <= range_w[1])
+        fits &= (ty >= 0) & (ty <= big_h * sh - h) & (tx >= 0) & (tx <= big_w * sw - w)
+        better = torch.full((len(left),), math.inf, dtype=torch.float64)
+        if bool(fits.any()):
+            better[fits] = centre_errors(left[fits])
         if bool((better < error * (1 - 1e-9)).any()):
             i = int(better.argmin())
             at = ", ".join(f"{v:.6g}" for v in left[i].tolist())
