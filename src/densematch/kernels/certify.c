@@ -71,12 +71,12 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
     const int64_t KX = W + 2, KY = H + 2; /* the most points an interval can hold */
     double *xlo = malloc(sizeof(double) * (size_t)(4 * w + 2 * w * KX + 2 * KY));
     int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 2 * KY));
-    double *along = exact ? malloc(sizeof(double) * (size_t)(C * H * w * KX)) : NULL;
+    double *along = NULL; /* C H w K values, grown to the most points per column a cell needs */
+    int64_t along_k = 0;
     char *ready = malloc((size_t)(C * H) + 1);
-    if (!xlo || !xi || (exact && !along) || !ready) {
+    if (!xlo || !xi || !ready) {
         free(xlo);
         free(xi);
-        free(along);
         free(ready);
         return 1;
     }
@@ -99,6 +99,17 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                 K = l - f + 1 > K ? l - f + 1 : K;
             }
             c_last = c_last < W - 1 ? c_last : W - 1;
+            if (exact && K > along_k) {
+                free(along);
+                along = malloc(sizeof(double) * (size_t)(C * H * w * K));
+                along_k = K;
+                if (!along) {
+                    free(xlo);
+                    free(xi);
+                    free(ready);
+                    return 1;
+                }
+            }
             if (exact) {
                 /* point a of column j at a * w + j: the loops below run along the columns */
                 for (int64_t j = 0; j < w; j++) points(xlo[j], xhi[j], W, K, w, xi0 + j, xi1 + j, xg0 + j, xg1 + j);
