@@ -236,9 +236,7 @@ def certify_alignment(
         exact = bool(half[2] <= 0.5)
         if bound is not None:
             return cells[bound(cells, tuple(half.tolist()), exact) <= line]
-        kept, step = [], max(1, (40 if exact else 200) // n_c)
-        for start in range(0, len(cells), step):
-            kept.append(_pruned_in_torch(cells[start : start + step], t, x, rows, half, exact, objective, line))
+        kept = [_pruned_in_torch(part, t, x, rows, half, exact, objective, line) for part in _parts(cells, exact, n_c)]
         return torch.cat(kept) if kept else cells
 
     def centre_errors(cells: torch.Tensor) -> torch.Tensor:
@@ -247,10 +245,8 @@ def certify_alignment(
         if bound is not None:
             return bound(cells, (0.0,) * 4, True)
         point = torch.zeros(4, dtype=torch.float64)
-        parts = [
-            _bound_in_torch(cells[i : i + 40], t, x, rows, point, True, objective) for i in range(0, len(cells), 40)
-        ]
-        return torch.cat(parts)
+        errors = [_bound_in_torch(part, t, x, rows, point, True, objective) for part in _parts(cells, True, n_c)]
+        return torch.cat(errors)
 
     def result(left: torch.Tensor, reason: str = "", better: tuple[float, ...] | None = None) -> Certificate:
         seconds = time.perf_counter() - started
@@ -292,6 +288,13 @@ def certify_alignment(
         # children with one scale_w and shift_x in a row: they share their columns' work in C
         corners = torch.cartesian_prod(sw, tx, sh, ty).reshape(-1, 4)[:, [2, 0, 3, 1]]
         parents, offsets = left, corners * half
+
+
+def _parts(cells: torch.Tensor, exact: bool, channels: int) -> list[torch.Tensor]:
+    """``cells`` in the pieces torch's bound takes at a time: its (cells, h, w) temporaries grow
+    with the points of each range and the channels."""
+    step = max(1, (40 if exact else 200) // channels)
+    return [cells[i : i + step] for i in range(0, len(cells), step)]
 
 
 def _pruned_in_torch(
