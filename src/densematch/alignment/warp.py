@@ -104,7 +104,7 @@ def _warp_param(value: Any, name: str, b: int, x4: torch.Tensor) -> torch.Tensor
     if isinstance(value, (bool, np.bool_)):
         raise wrong_type
     try:  # a Python number straight in the image's dtype (not through float32, torch's default)
-        plain = isinstance(value, (int, float)) and not isinstance(value, bool)
+        plain = isinstance(value, (int, float))  # bools were refused above
         t = torch.as_tensor(value, device=x4.device, dtype=x4.dtype if plain else None)
     except (TypeError, ValueError, RuntimeError):
         raise wrong_type from None
