@@ -16,7 +16,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AlignmentCase", "MatchPair", "alignment_cases", "match_pairs", "pck", "reference_warp"]
+__all__ = [
+    "AlignmentCase",
+    "MatchPair",
+    "alignment_cases",
+    "match_pairs",
+    "pck",
+    "reference_warp",
+    "same_scene_pair",
+]
 
 PHOTOS = (
     "camera",
@@ -211,3 +219,53 @@ def pck(
     ``coords`` (h, w, 2) lies within each threshold (pixels, Euclidean) of ``truth``."""
     err = np.linalg.norm(np.asarray(coords, dtype=np.float64) - truth, axis=-1)[keep]
     return [float((err <= t).mean()) if err.size else float("nan") for t in thresholds]
+
+
+def same_scene_pair(
+    h: int,
+    w: int,
+    c: int,
+    *,
+    photo: str = "astronaut",
+    shift: tuple[int, int] = (6, -3),
+    noise: float = 0.02,
+    origin: tuple[int, int] = (100, 150),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, w, c) float32 features of two overlapping crops of one photograph, as a new user
+    makes them: raw colour patches (not normalised) reduced to ``c`` channels by PCA.
+
+    The second crop is moved by ``shift`` (rows, columns) and given Gaussian noise of
+    ``noise``. Patches are the smallest odd size whose three channels hold at least ``c``
+    values (5x5 for c=64, 23x23 for c=1536), reflected at the border, projected onto the top
+    ``c`` principal axes of the first crop's patches without removing their mean. Smooth regions
+    keep their common component, so each of their pixels has dozens of references within
+    bfloat16's resolution of its best: the hard case for a half-precision certificate. Needs
+    scikit-image.
+    """
+    from skimage import data
+
+    photo_rgb = getattr(data, photo)().astype(np.float64) / 255
+    if photo_rgb.ndim == 2:
+        photo_rgb = np.repeat(photo_rgb[..., None], 3, axis=2)
+    top, left = origin
+    crops = [
+        photo_rgb[top : top + h, left : left + w, :3],
+        photo_rgb[top + shift[0] : top + shift[0] + h, left + shift[1] : left + shift[1] + w, :3],
+    ]
+    if any(x.shape[:2] != (h, w) for x in crops):
+        raise ValueError(f"h and w must fit inside {photo!r} from {origin} moved by {shift}, got {h} x {w}")
+    rng = np.random.default_rng(0)
+    crops[1] = crops[1] + rng.normal(0.0, noise, crops[1].shape)
+    size = max(1, int(np.ceil((c / 3) ** 0.5))) | 1
+    pad = size // 2
+    patches = []
+    for crop in crops:
+        img = torch.from_numpy(np.ascontiguousarray(crop, dtype=np.float32)).permute(2, 0, 1)[None]
+        img = F.pad(img, (pad, pad, pad, pad), mode="reflect" if min(h, w) > pad else "replicate")
+        patches.append(F.unfold(img, size)[0].T.double())  # (h*w, 3*size*size)
+    first = patches[0]
+    _, _, v = torch.linalg.svd(first - first.mean(0), full_matrices=False)
+    axes = v[:c].T
+    if axes.shape[1] < c:  # fewer pixels than channels: pad the projection with zero columns
+        axes = F.pad(axes, (0, c - axes.shape[1]))
+    return tuple((p @ axes).float().reshape(h, w, c) for p in patches)  # type: ignore[return-value]

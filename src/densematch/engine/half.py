@@ -80,6 +80,7 @@ class HalfSearch(Strategy):
         if inputs.prepared is not None:
             state = inputs.prepared.state
             self.shift, self.whole_h, self.whole_t = state["shift"], state["whole_h"], state["whole_t"]
+            self.ref_norms = state["ref_norms"]
             return
         # cosine and dot: references shifted by their mean change every score of a query row by
         # the same amount, so no ranking; features that all look alike (raw patches: cosines
@@ -96,9 +97,11 @@ class HalfSearch(Strategy):
         self.whole_t = None
         if self.cap_rows and self.whole is not None and self.whole_h is not None:
             self.whole_t = self._terms(self.whole, self.whole_h)
+        # for the rows over the cap, searched again in float32 (`_search_again`)
+        self.ref_norms = self._largest_norms() if self.cap_rows else (0.0, 0.0)
 
     def _state(self) -> dict[str, Any]:
-        return {"shift": self.shift, "whole_h": self.whole_h, "whole_t": self.whole_t}
+        return {"shift": self.shift, "whole_h": self.whole_h, "whole_t": self.whole_t, "ref_norms": self.ref_norms}
 
     def _prepare_refs(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         refs = super()._prepare_refs(start, stop, out)
@@ -161,7 +164,7 @@ class HalfSearch(Strategy):
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
         pool = Pool(m, self.cap_rows, q.device, self.dtype)
         bounds = torch.empty(2, m * min(self.tile_b, self.nb), dtype=self.dtype, device=q.device)
-        for j in range(0, self.nb, self.tile_b):
+        for j in self._tile_order(start, m):
             n = min(self.tile_b, self.nb - j)
             s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n))
             # only rows whose best score, raised by the largest bound it can have in this tile,
@@ -172,7 +175,7 @@ class HalfSearch(Strategy):
             if bias is not None:
                 reach += bias.amax()
             # (NaN, from products past float16's range, reaches: such pairs prove nothing)
-            hot = (~(reach < best_v[:, -1])).nonzero().squeeze(1)
+            hot = (~(reach < best_v[:, -1]) & ~pool.over).nonzero().squeeze(1)
             h = hot.numel()
             if h == 0:
                 continue
@@ -218,21 +221,43 @@ class HalfSearch(Strategy):
         and the listing of the candidates, after the tile's bfloat16 product."""
         m = best_v.shape[0]
         listed = native.Candidates(m, self.cap_rows, self.dtype)
-        for j in range(0, self.nb, self.tile_b):
+        for j in self._tile_order(start, m):
             n = min(self.tile_b, self.nb - j)
             s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n))
             native.merge_certified(s, j, best_v, best_i, qt, terms, bias, self.rounding, listed)
         self._settle(q, start, listed, best_v[:, -1].clone(), best_v, best_i, buf)
 
-    def _query_side(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._half_query(q)
+    def _tile_order(self, start: int, m: int) -> list[int]:
+        """The reference tiles for the query tile at ``start`` (``m`` rows), nearest first to
+        where its rows sit in the query rows' order, scaled to the references'. Two views of one
+        scene (stereo, flow, video, overlapping crops) have their matches there, so the floors
+        rise from the first tile and fewer candidates are listed against low ones. Any order
+        gives the same answer: the floors' values do not depend on it, and the candidates are
+        re-scored whatever their order."""
+        tiles = range(0, self.nb, self.tile_b)
+        na = self.a.shape[0] if self.rows_a is None else self.rows_a.numel()
+        centre = (start + m / 2) * self.nb / max(na, 1)
+        return sorted(tiles, key=lambda j: abs(j + min(self.tile_b, self.nb - j) / 2 - centre))
 
-    def _upper(self, side: tuple[torch.Tensor, torch.Tensor], j: int, n: int) -> torch.Tensor:
-        # h + e: the half score raised by its pair's bound, as the scan lists candidates
-        qh, qt = side
-        h, terms, bias = self._block(qh, j, n)
-        upper = (qt @ terms.T).add_(h.abs(), alpha=self.rounding).add_(h)
-        return (upper if bias is None else upper.add_(bias)).nan_to_num_(nan=math.inf)
+    def _search_again(
+        self, q: torch.Tensor, redo: torch.Tensor, start: int, best_v: torch.Tensor, best_i: torch.Tensor
+    ) -> None:
+        """The top k of the rows ``redo`` of the query tile at ``start`` (``q``: its prepared
+        rows), whose candidates outgrew the cap, searched again from float32 products: in groups
+        of :meth:`_resolve_shape`, each reference block one matrix product, near-ties settled by
+        the direct form (:meth:`Strategy._rank_exact`). A row over the cap costs one float32
+        product row, never a direct score per pair inside the half-precision bound."""
+        k = best_v.shape[1]
+        rows, cols = self._resolve_shape(q.shape[0])
+        width = min(cols, self.nb)
+        group = max(1, min(redo.numel(), rows * cols // width))
+        block = torch.empty(group * width, dtype=self.dtype, device=q.device)
+        for g in range(0, redo.numel(), group):
+            sel = redo[g : g + group]
+            v = torch.empty((sel.numel(), k), dtype=self.dtype, device=q.device)
+            i = torch.empty((sel.numel(), k), dtype=torch.int64, device=q.device)
+            self._rank_exact(q.index_select(0, sel), sel, v, i, start, block, width)
+            best_v[sel], best_i[sel] = v, i
 
     def _settle(
         self,
@@ -247,7 +272,7 @@ class HalfSearch(Strategy):
         """Re-score the candidates ``listed`` of the query tile at ``start`` that reach their
         row's ``floor`` by the metric's direct form in the compute dtype into the running top-k,
         and resolve the rows over the cap (prepared rows of ``q``) without one."""
-        m, k = best_v.shape
+        m = best_v.shape[0]
         rows, cols = listed.reaching(floor)
         over = listed.over
         best_v.fill_(-math.inf)
@@ -256,5 +281,5 @@ class HalfSearch(Strategy):
         best_of_candidates(rows, cols, score, best_v, best_i)
         redo = over.nonzero().squeeze(1)
         if redo.numel():
-            best_v[redo], best_i[redo] = self._resolve(q, redo, floor[redo], start, k, buf)
+            self._search_again(q, redo, start, best_v, best_i)
         self._record(m, rows, redo)

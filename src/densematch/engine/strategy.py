@@ -20,10 +20,11 @@ import torch
 
 from ..kernels import native
 from ..metrics import Metric
-from ..precision import Precision
+from ..precision import Precision, product_slack
 from ..threads import share_out
-from .merge import merge_best, merge_topk, order
+from .merge import best_of_candidates, merge_best, merge_topk, order
 from .plan import Dims, TilePlan, device_caps
+from .pool import CandidateList, Pool
 
 __all__ = ["CANDIDATE_BYTES", "Inputs", "Prepared", "Strategy", "rescore_bytes", "resolve_bytes", "rows_of"]
 
@@ -257,40 +258,113 @@ class Strategy:
 
     def _native(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
         """Whether score tiles merge through the C kernel (:func:`densematch.kernels.native.merge`):
-        float32 / float64 scores on a CPU, into a contiguous running top-k."""
+        float32, float64 or bfloat16 scores on a CPU, into a contiguous running top-k."""
         tiles = self.inputs.precision.half or self.dtype
-        return self._c(best_v.device, tiles) and best_v.is_contiguous() and best_i.is_contiguous()
+        return (
+            tiles != torch.float16
+            and self._c(best_v.device, best_v.dtype)
+            and best_v.is_contiguous()
+            and best_i.is_contiguous()
+        )
 
     def _c(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether the C kernels run here: the precision lets them, and they can."""
         return self.use_c and native.usable(device, dtype)
 
-    def _query_side(self, q: torch.Tensor) -> Any:
-        """What :meth:`_upper` needs of prepared query rows ``q`` (derived once per group)."""
-        return q
+    def _largest_norms(self) -> tuple[float, float]:
+        """The largest prepared reference norms, of the feature columns and of the l2 column:
+        with a query's own, they bound how far the compute dtype's product can be from the exact
+        one for every pair of the row (:func:`densematch.precision.product_slack`)."""
+        c = self.a.shape[1]
+        norms: list[tuple[float, float]] = [(0.0, 0.0)]
 
-    def _upper(self, side: Any, j: int, n: int) -> torch.Tensor:
-        """Upper bounds (rows, n) on the exact scores of the query rows ``side`` (from
-        :meth:`_query_side`) against references ``j:j+n``, valid in any summation order: a
-        pair whose bound is below its row's floor cannot be in the row's top k."""
-        raise NotImplementedError
+        def tile(start: int, stop: int) -> None:
+            r = self._prepare_refs(start, stop)
+            body = float(torch.linalg.vector_norm(r[:, :c], dim=1).amax()) if r.numel() else 0.0
+            extra = float(torch.linalg.vector_norm(r[:, c:], dim=1).amax()) if r.shape[1] > c and r.numel() else 0.0
+            with self.lock:
+                norms.append((body, extra))
+
+        self._each_ref_tile(tile)
+        return max(n[0] for n in norms), max(n[1] for n in norms)
+
+    def _rank_exact(
+        self,
+        q: torch.Tensor,
+        tile_rows: torch.Tensor | None,
+        best_v: torch.Tensor,
+        best_i: torch.Tensor,
+        start: int,
+        buf: torch.Tensor,
+        width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top k of prepared query rows ``q`` (rows ``tile_rows`` of the query tile at
+        ``start``; None: the whole tile) from products in the compute dtype, near-ties settled by
+        the direct form, references in blocks of ``width`` columns scored into ``buf``.
+
+        Each product is within ``slack`` (``self.ref_norms``) of the exact one, so the exact top k
+        all score at least the k-th best minus twice that: the candidates. They are listed during
+        the scan, while the block is in cache, against each row's running floor (its running k-th
+        best minus twice the slack, which only rises), and pruned as the floors rise: no block is
+        multiplied twice. Rows with more than k candidates are settled by the direct form; a row
+        that lists more than the cap is resolved at the end against its final floor, without a
+        cap (:meth:`_resolve`). Returns the tile rows of the listed candidates and the rows
+        resolved, for :meth:`_record`."""
+        m, k = best_v.shape
+        rows_of_tile = (lambda r: r) if tile_rows is None else (lambda r: tile_rows[r])
+        twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        # on a CPU one C call per block merges and lists (native.merge); else the torch merge
+        # finds the rows that reach their floor and the pool lists them
+        listed: CandidateList
+        native_merge = self._c(best_v.device, self.dtype) and best_v.is_contiguous() and best_i.is_contiguous()
+        if native_merge:
+            listed = native.Candidates(m, self.cap_rows, self.dtype)
+        else:
+            listed = pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
+        for j in range(0, self.nb, width):
+            n = min(width, self.nb - j)
+            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n), use_c=self.use_c)
+            if isinstance(listed, native.Candidates):
+                native.merge(s, j, best_v, best_i, twice, listed)
+                continue
+            hot, sub = self.merge(s, j, best_v, best_i, twice)
+            if hot.numel():
+                pool.add(sub, j, best_v[:, -1] - twice, hot)
+        floor = best_v[:, -1] - twice
+        rows, cols = listed.reaching(floor)
+        redo = listed.over.nonzero().squeeze(1)
+        crowded = torch.bincount(rows, minlength=m) > k
+        keep = crowded[rows]
+        if bool(keep.any()):
+            near, cols = rows[keep], cols[keep]
+            score = self._direct_scores(start, rows_of_tile(near), cols, buf)
+            v, i = best_v[crowded], best_i[crowded]
+            local = torch.cumsum(crowded, 0)[near] - 1  # rows renumbered among the crowded
+            best_of_candidates(local, cols, score, v.fill_(-math.inf), i.fill_(-1))
+            best_v[crowded], best_i[crowded] = v, i
+        if redo.numel():
+            q_redo = q.index_select(0, redo)
+            best_v[redo], best_i[redo] = self._resolve(q_redo, rows_of_tile(redo), floor[redo], start, k, buf)
+        return rows_of_tile(rows), rows_of_tile(redo)
 
     def _resolve_shape(self, m: int) -> tuple[int, int]:
-        """(rows, columns) of the blocks of upper bounds :meth:`_resolve` computes for a query
-        tile of ``m`` rows: by default the scan's own block, whose temporaries are free by then."""
+        """(rows, columns) of the blocks of scores :meth:`_resolve` computes for a query tile of
+        ``m`` rows: by default the scan's own block, whose temporaries are free by then."""
         return m, self.tile_b
 
     def _resolve(
         self, q: torch.Tensor, rows: torch.Tensor, floor: torch.Tensor, start: int, k: int, buf: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact top ``k`` (values, tile positions) of the rows ``rows`` of the query tile at
-        ``start`` (``q``: its prepared rows) whose candidates outgrew the cap: every pair whose
-        upper bound reaches its row's ``floor`` is scored by the metric's direct form, however
-        many there are, written over its bound in the block (the others become -inf) and merged
-        into the rows' top k like any score tile (equal scores to the lower column). Rows are
-        taken in groups and references in blocks of :meth:`_resolve_shape`; the candidates
-        listed at once are at most ``max(columns, tile rows x cap)`` (a row alone may bring a
-        whole block's columns)."""
+        ``start`` (``q``: their prepared rows) whose near-ties outgrew the cap: every pair whose
+        product in the compute dtype reaches its row's ``floor`` (the k-th best minus twice the
+        products' slack) is scored by the metric's direct form, however many there are, written
+        over its product in the block (the others become -inf) and merged into the rows' top k
+        like any score tile (equal scores to the lower column). Rows are taken in groups and
+        references in blocks of :meth:`_resolve_shape`; the candidates listed at once are at most
+        ``max(columns, tile rows x cap)`` (a row alone may bring a whole block's columns)."""
         r, device = rows.numel(), q.device
         v = torch.full((r, k), -math.inf, dtype=self.dtype, device=device)
         i = torch.full((r, k), -1, dtype=torch.int64, device=device)
@@ -304,9 +378,9 @@ class Strategy:
         for g in range(0, r, group):
             sel, fg = rows[g : g + group], floor[g : g + group, None]
             gv, gi = v[g : g + group], i[g : g + group]
-            side = self._query_side(q.index_select(0, sel))
+            side = q[g : g + group]
             for j in range(0, self.nb, width):
-                block = self._upper(side, j, min(width, self.nb - j)).to(self.dtype)
+                block = self.metric.score_tile(side, self._prepare_refs(j, j + min(width, self.nb - j)), use_c=self.use_c)
                 reach = block >= fg
                 total = torch.cumsum(reach.sum(1), 0).tolist()
                 block.fill_(-math.inf)

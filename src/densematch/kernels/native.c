@@ -381,7 +381,8 @@ DEFINE_MERGE(double, f64)
  * (a row whose listed pairs all still reach its floor when cap are listed is marked over). NaN
  * bounds (products past a half type's range) prove nothing: a lower bound of -inf, an upper of
  * +inf. One pass over the tile instead of torch's passes for the bound, |h|, both bounds and the
- * merge. */
+ * merge. A row already over is skipped whole: the engine searches it again in float32, so
+ * neither its bounds nor its floor are needed any more. */
 static inline float bf16_to_f32(uint16_t v) {
     const uint32_t u = (uint32_t)v << 16;
     float f;
@@ -401,8 +402,9 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
         int64_t *bi = best_i + r * k;
         int64_t *cc = cand_cols + r * cap;
         float *cv = cand_vals + r * cap;
+        if (over[r]) continue;
         const float x = qt[3 * r], z = qt[3 * r + 1], one = qt[3 * r + 2];
-        int listing = !over[r];
+        int listing = 1;
         for (int64_t c0 = 0; c0 < n; c0 += CB) {
             const int64_t cn = n - c0 < CB ? n - c0 : CB;
             /* the chunk's bounds in a branch-free loop (vectorised); the chunk is skipped unless
@@ -427,6 +429,32 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
                     listing = list_f32(cc, cv, &counts[r], cap, &over[r], bv[k - 1], idx, up);
                 insert_f32(bv, bi, k, low, idx);
             }
+        }
+    }
+}
+
+/* A bfloat16 score tile (m x n, row stride lds) merged into a float32 running top-k, as dm_merge
+ * does (equal scores to the lower column, in any tile order), for precision="fast": chunks of 32
+ * scores widened to float32 (a shift each) and skipped unless one reaches the row's k-th best. */
+void dm_merge_bf16(const uint16_t *s, int64_t lds, int64_t m, int64_t n, int64_t offset, float *best_v,
+                   int64_t *best_i, int64_t k) {
+    enum { CB = 32 };
+    float v[CB];
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *row = s + r * lds;
+        float *bv = best_v + r * k;
+        int64_t *bi = best_i + r * k;
+        for (int64_t c0 = 0; c0 < n; c0 += CB) {
+            const int64_t cn = n - c0 < CB ? n - c0 : CB;
+            const float floor = bv[k - 1];
+            int hit = 0;
+            for (int64_t t = 0; t < cn; t++) {
+                v[t] = bf16_to_f32(row[c0 + t]);
+                hit |= v[t] >= floor;
+            }
+            if (!hit) continue;
+            for (int64_t t = 0; t < cn; t++)
+                if (v[t] >= bv[k - 1]) insert_f32(bv, bi, k, v[t], offset + c0 + t);
         }
     }
 }
