@@ -63,7 +63,7 @@ def test_more_exact_ties_than_any_candidate_list(path, metric):
     # a few distinct integer rows, each repeated more often than the cap: each query's 8 best
     # are exact ties among the copies of its best row, and must be the 8 lowest of them
     kernel = path.startswith("kernel")
-    cap = Precision().cap(8)
+    cap = Precision().cap(8, 12 * 100)  # the cap for as many references as below, or more
     for seed in range(1 if kernel else 4):  # the kernel under Triton's interpreter: ~5 s a seed
         g = torch.Generator().manual_seed(seed)
         distinct = torch.randint(0, 3, (12, 6), generator=g).float()

@@ -56,9 +56,16 @@ PRECISIONS = (*RANKINGS, "float64")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Candidates listed per row during the scan (at least 8 k) by the certified half-precision search
 # and by the float32 search's near-tie settling: enough for the near-ties of real features. A row
-# with more is resolved after the scan without any cap (Strategy._resolve), so the cap changes
-# the cost, never the answer. docs/precision.md.
+# with more is searched again or resolved after the scan without any cap, so the cap changes the
+# cost, never the answer. docs/precision.md.
 CANDIDATES = 32
+# With the default, the cap grows with the references: a row over it costs one float32 product
+# row (nb products at matrix-product speed), a listed candidate one direct score (tens of times a
+# product's cost per value on a CPU), so up to about nb / 32 candidates are cheaper to re-score
+# than the row is to search again (same-scene features: BENCHMARKS.md, issue 39). Capped so that
+# the lists stay small beside a tile's scores.
+_CANDIDATES_PER_REFERENCE = 1 / 32
+_MOST_CANDIDATES = 256
 
 # Unit roundoff of float32; gamma for n terms is n * u / (1 - n * u), doubled here because fused
 # dot-product instructions may round twice per pair of products.
@@ -91,13 +98,14 @@ class Precision:
         "triton" runs the fused kernel of :mod:`densematch.kernels` (on a CPU only under
         TRITON_INTERPRET=1); "auto" chooses it on CUDA devices when Triton is installed and the
         search fits it; "torch" never does.
-    candidates : int
-        The least number of candidates kept per row (the cap is ``max(candidates, 8 k)``).
+    candidates : int, optional
+        Candidates kept per row: the cap is ``max(candidates, 8 k)``. None (the default) lets
+        it grow with the number of references ``nb``: ``max(32, 8 k, min(nb / 32, 256))``.
 
     Examples
     --------
     >>> Precision("fast", half=torch.bfloat16, certify=False)
-    Precision(name='fast', dtype=torch.float32, half=torch.bfloat16, certify=False, backend='auto', candidates=32)
+    Precision(name='fast', dtype=torch.float32, half=torch.bfloat16, certify=False, backend='auto', candidates=None)
     """
 
     name: str = "float32"
@@ -105,7 +113,7 @@ class Precision:
     half: torch.dtype | None = None
     certify: bool = True
     backend: str = "auto"
-    candidates: int = CANDIDATES
+    candidates: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.float64):
@@ -127,9 +135,11 @@ class Precision:
         says they can): every backend but "torch", which means torch's own kernels throughout."""
         return self.backend != "torch"
 
-    def cap(self, k: int) -> int:
-        """Candidates kept per row for a top-``k`` search."""
-        return max(self.candidates, 8 * k)
+    def cap(self, k: int, nb: int = 0) -> int:
+        """Candidates kept per row for a top-``k`` search of ``nb`` references."""
+        if self.candidates is not None:
+            return max(self.candidates, 8 * k)
+        return max(CANDIDATES, 8 * k, min(int(nb * _CANDIDATES_PER_REFERENCE), _MOST_CANDIDATES))
 
 
 FLOAT32 = Precision()

@@ -62,7 +62,7 @@ def _plan(
         in_item=_item(in_dtype),
         half_item=0 if precision.half is None else _item(precision.half),
         cdist=not metric.matrix,
-        cap=strategy.cap(precision, metric, k),
+        cap=strategy.cap(precision, metric, k, nb),
     )
     plan = fit_tiles(
         dims,
@@ -166,7 +166,7 @@ def prepare(
     with torch.inference_mode():
         top = peak(b, rows_b, plan.tile_b)
         inputs = Inputs(
-            b[:0], b, None, rows_b, metric, precision, k, common_scale(top), strategy.cap(precision, metric, k)
+            b[:0], b, None, rows_b, metric, precision, k, common_scale(top), strategy.cap(precision, metric, k, nb)
         )
         return strategy(inputs, plan).prepared(top)
 

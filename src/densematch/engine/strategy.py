@@ -132,8 +132,8 @@ class Strategy:
     narrowest_b = 1
 
     @classmethod
-    def cap(cls, precision: Precision, metric: Metric, k: int) -> int:
-        """Candidates kept per row (0: the strategy keeps none)."""
+    def cap(cls, precision: Precision, metric: Metric, k: int, nb: int) -> int:
+        """Candidates kept per row of a search of ``nb`` references (0: the strategy keeps none)."""
         return 0
 
     @classmethod
