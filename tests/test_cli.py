@@ -181,8 +181,8 @@ def test_bench_prints_a_table_with_a_verdict_per_row():
     header, columns, *rows = out.stdout.splitlines()
     assert "match's exact default" in header and "threads" in header
     jobs = [r for r in rows if " ms " in r]
-    assert len(jobs) == 8 and "verdict" in columns
-    for name in ("match", "torch.cdist", "local_match", "soft_match", "align", "coarse-to-fine grid"):
+    assert len(jobs) == 9 and "verdict" in columns
+    for name in ("match", "same scene", "torch.cdist", "local_match", "soft_match", "align", "coarse-to-fine grid"):
         assert any(name in r for r in jobs), name
     for r in jobs:
         assert r.split("x  ", 1)[1].split(":")[0] in ("ahead", "level", "behind"), r

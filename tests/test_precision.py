@@ -1,6 +1,7 @@
 """precision=: the rounding certificate, the certified half-precision search, "fast", the choice."""
 
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 import densematch
 from densematch import engine, precision
 from densematch.engine.strategy import Strategy
+from densematch.kernels import native
 from densematch.metrics import get_metric
 from densematch.precision import Precision, query_terms, ref_terms, resolve_precision
 
@@ -315,3 +317,53 @@ def test_the_l2_column_stays_out_of_the_half_product(metric):
     _, want = engine.topk(a, b, metric=metric, k=8, budget=2**28)
     assert stats["fallback"] == 0 and stats["candidates"] / stats["rows"] < 4 * 8
     assert_same_up_to_ties(a, b, got, want, metric)
+
+
+def test_the_default_cap_grows_with_the_references():
+    # the rule: max(32, 8 k, min(nb / 32, 256)); an explicit candidates= keeps max(candidates, 8 k)
+    p = Precision(half=torch.bfloat16)
+    assert [p.cap(1, nb) for nb in (0, 100, 1024, 3200, 9216, 10**7)] == [32, 32, 32, 100, 256, 256]
+    assert p.cap(8, 100) == 64 and p.cap(40, 10**6) == 320
+    assert Precision(candidates=4).cap(1, 10**6) == 8 and Precision(candidates=100).cap(1, 10) == 100
+
+
+def test_reference_tiles_nearest_the_query_tile_come_first():
+    from densematch.engine.half import HalfSearch
+    from densematch.engine.plan import TilePlan
+    from densematch.engine.strategy import Inputs
+    from densematch.metrics import get_metric
+
+    a, b = torch.randn(1000, 8), torch.randn(2000, 8)
+    inputs = Inputs(a, b, None, None, get_metric("cosine"), BF16, 1, cap=32)
+    search = HalfSearch(inputs, TilePlan(100, 300, True, 0))
+    for start in (0, 450, 900):
+        order = search._tile_order(start, 100)
+        assert sorted(order) == list(range(0, 2000, 300))  # every tile once
+        centre = (start + 50) * 2
+        assert order[0] <= centre < order[0] + 300  # the tile holding the query tile's place first
+        gaps = [abs(j + min(300, 2000 - j) / 2 - centre) for j in order]
+        assert gaps == sorted(gaps)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_fast_merges_bfloat16_tiles_in_c_as_torch_does(k):
+    # precision="fast" ranks by the bfloat16 scores: the C merge of those tiles must pick what
+    # torch's merge picks, equal scores (common in bfloat16) to the lowest index
+    if not native.usable(torch.device("cpu"), torch.float32):
+        pytest.skip("the C kernels do not load here")
+    g = torch.Generator().manual_seed(k)
+    a, b = torch.randn(300, 16, generator=g), torch.randn(900, 16, generator=g)
+    got = {}
+    for kernel in ("auto", "torch"):
+        with densematch.config_context(kernel=kernel):
+            p = Precision("fast", half=torch.bfloat16, certify=False, backend=kernel)
+            got[kernel] = engine.topk(a, b, metric="cosine", k=k, budget=2**26, precision=p, tiles=(None, 128))[1]
+    assert torch.equal(got["auto"], got["torch"])
+    s = torch.randn(7, 70, generator=g).bfloat16()
+    s[:, 40] = s[:, 3]  # exact ties
+    v, i = torch.full((7, k), -math.inf), torch.full((7, k), -1, dtype=torch.int64)
+    native.merge(s[:, 35:], 35, v, i)
+    native.merge(s[:, :35], 0, v, i)  # tiles in any order
+    want_v, want_i = torch.full((7, k), -math.inf), torch.full((7, k), -1, dtype=torch.int64)
+    native.merge(s.float(), 0, want_v, want_i)
+    assert torch.equal(i, want_i) and torch.equal(v, want_v)

@@ -25,6 +25,7 @@ from .._soft import soft_match
 from ..alignment import align, warp
 from ..local import local_cost_volume, local_match
 from . import recipes
+from .synthetic import same_scene_pair
 
 __all__ = ["run_bench"]
 
@@ -74,6 +75,9 @@ def _jobs(quick: bool) -> list[Job]:
     img = F.avg_pool2d(torch.rand(1, 1, 125, 125, generator=g), 3, 1, 1)[0, 0]
     tpl = warp(img, 1.07, 0.93, 7.3, 4.6, (100, 100))
     exact = config_report()[_EXACT]
+    scene_side = 64 if quick else 96
+    # two overlapping crops of one photograph, raw colour patches: smooth regions full of near-ties
+    ca, cb = same_scene_pair(scene_side, scene_side, 64)
     return [
         Job(
             f"match {side}x{side}x64 cosine, top-1",
@@ -82,6 +86,15 @@ def _jobs(quick: bool) -> list[Job]:
             lambda: recipes.blockwise_argmax(fa, fb),
             f"match's exact default here is {exact}: its top-k merge and the re-check of near ties "
             "cost about what the loop's argmax does at this size; the margin grows with the maps",
+        ),
+        Job(
+            f"match {scene_side}x{scene_side}x64 same scene, top-1",
+            lambda: match(ca, cb),
+            "blockwise loop",
+            lambda: recipes.blockwise_argmax(ca, cb),
+            f"match's exact default here is {exact}; two views of one scene have, in every smooth "
+            "region, many references within rounding of the best, and each is re-checked so that "
+            "ties go to the lowest index, where the loop's argmax takes whichever its sums favour",
         ),
         Job(
             "pairwise_distance l2 2x64x64x64, F=128",
