@@ -13,9 +13,10 @@ totals. float32's own search is timed beside them, and so are the rows over the 
 spent searching them again in float32, per row, against one query row's float32 product with
 every reference ("row again / f32 product row"). ``--features same-scene`` is the hard case
 (:func:`densematch.app.synthetic.same_scene_pair`: raw colour patches of two overlapping crops,
-not normalised), where bfloat16's bound leaves dozens of near-ties in every smooth region. ``--kernels auto torch`` times the certified
-step both ways in one run: one C call per tile ("auto", on a CPU with the C kernels) and torch's
-operators (``config_context(kernel="torch")``, which keeps the C kernels out of both searches).
+not normalised), where bfloat16's bound leaves dozens of near-ties in every smooth region.
+``--kernels auto torch`` times the certified step both ways in one run: one C call per tile
+("auto", on a CPU with the C kernels) and torch's operators (``config_context(kernel="torch")``,
+which keeps the C kernels out of both searches).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import densematch
 import time
 
+import densematch
 from _common import machine, photo_features, save, table, timeit
 from densematch import engine
 from densematch.app.synthetic import same_scene_pair

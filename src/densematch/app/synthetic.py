@@ -1,4 +1,5 @@
-"""Alignment cases with a known answer, from real photographs and random binary masks.
+"""Alignment cases with a known answer, from real photographs and random binary masks, and
+same-scene feature pairs for matching (:func:`same_scene_pair`).
 
 Used by the tests and benchmarks/bench_align.py; photographs come from scikit-image's bundled
 samples (no network), so this module needs scikit-image for kind="photo".
@@ -268,4 +269,4 @@ def same_scene_pair(
     axes = v[:c].T
     if axes.shape[1] < c:  # fewer pixels than channels: pad the projection with zero columns
         axes = F.pad(axes, (0, c - axes.shape[1]))
-    return tuple((p @ axes).float().reshape(h, w, c) for p in patches)  # type: ignore[return-value]
+    return tuple((p @ axes).float().reshape(h, w, c) for p in patches)

@@ -46,7 +46,6 @@ class PlainSearch(Strategy):
 
     def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
         super().__init__(inputs, plan)
-        self.ref_norms = (0.0, 0.0)
         if inputs.prepared is not None:
             self.ref_norms = inputs.prepared.state.get("ref_norms", self.ref_norms)
         elif self.cap_rows:

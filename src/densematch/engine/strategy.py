@@ -130,6 +130,9 @@ class Strategy:
 
     # the reference tile may halve down to this many rows to make room for taller query tiles
     narrowest_b = 1
+    # the largest prepared reference norms (:meth:`_largest_norms`), set by the strategies that
+    # search in the compute dtype with near-ties settled (:meth:`_rank_exact`)
+    ref_norms: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def cap(cls, precision: Precision, metric: Metric, k: int, nb: int) -> int:
@@ -380,7 +383,9 @@ class Strategy:
             gv, gi = v[g : g + group], i[g : g + group]
             side = q[g : g + group]
             for j in range(0, self.nb, width):
-                block = self.metric.score_tile(side, self._prepare_refs(j, j + min(width, self.nb - j)), use_c=self.use_c)
+                block = self.metric.score_tile(
+                    side, self._prepare_refs(j, j + min(width, self.nb - j)), use_c=self.use_c
+                )
                 reach = block >= fg
                 total = torch.cumsum(reach.sum(1), 0).tolist()
                 block.fill_(-math.inf)

@@ -376,7 +376,9 @@ def merge(
         _require(best_v.dtype == torch.float32 and margin is None, "bfloat16 scores merge into float32, no margin")
         s = _unit_rows(s)
         if s.numel():
-            lib.dm_merge_bf16(s.data_ptr(), s.stride(0), *s.shape, offset, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1])
+            lib.dm_merge_bf16(
+                s.data_ptr(), s.stride(0), *s.shape, offset, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1]
+            )
         return
     _require(s.dtype == best_v.dtype, "the scores and the running top-k must share one dtype")
     s = _unit_rows(s)
