@@ -218,13 +218,35 @@ class HalfSearch(Strategy):
         buf: torch.Tensor,
     ) -> None:
         """:meth:`rank` with one C call per tile for the bounds, the merge of the lower bounds
-        and the listing of the candidates, after the tile's bfloat16 product."""
+        and the listing of the candidates, after the tile's bfloat16 product.
+
+        Rows over the cap are searched again in float32 (:meth:`_search_again`), so their
+        products are wasted: once a quarter of the rows still listing have gone over, the
+        others go on alone (their products, bounds, top-k and lists gathered; written back
+        before the next gathering and at the end). Which rows go over depends on the data, never
+        on time, and no answer depends on it."""
         m = best_v.shape[0]
         listed = native.Candidates(m, self.cap_rows, self.dtype)
+        rows: torch.Tensor | None = None  # the rows still listing, where not all
+        part = (qh, qt, best_v, best_i, listed)
+
+        def put_back() -> None:
+            if rows is not None:
+                best_v[rows], best_i[rows] = part[2], part[3]
+                listed.put(rows, part[4])
+
         for j in self._tile_order(start, m):
             n = min(self.tile_b, self.nb - j)
-            s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n))
-            native.merge_certified(s, j, best_v, best_i, qt, terms, bias, self.rounding, listed)
+            ph, pt, pv, pi, pl = part
+            s, terms, bias = self._block(ph, j, n, out=buf[: ph.shape[0] * n].view(-1, n))
+            native.merge_certified(s, j, pv, pi, pt, terms, bias, self.rounding, pl)
+            gone = int(pl.over.sum())
+            if gone and 4 * gone >= ph.shape[0]:
+                put_back()
+                keep = (~pl.over).nonzero().squeeze(1)
+                rows = keep if rows is None else rows[keep]
+                part = (qh[rows], qt[rows], best_v[rows], best_i[rows], listed.take(rows))
+        put_back()
         self._settle(q, start, listed, best_v[:, -1].clone(), best_v, best_i, buf)
 
     def _tile_order(self, start: int, m: int) -> list[int]:

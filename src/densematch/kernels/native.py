@@ -348,6 +348,18 @@ class Candidates:
         self.counts = torch.zeros(m, dtype=torch.int32)
         self.over = torch.zeros(m, dtype=torch.bool)
 
+    def take(self, rows: torch.Tensor) -> Candidates:
+        """The slots of ``rows`` (int64) as a list of their own, for a search of those rows only."""
+        part = Candidates(0, self.cap, self.vals.dtype)
+        part.cols, part.vals = self.cols[rows], self.vals[rows]
+        part.counts, part.over = self.counts[rows], self.over[rows]
+        return part
+
+    def put(self, rows: torch.Tensor, part: Candidates) -> None:
+        """Write the list ``part``, taken for ``rows``, back into these slots."""
+        self.cols[rows], self.vals[rows] = part.cols, part.vals
+        self.counts[rows], self.over[rows] = part.counts, part.over
+
     def reaching(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, columns) of the listed pairs scoring at least their row's ``floor``, rows that
         are over left out."""
