@@ -115,6 +115,12 @@ def measure(a: torch.Tensor, b: torch.Tensor, metric: str, k: int, repeats: int)
     f32_products = median_time(lambda: products_only(a, b, metric, tiles, torch.float32), repeats)
     row = f32_products / a.shape[0]  # one query row's float32 product against every reference
     over = stats["fallback"]
+    # "fast": the bfloat16 ranking alone, beside the bare bfloat16 products of its tiles
+    fast_p = Precision("fast", half=torch.bfloat16, certify=False)
+    fast = median_time(lambda: engine.topk(a, b, **kw, precision=fast_p), repeats)
+    bare = median_time(lambda: products_only(a, b, metric, tiles), repeats)
+    _, fast_i = engine.topk(a, b, **kw, precision=fast_p)
+    _, f32_i = engine.topk(a, b, **kw)
     return {
         "candidates/row": round(stats["candidates"] / stats["rows"], 2),
         "most": stats["most"],
@@ -125,6 +131,9 @@ def measure(a: torch.Tensor, b: torch.Tensor, metric: str, k: int, repeats: int)
         "float32 ms": round(1e3 * plain, 1),
         "overhead / float32": round((certified - products) / plain, 3),
         "row again / f32 product row": round(again / over / row, 2) if over else None,
+        "fast ms": round(1e3 * fast, 1),
+        "fast - bf16 products ms": round(1e3 * (fast - bare), 1),
+        "fast: other top-1 %": round(100 * float((fast_i[:, 0] != f32_i[:, 0]).float().mean()), 1),
     }
 
 
