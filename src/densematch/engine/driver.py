@@ -3,6 +3,7 @@ memory model, and runs the tile loop with its out-of-memory retry."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable
@@ -52,6 +53,41 @@ def _plan(
     tiles: tuple[int | None, int | None] | None,
     reserved: int,
 ) -> tuple[Dims, TilePlan]:
+    grown, base = strategy.cap(precision, metric, k, nb), strategy.cap(precision, metric, k, 0)
+
+    def planned(cap: int) -> tuple[Dims, TilePlan]:
+        return _plan_with_cap(
+            strategy, na, nb, c, k, budget, cap, metric=metric, device=device, precision=precision,
+            in_dtype=in_dtype, tiles=tiles, reserved=reserved,
+        )  # fmt: skip
+
+    chosen = planned(base)  # its ValueError, where even one tile does not fit, is the call's
+    if grown > base:
+        # a cap grown with the references saves searching rows again, but never at the price of
+        # smaller tiles: where the budget binds, the base cap
+        with contextlib.suppress(ValueError):
+            wide = planned(grown)
+            if wide[1].tile_a * wide[1].tile_b >= chosen[1].tile_a * chosen[1].tile_b:
+                chosen = wide
+    return chosen
+
+
+def _plan_with_cap(
+    strategy: type[Strategy],
+    na: int,
+    nb: int,
+    c: int,
+    k: int,
+    budget: int,
+    cap: int,
+    *,
+    metric: Metric,
+    device: torch.device,
+    precision: Precision,
+    in_dtype: torch.dtype,
+    tiles: tuple[int | None, int | None] | None,
+    reserved: int,
+) -> tuple[Dims, TilePlan]:
     dims = Dims(
         na=na,
         nb=nb,
@@ -62,7 +98,7 @@ def _plan(
         in_item=_item(in_dtype),
         half_item=0 if precision.half is None else _item(precision.half),
         cdist=not metric.matrix,
-        cap=strategy.cap(precision, metric, k, nb),
+        cap=cap,
     )
     plan = fit_tiles(
         dims,
