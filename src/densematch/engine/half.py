@@ -4,9 +4,9 @@ the rounding certificate of :mod:`densematch.precision`.
 For each reference tile, ``e`` (the per-pair bound, one small product) turns half scores ``h``
 into lower bounds ``h - e``, whose running k-th best ``t`` the usual merge keeps; every pair with
 ``h + e >= t`` joins a pool of (row, column, h + e), pruned as ``t`` rises. A row whose pool
-outgrows the cap stops collecting and is resolved at the end without a cap (every pair whose
-bound reaches its final floor scored by the direct form, :meth:`Strategy._resolve`); the others'
-candidates are re-scored in float32 by the direct form. Without ``certify`` ("fast"), the half
+outgrows the cap stops collecting and is searched again at the end from float32 products
+(:meth:`HalfSearch._search_again`); the others' candidates are re-scored in float32 by the
+direct form. Without ``certify`` ("fast"), the half
 scores rank alone.
 """
 
