@@ -6,7 +6,7 @@
   precision faster than float32 (GPUs with tensor cores, CPUs with AMX: :func:`device_half`),
   candidates are searched in half precision, every candidate within a rigorous rounding bound
   of a row's k-th best is kept and re-scored in float32; a row with more candidates than fit is
-  resolved without a cap (every pair its bound admits, scored by the direct form). Elsewhere,
+  searched again from float32 products, its near-ties settled as float32's are. Elsewhere,
   plain float32.
 - ``"fast"``: scores in the fastest operand dtype the device has, with no re-scoring of the
   ranking (reported values are still recomputed in float32). Approximate: see docs/precision.md
