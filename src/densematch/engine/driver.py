@@ -53,14 +53,31 @@ def _plan(
     tiles: tuple[int | None, int | None] | None,
     reserved: int,
 ) -> tuple[Dims, TilePlan]:
-    grown, base = strategy.cap(precision, metric, k, nb), strategy.cap(precision, metric, k, 0)
-
     def planned(cap: int) -> tuple[Dims, TilePlan]:
-        return _plan_with_cap(
-            strategy, na, nb, c, k, budget, cap, metric=metric, device=device, precision=precision,
-            in_dtype=in_dtype, tiles=tiles, reserved=reserved,
-        )  # fmt: skip
+        dims = Dims(
+            na=na,
+            nb=nb,
+            c=c,
+            cp=c + metric.extra_columns,
+            k=k,
+            item=_item(precision.dtype),
+            in_item=_item(in_dtype),
+            half_item=0 if precision.half is None else _item(precision.half),
+            cdist=not metric.matrix,
+            cap=cap,
+        )
+        plan = fit_tiles(
+            dims,
+            budget,
+            strategy.working_set,
+            caps=strategy.tile_caps(device, na, nb),
+            narrowest_b=strategy.narrowest_b,
+            tiles=tiles,
+            reserved=reserved,
+        )
+        return dims, plan
 
+    grown, base = strategy.cap(precision, metric, k, nb), strategy.cap(precision, metric, k, 0)
     chosen = planned(base)  # its ValueError, where even one tile does not fit, is the call's
     if grown > base:
         # a cap grown with the references saves searching rows again, but never at the price of
@@ -70,46 +87,6 @@ def _plan(
             if wide[1].tile_a * wide[1].tile_b >= chosen[1].tile_a * chosen[1].tile_b:
                 chosen = wide
     return chosen
-
-
-def _plan_with_cap(
-    strategy: type[Strategy],
-    na: int,
-    nb: int,
-    c: int,
-    k: int,
-    budget: int,
-    cap: int,
-    *,
-    metric: Metric,
-    device: torch.device,
-    precision: Precision,
-    in_dtype: torch.dtype,
-    tiles: tuple[int | None, int | None] | None,
-    reserved: int,
-) -> tuple[Dims, TilePlan]:
-    dims = Dims(
-        na=na,
-        nb=nb,
-        c=c,
-        cp=c + metric.extra_columns,
-        k=k,
-        item=_item(precision.dtype),
-        in_item=_item(in_dtype),
-        half_item=0 if precision.half is None else _item(precision.half),
-        cdist=not metric.matrix,
-        cap=cap,
-    )
-    plan = fit_tiles(
-        dims,
-        budget,
-        strategy.working_set,
-        caps=strategy.tile_caps(device, na, nb),
-        narrowest_b=strategy.narrowest_b,
-        tiles=tiles,
-        reserved=reserved,
-    )
-    return dims, plan
 
 
 def plan_tiles(

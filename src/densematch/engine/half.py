@@ -270,9 +270,7 @@ class HalfSearch(Strategy):
         the direct form (:meth:`Strategy._rank_exact`). A row over the cap costs one float32
         product row, never a direct score per pair inside the half-precision bound."""
         k = best_v.shape[1]
-        rows, cols = self._resolve_shape(q.shape[0])
-        width = min(cols, self.nb)
-        group = max(1, min(redo.numel(), rows * cols // width))
+        group, width = self._groups(q.shape[0], redo.numel())
         block = torch.empty(group * width, dtype=self.dtype, device=q.device)
         for g in range(0, redo.numel(), group):
             sel = redo[g : g + group]

@@ -259,10 +259,11 @@ class Strategy:
             s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n), use_c=self.use_c)
             merge(s, j, best_v, best_i)
 
-    def _native(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
-        """Whether score tiles merge through the C kernel (:func:`densematch.kernels.native.merge`):
-        float32, float64 or bfloat16 scores on a CPU, into a contiguous running top-k."""
-        tiles = self.inputs.precision.half or self.dtype
+    def _native(self, best_v: torch.Tensor, best_i: torch.Tensor, tiles: torch.dtype | None = None) -> bool:
+        """Whether score tiles (of dtype ``tiles``, by default the scan's) merge through the C
+        kernel (:func:`densematch.kernels.native.merge`): float32, float64 or bfloat16 scores on a
+        CPU, into a contiguous running top-k."""
+        tiles = tiles or self.inputs.precision.half or self.dtype
         return (
             tiles != torch.float16
             and self._c(best_v.device, best_v.dtype)
@@ -321,8 +322,7 @@ class Strategy:
         # on a CPU one C call per block merges and lists (native.merge); else the torch merge
         # finds the rows that reach their floor and the pool lists them
         listed: CandidateList
-        native_merge = self._c(best_v.device, self.dtype) and best_v.is_contiguous() and best_i.is_contiguous()
-        if native_merge:
+        if self._native(best_v, best_i, self.dtype):
             listed = native.Candidates(m, self.cap_rows, self.dtype)
         else:
             listed = pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
@@ -357,6 +357,14 @@ class Strategy:
         ``m`` rows: by default the scan's own block, whose temporaries are free by then."""
         return m, self.tile_b
 
+    def _groups(self, m: int, r: int) -> tuple[int, int]:
+        """(rows, columns) of each step over ``r`` rows of a query tile of ``m`` rows searched
+        again or resolved: references in blocks of at most :meth:`_resolve_shape`'s columns, as
+        many rows at once as its block holds."""
+        block_rows, block_cols = self._resolve_shape(m)
+        width = min(block_cols, self.nb)
+        return max(1, min(r, block_rows * block_cols // width)), width
+
     def _resolve(
         self, q: torch.Tensor, rows: torch.Tensor, floor: torch.Tensor, start: int, k: int, buf: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,9 +381,7 @@ class Strategy:
         i = torch.full((r, k), -1, dtype=torch.int64, device=device)
         if r == 0:
             return v, i
-        block_rows, block_cols = self._resolve_shape(q.shape[0])
-        width = min(block_cols, self.nb)
-        group = max(1, min(r, block_rows * block_cols // width))
+        group, width = self._groups(q.shape[0], r)
         limit = max(width, q.shape[0] * self.cap_rows)
         merge = native.merge if self._c(device, self.dtype) else self.merge
         for g in range(0, r, group):
