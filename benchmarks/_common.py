@@ -149,6 +149,29 @@ def report(name: str, rows: list[dict[str, Any]], command: str | None = None, **
     return path
 
 
+def alternate_trees(
+    script: str, srcs: list[str], labels: str | None, rounds: int, child_args: list[str] | None = None
+) -> dict[str, list[Any]]:
+    """Run ``script SRC *child_args --child`` for each source tree in turn, ``rounds`` times over
+    (so a busy spell hits every tree alike), each in its own process; per tree (named by the
+    comma-separated ``labels``, else "tree 1", ...) the JSON of each run's last line."""
+    names = labels.split(",") if labels else [f"tree {i + 1}" for i in range(len(srcs))]
+    if len(names) != len(srcs):
+        raise SystemExit(f"--labels must name each of the {len(srcs)} trees, got {len(names)} names")
+    got: dict[str, list[Any]] = {name: [] for name in names}
+    for r in range(rounds):
+        for src, name in zip(srcs, names, strict=True):
+            done = subprocess.run(
+                [sys.executable, script, src, *(child_args or []), "--child"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            got[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1}", name, flush=True)
+    return got
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -71,19 +70,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.src[0])))
         return
-    from _common import report
+    from _common import alternate_trees, report
 
-    labels = args.labels.split(",") if args.labels else [f"tree {i + 1}" for i in range(len(args.src))]
-    if len(labels) != len(args.src):
-        ap.error(f"--labels must name each of the {len(args.src)} trees, got {len(labels)} names")
-    rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
-    for r in range(args.rounds):
-        for src, label in zip(args.src, labels, strict=True):
-            done = subprocess.run(
-                [sys.executable, __file__, src, "--child"], capture_output=True, text=True, check=True
-            )
-            rounds[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1}", label, {k: round(v, 3) for k, v in rounds[label][-1].items()}, flush=True)
+    rounds = alternate_trees(__file__, args.src, args.labels, args.rounds)
     rows = [
         {"tree": label, **{k: f"{statistics.median(x[k] for x in got):.3f}" for k in got[0]}}
         for label, got in rounds.items()

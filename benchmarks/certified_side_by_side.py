@@ -23,7 +23,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -101,21 +100,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.src[0], args.cases, args.ks, args.metrics, args.threads)))
         return
-    from _common import report
+    from _common import alternate_trees, report
 
-    labels = args.labels.split(",") if args.labels else [f"tree {i + 1}" for i in range(len(args.src))]
-    if len(labels) != len(args.src):
-        ap.error(f"--labels must name each of the {len(args.src)} trees, got {len(labels)} names")
-    rounds: dict[str, list[list[dict]]] = {label: [] for label in labels}
     child = ["--cases", *args.cases, "--ks", *map(str, args.ks), "--metrics", *args.metrics]
     child += ["--threads", str(args.threads)]
-    for r in range(args.rounds):
-        for src, label in zip(args.src, labels, strict=True):
-            done = subprocess.run(
-                [sys.executable, __file__, src, *child, "--child"], capture_output=True, text=True, check=True
-            )
-            rounds[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1}", label, flush=True)
+    rounds = alternate_trees(__file__, args.src, args.labels, args.rounds, child)
+    labels = list(rounds)
     rows = []
     for i, first in enumerate(rounds[labels[0]][0]):
         row = {key: first[key] for key in ("case", "features", "metric", "k")}
