@@ -333,6 +333,39 @@ def test_run_checks_ids_it_is_given(pairs, tmp_path):
     assert not (tmp_path / "x.npz").exists() and not Path("/tmp/x.npz").exists()
 
 
+def test_ids_that_would_share_a_file_are_refused(pairs, tmp_path):
+    # a pair called "index" lost its page to the batch's index.html
+    inputs = {"a": str(pairs / "fa0.npy"), "b": str(pairs / "fb0.npy")}
+    for reserved in ("index", "INDEX", "Index"):
+        with pytest.raises(
+            ValueError, match=f"id '{reserved}' is reserved: its page would be the batch's own index.html"
+        ):
+            list(batch.run("match", [batch.Pair(reserved, inputs)], out_dir=tmp_path / "r", html=True))
+    assert not (tmp_path / "r" / "index.html").exists()
+    # names that differ only in case are one file on macOS and Windows
+    with pytest.raises(ValueError, match="id 'a' differs from id 'A' only in case"):
+        read_manifest(write_manifest(tmp_path / "m.csv", ["id", "a", "b"], [["A", "1", "2"], ["a", "3", "4"]]), "match")
+    with pytest.raises(ValueError, match="pairs: id 'x' appears twice"):
+        list(batch.run("match", [batch.Pair("x", inputs), batch.Pair("x", inputs)]))
+    assert read_manifest(write_manifest(tmp_path / "m.csv", ["id", "a", "b"], [["index2", "1", "2"]]), "match")
+
+
+def test_a_manifest_not_in_utf8_is_named_with_the_fix(pairs, tmp_path):
+    path = tmp_path / "latin1.csv"
+    path.write_bytes("a,b\nfa0.npy,caf\u00e9.npy\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.csv' is not UTF-8 text; save it as UTF-8"):
+        read_manifest(path, "match")
+    code, _, err = in_process("batch", "match", str(path), "-o", str(tmp_path / "o"))
+    assert code == 1 and err.count("\n") == 1 and "is not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_bool_options_take_bools(pairs, tmp_path):
+    inputs = {"a": str(pairs / "fa0.npy"), "b": str(pairs / "fb0.npy")}
+    for name in ("viz", "html", "progress"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got 'False'"):
+            list(batch.run("match", [batch.Pair("x", inputs)], out_dir=tmp_path / "b", **{name: "False"}))
+
+
 def test_manifest_with_a_byte_order_mark(pairs, tmp_path):
     path = tmp_path / "excel.csv"
     path.write_text("id,a,b\r\nfirst,fa0.npy,fb0.npy\r\n", encoding="utf-8-sig")

@@ -78,7 +78,15 @@ def test_out_of_time_is_not_certified():
         ({"objective": "ncc"}, ValueError, "objective must be one of"),
         ({"scale_h": (1.2, 0.8)}, ValueError, "scale_h must be a pair"),
         ({"near": (0.01, -1.0)}, ValueError, "near must be a pair"),
-        ({"template": torch.rand(1, 3, 32, 32)}, ValueError, "template and image must be one pair in align's layout"),
+        ({"template": torch.rand(1, 3, 32, 32)}, ValueError, r"image must have the template's layout \(4 dims"),
+        # align's own checks: it refuses each of these, so certifying them certified nonsense
+        ({"template": torch.full((32, 32), math.nan)}, ValueError, "template must hold only finite values"),
+        ({"image": torch.full((44, 44), math.inf)}, ValueError, "image must hold only finite values"),
+        ({"template": torch.rand(60, 60)}, ValueError, "does not fit in the image"),
+        ({"time_limit": math.nan}, ValueError, r"time_limit must be in \[0, inf\], got nan"),
+        ({"time_limit": -1}, ValueError, r"time_limit must be in \[0, inf\], got -1"),
+        ({"time_limit": True}, TypeError, "time_limit must be a real number, got bool"),
+        ({"alignment": {"scale_h": math.nan, "scale_w": 1, "shift_y": 0, "shift_x": 0}}, ValueError, "positive finite"),
         ({"template": torch.rand(2, 32, 32), "image": torch.rand(2, 44, 44)}, ValueError, "a batch of 2"),
         ({"alignment": "a"}, TypeError, r"the Alignment densematch.align returned \(or its as_dict\(\)\), got str"),
         ({"alignment": {"scale_h": 1.0}}, TypeError, "got dict"),
@@ -90,6 +98,20 @@ def test_bad_input_is_named(change, error, message):
     args = {"template": tpl, "image": img, "alignment": a, **change}
     with pytest.raises(error, match=message):
         densematch.certify_alignment(args.pop("template"), args.pop("image"), args.pop("alignment"), **args)
+
+
+@pytest.mark.parametrize("where", ["template", "image"])
+def test_one_nan_is_refused_as_align_refuses_it(where):
+    # it certified an answer 15 px off: NaN compares false with every bound, so no cell survived
+    tpl, img = pair(44, 32, (1.0, 1.0, 7.3, 4.6))
+    a = densematch.align(tpl, img)
+    wrong = {**a.as_dict(), "shift_y": a.shift_y + 15.0}
+    inputs = {"template": tpl.clone(), "image": img.clone()}
+    inputs[where][5, 7] = math.nan
+    with pytest.raises(ValueError, match=f"{where} must hold only finite values"):
+        densematch.align(inputs["template"], inputs["image"])
+    with pytest.raises(ValueError, match=f"{where} must hold only finite values"):
+        densematch.certify_alignment(inputs["template"], inputs["image"], wrong)
 
 
 def test_a_batch_of_one_is_one_pair_and_a_batch_of_two_is_refused():

@@ -190,6 +190,7 @@ class TestBadInput:
             (torch.ones(1, 3, 4, 4, dtype=torch.int64), torch.randn(5, 3), {}, TypeError, "x must hold floats"),
             (torch.randn(1, 3, 0, 4), torch.randn(5, 3), {}, ValueError, "x must not be empty"),
             (torch.randn(1, 3, 4, 4), torch.randn(5, 3), {"memory": 100}, ValueError, "cannot hold one tile"),
+            (torch.randn(1, 3, 4, 4), torch.randn(5, 3), {"check_finite": "False"}, TypeError, "check_finite must be"),
         ],
     )
     def test_errors(self, x, p, kwargs, error, pattern):

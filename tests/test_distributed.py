@@ -214,6 +214,15 @@ def _nearest_cases(rank: int, report: list[str]) -> None:
         report.append(f"nearest empty slice: {err}")
 
 
+def _rescaled(a: torch.Tensor, rank: int) -> torch.Tensor:
+    """``a`` with pixel (0, 0)'s three channels scaled by 2, 1/4 and 2 on rank 1."""
+    if rank == 0:
+        return a
+    out = a.clone()
+    out[0, 0] *= torch.tensor([2.0, 0.25, 2.0])
+    return out
+
+
 def _failure_cases(rank: int, report: list[str]) -> None:
     dm = densematch.distributed
     a, b = torch.randn(6, 5, 3), torch.randn(6, 5, 3)
@@ -237,6 +246,9 @@ def _failure_cases(rank: int, report: list[str]) -> None:
         # ranks that disagree on what must be the same: one ValueError on every rank, before
         # any exchange (these merged silently, or aborted one rank inside gloo)
         ("a differs on rank 1", lambda: dm.match(a + 1e-7 * rank, b), ValueError, "same a (checksum)"),
+        # one pixel's channels scaled by 2, 1/4 and 2: exponents +1, -2, +1, which a linear
+        # checksum of the bits (even weighted by position) does not see
+        ("a's pixel rescaled on rank 1", lambda: dm.match(_rescaled(a, rank), b), ValueError, "same a (checksum)"),
         ("mask_b differs", lambda: dm.match(a, b, mask_b=b[..., 0] > rank - 0.5), ValueError, "mask_b (checksum)"),
         (
             "metric differs",

@@ -77,11 +77,44 @@ def test_gradients_reach_queries_and_bank():
         (torch.randn(5, 4), torch.randn(9, 4), {"k": 10}, ValueError, "k must be"),
         (torch.full((5, 4), float("nan")), torch.randn(9, 4), {}, ValueError, "queries"),
         (torch.randn(5, 4), torch.randn(9, 4), {"metric": "hamming"}, ValueError, "metric must be one of"),
+        # complex rows raised torch's NotImplementedError from the finiteness check
+        (torch.randn(5, 4, dtype=torch.complex64), torch.randn(9, 4), {}, TypeError, "queries must hold real floats"),
+        (torch.randn(5, 4), torch.randn(9, 4, dtype=torch.complex128), {}, TypeError, "bank must hold real floats"),
+        (torch.randn(5, 4), torch.randn(9, 4), {"check_finite": "no"}, TypeError, "check_finite must be True or False"),
     ],
 )
 def test_bad_input(queries, bank, kw, error, text):
     with pytest.raises(error, match=text):
         densematch.knn(queries, bank, **kw)
+
+
+def test_the_index_follows_its_bank_changed_in_place():
+    # it returned the index from its prepared copy and the distance from the changed tensor
+    g = torch.Generator().manual_seed(4)
+    bank = torch.randn(200, 8, generator=g)
+    queries = bank[:5].clone()
+    index = densematch.KNNIndex(bank)
+    assert index.search(queries)[1][:, 0].tolist() == list(range(5))
+    bank[:5] += 10.0  # the queries' own rows move away
+    d, i = index.search(queries, k=2)
+    want_d, want_i = densematch.knn(queries, bank, k=2)
+    assert torch.equal(i, want_i) and torch.equal(d, want_d)
+    assert (i[:, 0] >= 5).all()
+    bank[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="bank must hold only finite"):
+        index.search(queries)
+
+
+def test_an_index_of_a_numpy_bank_holds_a_copy():
+    # numpy's writes to the array cannot be seen by torch: the index keeps what it was given
+    import numpy as np
+
+    bank = np.random.default_rng(0).standard_normal((100, 6)).astype(np.float32)
+    queries = torch.from_numpy(bank[:4].copy())
+    index = densematch.KNNIndex(bank)
+    bank[:] = 0.0
+    d, i = index.search(queries)
+    assert i[:, 0].tolist() == [0, 1, 2, 3] and torch.allclose(d[:, 0], torch.zeros(4), atol=1e-3)
 
 
 def test_knn_never_builds_the_distance_matrix():

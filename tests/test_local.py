@@ -245,6 +245,26 @@ def test_volume_gradcheck(metric):
     assert torch.autograd.gradcheck(vol, (a, b), fast_mode=True)
 
 
+@pytest.mark.parametrize("memory", [None, 40_000])  # one band, then bands of two rows
+@pytest.mark.parametrize("metric", ["dot", "l2"])
+def test_a_radius_past_the_map_fills_its_planes_in_place_and_differentiates(metric, memory):
+    # offsets no pixel reaches are written into the output as the fill, the others in place
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(2, 4, 5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(2, 4, 5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def vol(a, b, radius):
+        return local_cost_volume(a, b, radius, metric=metric, memory=memory, fill=0.0)
+
+    wide, reach = vol(a, b, (6, 7)), vol(a, b, (3, 4))  # +-3 rows, +-4 cols reach every pixel pair
+    assert wide.shape == (2, 13, 15, 4, 5)
+    assert torch.equal(wide[:, 3:10, 3:12], reach)
+    outside = torch.ones(13, 15, dtype=torch.bool)
+    outside[3:10, 3:12] = False
+    assert (wide[:, outside] == 0).all()
+    assert torch.autograd.gradcheck(lambda a, b: vol(a, b, (6, 7)), (a, b), fast_mode=True)
+
+
 def test_volume_gradient_equals_the_unfold_recipe():
     a = torch.randn(1, 4, 9, 11, requires_grad=True)
     b = torch.randn(1, 4, 9, 11, requires_grad=True)

@@ -106,6 +106,26 @@ class TestShapesAndLayouts:
         with pytest.raises(error, match=pattern):
             densematch.DenseMatcher(**kwargs)
 
+    def test_a_setting_assigned_applies_and_is_checked(self):
+        # m.k = 5 read back 5 while matching went on with k=2
+        m = densematch.DenseMatcher(k=2, metric="l2")
+        m.k = 5
+        a, b = torch.randn(6, 5, 4), torch.randn(7, 3, 4)
+        got = m(a, b)
+        assert m.k == 5 and m.options.k == 5 and got.index.shape == (6, 5, 5)
+        assert torch.equal(got.index, match(a, b, k=5, metric="l2").index)
+        with pytest.raises(ValueError, match="k must be >= 1"):
+            m.k = 0
+        with pytest.raises(TypeError, match="mutual must be True or False"):
+            m.mutual = "yes"
+        assert m.k == 5 and m.mutual is False  # a refused setting changes nothing
+        m.training = False  # nn.Module's own attributes are set as ever
+        assert not m.training
+
+    def test_a_dict_of_settings_is_refused_at_construction(self):
+        with pytest.raises(TypeError, match=r"options must be a MatchOptions, got dict; give the settings as keywords"):
+            densematch.DenseMatcher({"k": 3})
+
 
 @settings(max_examples=40, deadline=None)
 @given(
@@ -303,6 +323,11 @@ class TestBadInput:
             (dict(memory=-5), ValueError, "memory must be a positive"),
             (dict(memory=64), ValueError, r"memory=64 bytes cannot hold one tile: at least \d+ bytes"),
             (dict(precision="half"), ValueError, "precision must be one of"),
+            # bool("False") is True: these turned the filter (or the bar) on
+            (dict(mutual="False"), TypeError, r"mutual must be True or False, got 'False' \(str\)"),
+            (dict(mutual="no"), TypeError, "mutual must be True or False"),
+            (dict(mutual=0), TypeError, r"mutual must be True or False, got 0 \(int\)"),
+            (dict(progress="0"), TypeError, "progress must be True or False"),
         ],
     )
     def test_errors_name_the_argument(self, kwargs, error, pattern):

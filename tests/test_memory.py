@@ -142,10 +142,46 @@ def test_a_radius_past_the_maps_costs_nothing(radius):
     assert extra <= 8 * 2**20, f"peak {extra / 2**20:.1f} MiB"
 
 
+LOCAL_VOLUME_HUGE_RADIUS = """
+g = torch.Generator().manual_seed(0)
+a, b = torch.randn(40, 40, 8, generator=g), torch.randn(40, 40, 8, generator=g)
+def run(small):
+    x, y = (a[:4, :4], b[:4, :4]) if small else (a, b)
+    densematch.local_cost_volume(x, y, 1 if small else 60, memory="8MiB")
+"""
+
+
+@pytest.mark.slow
+def test_a_cost_volume_past_the_maps_holds_one_output():
+    # offsets past +-39 reach nothing: their planes were filled in a second output-sized tensor,
+    # 137 MiB over an 8 MiB budget; the reachable ones are now written into the output in place
+    extra = peak_extra(LOCAL_VOLUME_HUGE_RADIUS)
+    output = 121 * 121 * 40 * 40 * 4
+    assert extra <= output + 8 * 2**20, f"peak {(extra - output) / 2**20:.1f} MiB past the output"
+
+
+ALIGN_WIDE_SCALES = """
+g = torch.Generator().manual_seed(0)
+image = torch.rand(60, 60, generator=g)
+template = densematch.warp(image, 1.0, 1.0, 5.0, 5.0, (45, 45))
+def run(small):
+    top = 1.5 if small else 3.5
+    densematch.align(template, image, scale_h=(0.8, top), scale_w=(0.8, top), memory="8MiB")
+"""
+
+
+@pytest.mark.slow
+def test_align_keeps_its_budget_over_wide_scale_ranges():
+    # the valid shifts of every scale pair were built whole: 55 x 55 scale pairs of up to 84 x 84
+    # shifts at the coarse level here, 20 MiB under memory="8MiB" (1.1 GB for scales (0.8, 8))
+    extra = peak_extra(ALIGN_WIDE_SCALES)
+    assert extra <= 8 * 2**20 + 6 * 2**20, f"peak {extra / 2**20:.1f} MiB"
+
+
 SOFT = """
 g = torch.Generator().manual_seed(0)
-a = torch.randn(96, 96, 64, generator=g, requires_grad=True)
-b = torch.randn(96, 96, 64, generator=g, requires_grad=True)
+a = torch.randn(64, 64, 64, generator=g, requires_grad=True)
+b = torch.randn(64, 64, 64, generator=g, requires_grad=True)
 def run(small):
     x, y = (a[:8, :8], b[:8, :8]) if small else (a, b)
     r = densematch.soft_match(x, y, temperature=0.1, mode="{mode}", memory="{mib}MiB")
@@ -163,7 +199,8 @@ def test_soft_match_keeps_its_budget_beside_the_per_input_state(mode, mib, backw
     # soft_match's docstring: outside memory= lie the unit copies of a and b, and in the backward
     # their gradients' accumulators and the normalisation's backward, each (Na + Nb) x C values
     extra = peak_extra(SOFT.format(mode=mode, mib=mib, backward=backward))
-    inputs = 2 * 96 * 96 * 64 * 4
+    # 4096 x 4096 pairs: 64 MiB of float32 weights, 16 times the smaller budget
+    inputs = 2 * 64 * 64 * 64 * 4
     grads = inputs if backward else 0  # a.grad and b.grad: the call's outputs
     state = inputs * (3 if backward else 1)
     assert extra <= mib * 2**20 + grads + state + 2 * 2**20, f"peak {extra / 2**20:.1f} MiB"

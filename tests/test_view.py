@@ -243,6 +243,38 @@ def test_batch_index_links_every_pair_and_shows_errors(tmp_path, open_page, run)
     assert problems == []
 
 
+def test_names_holding_script_markup_leave_every_page_drawn(tmp_path, open_page, run):
+    # "<!--" and "<script" in a name kept the data's script element open to the end of the
+    # page: every page kind came up blank, the batch index too
+    folder = tmp_path / "<!--<script>x"
+    folder.mkdir()
+    g = np.random.default_rng(1)
+    image = g.random((40, 40)).astype(np.float32)
+    np.save(folder / "image.npy", image)
+    np.save(folder / "t1.npy", warp(image, 1.0, 1.0, 3.0, 2.0, (30, 30)).numpy())
+    (folder / "pairs.csv").write_text("template,image,id\nt1.npy,image.npy,one\n<!--<script>.npy,image.npy,two\n")
+    out = run("batch", "align", str(folder / "pairs.csv"), "-o", str(tmp_path / "out"), "--html")
+    assert out.returncode == 1  # the second pair's file does not exist
+    index, problems = open_page(tmp_path / "out" / "index.html")
+    rows = index.locator("#pairs tr.pair")
+    assert rows.count() == 2 and "<!--<script>.npy" in rows.nth(1).inner_text()
+    # the pages whose titles hold the inputs' names: match's and distance's
+    fa, fb = g.standard_normal((12, 14, 4)).astype(np.float32), g.standard_normal((10, 12, 4)).astype(np.float32)
+    np.save(folder / "fa.npy", fa)
+    np.save(folder / "fb.npy", fb)
+    np.save(folder / "x.npy", fa.transpose(2, 0, 1)[None])
+    np.save(folder / "p.npy", fb.reshape(-1, 4)[:5])
+    for command in (
+        ("match", str(folder / "fa.npy"), str(folder / "fb.npy"), "--html", str(tmp_path / "m.html")),
+        ("distance", str(folder / "x.npy"), str(folder / "p.npy"), "--nearest", "--html", str(tmp_path / "d.html")),
+    ):
+        assert run(*command).returncode == 0
+        page, more = open_page(tmp_path / command[-1].rsplit("/", 1)[-1])
+        assert "<!--<script>x" in page.title() and pixels(page, "canvas") != 0
+        problems += more
+    assert problems == []
+
+
 def test_view_draws_a_saved_match_again_and_refuses_a_changed_one(shifted_photos, tmp_path, open_page, run):
     d = shifted_photos
     assert run("match", f"{d}/a.png", f"{d}/b.png", "--features", "patch", "-o", f"{tmp_path}/m.npz").returncode == 0

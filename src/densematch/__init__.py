@@ -1,6 +1,10 @@
 """densematch: exact, memory-bounded dense matching, alignment and prototype distances."""
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
 from typing import Any
 
 from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
@@ -56,3 +60,26 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return importlib.import_module(_LAZY[name], __name__)
     raise AttributeError(f"module 'densematch' has no attribute {name!r}")
+
+
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import densematch.batch`` and ``from densematch.synthetic import ...`` give the module
+    of densematch.app under its old name: the very module object, not a copy."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        prefix, _, name = fullname.rpartition(".")
+        if prefix != __name__ or name not in _APP:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(f"{__name__}.app.{spec.name.rpartition('.')[2]}")
+        spec.loader_state = module.__spec__  # the import system sets the alias's spec on it
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        assert module.__spec__ is not None
+        module.__spec__ = module.__spec__.loader_state  # its own again: run already, by its own name
+
+
+sys.meta_path.append(_OldPaths())

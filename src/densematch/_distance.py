@@ -19,7 +19,7 @@ from torch import nn
 
 from . import engine
 from .budget import chunk_rows
-from .checks import as_tensor, check_choice, check_finite, check_int, compute_dtype
+from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
 from .config import kernel_setting, resolve_memory
 from .kernels import native
 from .metrics import Metric, Minkowski, get_metric
@@ -35,6 +35,7 @@ def _check_inputs(
     """Validated x (N, D, H, W), prototypes as (F, D), the metric, and the compute dtype
     (``empty``: a bank without rows is allowed, as one rank's slice of a sharded bank may be)."""
     m = get_metric(metric)
+    finite = check_bool(finite, "check_finite")
     x = as_tensor(x, "x")
     p = as_tensor(prototypes, "prototypes")
     if x.ndim != 4:
@@ -259,7 +260,9 @@ def pairwise_distance(
     torch_backward = not m.matrix and not use_c
     cols_backward = min(_column_tile(share, p.shape[0], p.shape[1], item, torch_backward), cap)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        out: torch.Tensor = _PairwiseDistance.apply(x, p, m, dtype, cols, cols_backward, bool(compile), use_c)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _PairwiseDistance.apply(
+            x, p, m, dtype, cols, cols_backward, check_bool(compile, "compile"), use_c
+        )  # type: ignore[no-untyped-call]
         return out
 
 
@@ -428,8 +431,8 @@ class PrototypeDistance(nn.Module):
         check_int(num_prototypes, "num_prototypes", 1)
         check_int(dim, "dim", 1)
         get_metric(metric)
-        self.metric, self.memory, self.check_finite = metric, memory, check_finite
-        self.compiled = compile  # not self.compile: that is nn.Module's own method
+        self.metric, self.memory, self.check_finite = metric, memory, check_bool(check_finite, "check_finite")
+        self.compiled = check_bool(compile, "compile")  # not self.compile: that is nn.Module's own method
         self.prototypes = nn.Parameter(torch.randn(num_prototypes, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

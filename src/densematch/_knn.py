@@ -8,7 +8,7 @@ import torch
 
 from . import engine
 from ._distance import nearest_search, nearest_task
-from .checks import as_tensor, check_finite
+from .checks import as_tensor, check_bool, check_finite
 from .metrics import Metric
 from .precision import Precision
 
@@ -19,6 +19,8 @@ def _rows(x: Any, name: str) -> torch.Tensor:
     t = as_tensor(x, name)
     if t.ndim != 2 or t.shape[0] == 0 or t.shape[1] == 0:
         raise ValueError(f"{name} must have shape (N, D) with N, D >= 1, got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must hold real floats, got {t.dtype}; convert with .float() (of .real or .abs())")
     return t
 
 
@@ -35,6 +37,7 @@ def _task(
 ) -> tuple[torch.Tensor, torch.Tensor, Metric, Precision, int, int]:
     """Validated queries (as one N x 1 map, a view), bank, metric, precision, k and budget
     (``bank_checked``: the bank's values were checked already, by the index)."""
+    finite = check_bool(finite, "check_finite")
     q, b = _rows(queries, "queries"), _rows(bank, "bank")
     if q.shape[1] != b.shape[1]:
         raise ValueError(f"queries and bank must have one D, got {q.shape[1]} and {b.shape[1]}")
@@ -101,8 +104,11 @@ class KNNIndex:
     Parameters
     ----------
     bank : Tensor or ndarray of shape (M, D)
-        Kept by reference (not copied). Its prepared rows, about the bank's size in float32, are
-        held beside it: like the bank, outside ``memory``.
+        A tensor is kept by reference (not copied), and followed: changed in place, it is
+        prepared again at the next search, so indices and distances both come from the bank as
+        it is then. A numpy array or an inference tensor, whose in-place changes torch cannot
+        see, is copied once. The prepared rows, about the bank's size in float32, are held
+        beside it: like the bank, outside ``memory``.
     metric, memory, precision, check_finite
         As in :func:`knn`.
 
@@ -124,13 +130,23 @@ class KNNIndex:
         check_finite: bool = True,
     ) -> None:
         b = _rows(bank, "bank")
+        if not isinstance(bank, torch.Tensor) or b.is_inference():
+            b = b.clone()
         self.memory, self.precision, self.check_finite = memory, precision, check_finite
-        _, self.bank, self.metric, prec, _, _ = _task(b[:1], b, metric, 1, memory, check_finite, precision)
-        self.prepared = engine.prepare(self.bank.detach(), metric=self.metric, k=1, precision=prec)
+        _, self.bank, self.metric, self._precision, _, _ = _task(b[:1], b, metric, 1, memory, check_finite, precision)
+        self._prepare()
+
+    def _prepare(self) -> None:
+        self.prepared = engine.prepare(self.bank.detach(), metric=self.metric, k=1, precision=self._precision)
+        self._version = self.bank._version
 
     def search(self, queries: Any, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest rows of the bank of every row of ``queries`` (N, D): distances and
         indices of shape (N, k), as :func:`knn` returns them."""
+        if self.bank._version != self._version:  # changed in place since it was prepared
+            if self.check_finite:
+                check_finite(self.bank.detach(), "bank")
+            self._prepare()
         settings = (self.metric.name, k, self.memory, self.check_finite, self.precision)
         x, p, m, prec, k, budget = _task(queries, self.bank, *settings, bank_checked=True)
         value, index = nearest_search(x, p, m, prec, k, budget, prepared=self.prepared)

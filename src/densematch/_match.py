@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -485,6 +485,11 @@ class DenseMatcher(nn.Module):
         super().__init__()
         if options is not None and settings:
             raise TypeError(f"DenseMatcher takes a MatchOptions or keywords, not both; got both and {sorted(settings)}")
+        if options is not None and not isinstance(options, MatchOptions):
+            raise TypeError(
+                f"options must be a MatchOptions, got {type(options).__name__}; give the settings as keywords "
+                "(DenseMatcher(**settings)) or build MatchOptions(**settings)"
+            )
         self.options = MatchOptions(**settings) if options is None else options
 
     def __getattr__(self, name: str) -> Any:
@@ -492,6 +497,14 @@ class DenseMatcher(nn.Module):
         if name in _OPTION_NAMES and options is not None:
             return getattr(options, name)
         return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A setting assigned (``matcher.k = 5``) is checked and applies from the next call: the
+        options are rebuilt with it, never shadowed by an attribute that matching would not read."""
+        if name in _OPTION_NAMES and "options" in self.__dict__:
+            self.options = replace(self.options, **{name: value})
+            return
+        super().__setattr__(name, value)
 
     def forward(self, a: Any, b: Any, *, mask_a: Any = None, mask_b: Any = None) -> Matches:
         return run(a, b, self.options, mask_a=mask_a, mask_b=mask_b)

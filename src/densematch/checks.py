@@ -10,6 +10,7 @@ import torch
 
 __all__ = [
     "as_tensor",
+    "check_bool",
     "check_choice",
     "check_features",
     "check_finite",
@@ -52,6 +53,14 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
         listed = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be one of {listed}, got {value!r}")
     return value
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """A bool (Python's or numpy's), never a string or a number that reads as one: "False" is
+    truthy, so ``bool(value)`` would turn it into True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
 
 
 def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:

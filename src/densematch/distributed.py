@@ -149,23 +149,43 @@ class _Group:
         return [stop - start for start, stop in (self.share(n, r) for r in range(self.size))]
 
 
-def checksum(t: torch.Tensor | None, step: int = 1 << 20) -> tuple[int, int] | None:
-    """An exact, order-free checksum of a tensor's bits: the sum of its elements' bit patterns,
-    and of each pattern times its position + 1, both wrapping modulo 2^64 (integer additions,
-    so no thread count or kernel changes it). Read ``step`` elements at a time."""
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's constants
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _mixed(v: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 bit patterns (wrapping products, logical shifts): a
+    bijection of 64-bit words in which each input bit moves about half the output bits."""
+    for shift, factor in ((30, _MIX[1]), (27, _MIX[2])):
+        v = v ^ ((v >> shift) & ((1 << (64 - shift)) - 1))
+        v = v * _signed(factor)
+    return v ^ ((v >> 31) & ((1 << 33) - 1))
+
+
+def checksum(t: torch.Tensor | None, step: int = 1 << 20) -> int | None:
+    """An exact, order-free checksum of a tensor's bits: the sum, wrapping modulo 2^64, of each
+    element's bit pattern and position mixed by splitmix64's finaliser. Integer additions, so no
+    thread count or kernel changes it; and not linear in the bits, so no change to several
+    elements cancels out (scaling three of them by 2, 1/4 and 2 moves their exponents by +1, -2
+    and +1, which a plain sum of patterns, even weighted by position, does not see). Reads
+    ``step`` elements at a time."""
     if t is None:
         return None
     flat = t.detach().reshape(-1)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
-    plain = total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), step):
         part = flat[start : start + step].contiguous().view(bits).to(torch.int64)
-        place = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.int64, device=flat.device)
-        plain = plain + part.sum()
-        total = total + (part * place).sum()
-    return int(plain), int(total)
+        if bits != torch.int64:  # the pattern's own bits only, not a sign extension of them
+            part = part & ((1 << (8 * flat.element_size())) - 1)
+        place = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device)
+        total = total + _mixed(_mixed(place * _signed(_MIX[0])) ^ part).sum()
+    return int(total)
 
 
 def _task_view(task: _match.Task, replicated: dict[str, torch.Tensor | None]) -> dict[str, Any]:

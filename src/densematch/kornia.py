@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import engine
+from .checks import check_bool
 from .config import resolve_memory
 from .metrics import METRICS
 from .precision import resolve_precision
@@ -283,6 +284,7 @@ def match_fginn(
         As in Kornia; ``memory`` as in :func:`densematch.match`.
     """
     _check_descriptors((desc1, "desc1"), (desc2, "desc2"))
+    check_bool(mutual, "mutual")
     if dm is not None:
         _check_dm(desc1, desc2, dm)
     like = desc1 if dm is None else dm

@@ -15,7 +15,7 @@ from typing import Any
 
 from ._refine import REFINES
 from .budget import parse_memory
-from .checks import LAYOUTS, check_choice, check_int, check_real
+from .checks import LAYOUTS, check_bool, check_choice, check_int, check_real
 from .metrics import get_metric
 from .precision import PRECISIONS
 
@@ -79,10 +79,10 @@ class MatchOptions:
         normal = {
             "metric": m.name,
             "k": check_int(self.k, "k", 1),
-            "mutual": bool(self.mutual),
+            "mutual": check_bool(self.mutual, "mutual"),
             "ratio": ratio,
             "layout": layout,
-            "progress": bool(self.progress),
+            "progress": check_bool(self.progress, "progress"),
             "precision": check_choice(self.precision, "precision", PRECISIONS),
             "refine": None if self.refine is None else check_choice(self.refine, "refine", REFINES),
             "stride": None if self.stride is None else _pair(self.stride, "stride", positive=True),

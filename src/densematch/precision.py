@@ -120,6 +120,8 @@ class Precision:
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {self.dtype}")
         if self.half is not None and (self.half not in HALF_DTYPES.values() or self.dtype != torch.float32):
             raise ValueError(f"half must be torch.bfloat16 or torch.float16 with dtype float32, got {self.half}")
+        if not isinstance(self.certify, bool):
+            raise TypeError(f"certify must be True or False, got {self.certify!r}")
         if self.backend not in KERNEL_SETTINGS:
             raise ValueError(f"backend must be one of {', '.join(map(repr, KERNEL_SETTINGS))}, got {self.backend!r}")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -53,6 +54,11 @@ _TOLERANCE, _COARSE_TOLERANCE = 1e-3, 0.05
 # short of the truth: it is refined again from where it stopped, first on both images blurred
 # (a 3x3 binomial filter), then sharp, and the better of the two stays
 _FAR = 1.0
+# the least share of the template's energy the coarsest level must hold below its Nyquist
+# frequency (:func:`_low_band`): photographs keep 0.24-0.95 at a factor of 4 and white noise
+# 0.065, while a periodic texture finer than the level keeps none (BENCHMARKS.md, "align on
+# fine textures and offsets")
+_LOW_BAND = 0.02
 
 
 @dataclass
@@ -114,6 +120,36 @@ def _check_range(value: Any, name: str) -> tuple[float, float]:
     if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi < lo:
         raise ValueError(f"{name} must be a pair (low, high) with 0 < low <= high, got {value!r}")
     return lo, hi
+
+
+def checked_images(
+    template: Any, image: Any, range_h: tuple[float, float], range_w: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``template`` and ``image`` as tensors in one of align's layouts, with the same batch and
+    channels, on one device, not empty, the image finite, and the template fitting inside the
+    image at the scales searched. The template's values are the caller's to check: a mask may
+    hide some of them."""
+    t = as_image(template, "template")
+    x = as_image(image, "image")
+    if t.ndim not in (2, 3, 4):
+        raise ValueError(f"template must have shape (h, w), (B, h, w) or (B, C, h, w), got {tuple(t.shape)}")
+    if x.ndim != t.ndim:
+        raise ValueError(
+            f"image must have the template's layout ({t.ndim} dims, as {tuple(t.shape)}), got {tuple(x.shape)}"
+        )
+    if t.shape[: t.ndim - 2] != x.shape[: x.ndim - 2]:
+        raise ValueError(
+            f"template and image must have the same batch and channels, got {tuple(t.shape[:-2])} "
+            f"and {tuple(x.shape[:-2])}"
+        )
+    if t.numel() == 0 or x.numel() == 0:
+        raise ValueError(f"template and image must not be empty, got {tuple(t.shape)} and {tuple(x.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"template and image must be on one device, got {t.device} and {x.device}")
+    check_finite(x, "image")
+    (h, w), (hh, ww) = t.shape[-2:], x.shape[-2:]
+    _check_fits((h, w), (hh, ww), range_h, range_w)
+    return t, x
 
 
 def _check_fits(
@@ -203,37 +239,29 @@ def align(
     (1.1, 0.9, 4.25, 3.5)
     """
     objective = check_choice(objective, "objective", OBJECTIVES)
-    lo_h, hi_h = _check_range(scale_h, "scale_h")
-    lo_w, hi_w = _check_range(scale_w, "scale_w")
-    t = as_image(template, "template")
-    x = as_image(image, "image")
-    if t.ndim not in (2, 3, 4):
-        raise ValueError(f"template must have shape (h, w), (B, h, w) or (B, C, h, w), got {tuple(t.shape)}")
-    if x.ndim != t.ndim:
-        raise ValueError(
-            f"image must have the template's layout ({t.ndim} dims, as {tuple(t.shape)}), got {tuple(x.shape)}"
-        )
-    if t.shape[: t.ndim - 2] != x.shape[: x.ndim - 2]:
-        raise ValueError(
-            f"template and image must have the same batch and channels, got {tuple(t.shape[:-2])} "
-            f"and {tuple(x.shape[:-2])}"
-        )
-    if t.numel() == 0 or x.numel() == 0:
-        raise ValueError(f"template and image must not be empty, got {tuple(t.shape)} and {tuple(x.shape)}")
-    if t.device != x.device:
-        raise ValueError(f"template and image must be on one device, got {t.device} and {x.device}")
-    check_finite(t, "template")
-    check_finite(x, "image")
+    (lo_h, hi_h), (lo_w, hi_w) = _check_range(scale_h, "scale_h"), _check_range(scale_w, "scale_w")
+    t, x = checked_images(template, image, (lo_h, hi_h), (lo_w, hi_w))
     h, w = t.shape[-2:]
     hh, ww = x.shape[-2:]
-    _check_fits((h, w), (hh, ww), (lo_h, hi_h), (lo_w, hi_w))
     dtype = compute_dtype(t, x)
     t4 = t.to(dtype).reshape(-1, *t.shape[-3:]) if t.ndim == 4 else t.to(dtype).reshape(-1, 1, h, w)
     x4 = x.to(dtype).reshape(-1, *x.shape[-3:]) if x.ndim == 4 else x.to(dtype).reshape(-1, 1, hh, ww)
     mask = _check_template_mask(template_mask, t4, t.shape, dtype)
+    if template_mask is None:
+        check_finite(t4, "template")
+    else:  # a pixel of weight 0 is never read: NaN or Inf there is allowed, and set to 0 here
+        read = mask[:, 0] > 0
+        check_finite(t4.permute(0, 2, 3, 1), "template", mask=read)
+        t4 = t4.masked_fill(~read[:, None], 0.0)
     budget = resolve_memory(memory, x.device)
 
     with torch.inference_mode():
+        # the image's mean level off both: every objective is blind to a level both share (a
+        # bilinear sample of a constant is that constant), and the grid's expanded sums
+        # (T^2 - 2 T S + S^2, window sums of S and S^2) would lose a texture of 0.01 on a
+        # level of 500 to float32's rounding
+        level = x4.mean((2, 3), keepdim=True)  # (B, C, 1, 1)
+        t4, x4 = t4 - level, x4 - level
         # one power of two brings both to unit amplitude, exactly: the search's and the
         # refinement's fixed epsilons then mean the same for images of any amplitude or dtype
         unit = _unit_scale(t4, x4)
@@ -248,7 +276,7 @@ def align(
             template_mask is None,
             kernel_setting() != "torch",
         )
-    warped = (found.warped / unit).reshape(t.shape)
+    warped = (found.warped / unit + level).reshape(t.shape)
     err = found.error
     # 1 - NCC is never below 0; rounding of a perfect fit may put it a hair under
     err = {"l1": err / unit, "l2": err / unit**2, "ncc": err.clamp_min(0.0)}[objective]
@@ -311,9 +339,12 @@ def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dt
     check_finite(m, "template_mask")
     if (m < 0).any():
         raise ValueError("template_mask must hold non-negative weights, got negative values")
-    if (m.reshape(-1, h * w).sum(1) <= 0).any():
+    peak = m.reshape(-1, h * w).amax(1)
+    if (peak <= 0).any():
         raise ValueError("template_mask must keep some pixels: it is all zero (for at least one pair)")
-    return m.contiguous().reshape(-1, 1, h, w).expand(b, 1, h, w)
+    # only the weights' ratios matter: each pair's largest becomes 1, so that weights of 1e-20
+    # or 1e20 leave the search's and the refinement's fixed epsilons meaning what they mean
+    return (m / peak.reshape(-1, 1, 1)).contiguous().reshape(-1, 1, h, w).expand(b, 1, h, w)
 
 
 @dataclass
@@ -355,13 +386,42 @@ def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, *args: A
     )
 
 
-def _levels(h: int, w: int) -> list[int]:
+def _levels(t: torch.Tensor, mask: torch.Tensor) -> list[int]:
     """The pyramid's downsampling factors, coarsest first: the grid searches a template of
-    _COARSE_SIDE pixels or more on its shorter side, then each level halves the factor to 1."""
+    _COARSE_SIDE pixels or more on its shorter side, and coarse enough to keep some of the
+    template's own content (:func:`_low_band`); each level halves the factor to 1."""
+    h, w = t.shape[-2:]
     f = 1
     while min(h, w) // (2 * f) >= _COARSE_SIDE:
         f *= 2
+    low = _low_band(t, mask)
+    while f > 1 and float(low(f)) < _LOW_BAND:
+        f //= 2
     return [f >> i for i in range(f.bit_length())]
+
+
+def _low_band(t: torch.Tensor, mask: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    """For a factor f, the least over the pairs of ``t`` (B, C, h, w) of the share of the
+    template's energy (weighted by ``mask``, its mean off, under a Hann window against the
+    crop's edges) at frequencies a level of factor f still holds: below 1 / (2 f) cycles per
+    pixel on both axes, less the window's main lobe. Above them, a block mean keeps only
+    aliases, which stretch and shift differently from the template's texture: a fine periodic
+    texture (period under 2 f) has none left, and its coarse grid finds the wrong phase."""
+    h, w = t.shape[-2:]
+    hann = torch.outer(*(torch.hann_window(n, periodic=False, dtype=t.dtype, device=t.device) for n in (h, w)))
+    weight = mask * hann
+    mean = (t * weight).sum((2, 3), keepdim=True) / weight.sum((2, 3), keepdim=True).clamp_min(1e-30)
+    power = torch.fft.rfft2((t - mean) * weight).abs().square().sum(1)  # (B, h, w // 2 + 1)
+    power[..., 1 : (w + 1) // 2] *= 2  # the columns rfft2 holds once for two frequencies
+    fy = torch.fft.fftfreq(h, device=t.device).abs()[:, None]
+    fx = torch.fft.rfftfreq(w, device=t.device)[None, :]
+    total = power.sum((1, 2)).clamp_min(1e-300)
+
+    def share(f: int) -> torch.Tensor:  # less the window's main lobe (2 / n), which smears a line over it
+        kept = (fy < 0.5 / f - 2 / h) & (fx < 0.5 / f - 2 / w)
+        return ((power * kept).sum((1, 2)) / total).min()
+
+    return share
 
 
 def _search(
@@ -376,7 +436,7 @@ def _search(
     use_c: bool,
 ) -> _Found:
     b, c, h, w = t.shape
-    levels = _levels(h, w)
+    levels = _levels(t, mask)
     pyramid = {1: (t, x, mask)}
     for f in levels[-2::-1]:  # 2, 4, ...: each level halves the one below it
         tb, xb, mb = pyramid[f // 2]

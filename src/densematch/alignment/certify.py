@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from ..checks import check_choice
+from ..checks import check_choice, check_finite, check_real
 from ..config import kernel_setting
 from ..kernels import native
 from ..threads import share_out, workers_for
-from .api import Alignment, _check_range
-from .warp import as_image, taps_at, warp
+from .api import Alignment, _check_range, checked_images
+from .warp import taps_at, warp
 
 __all__ = ["Certificate", "bilinear_range", "certify_alignment", "pixel_range", "sample_spans"]
 
@@ -195,13 +195,12 @@ def certify_alignment(
         if len(pair) != 2 or not all(math.isfinite(v) and v > 0 for v in pair):
             raise ValueError(f"{name} must be a pair (scale, shift in px) of positive numbers, got {pair!r}")
     range_h, range_w = _check_range(scale_h, "scale_h"), _check_range(scale_w, "scale_w")
+    if time_limit is not None:
+        time_limit = check_real(time_limit, "time_limit", 0.0, math.inf, finite=False)
     answer = _one_answer(alignment)
-    t, x = as_image(template, "template").double(), as_image(image, "image").double()
-    if t.ndim not in (2, 3, 4) or x.ndim != t.ndim or t.shape[: t.ndim - 2] != x.shape[: x.ndim - 2]:
-        raise ValueError(
-            f"template and image must be one pair in align's layout, (h, w), (1, h, w) or (1, C, h, w), with the "
-            f"same leading sizes, got {tuple(t.shape)} and {tuple(x.shape)}"
-        )
+    t, x = checked_images(template, image, range_h, range_w)
+    check_finite(t, "template")
+    t, x = t.double(), x.double()
     if t.ndim > 2 and t.shape[0] != 1:
         raise ValueError(f"template and image must be one pair (a batch of 1), got a batch of {t.shape[0]}")
     t, x = t.reshape(-1, *t.shape[-2:]).contiguous(), x.reshape(-1, *x.shape[-2:]).contiguous()  # (C, h, w), (C, H, W)
@@ -390,6 +389,8 @@ def _one_answer(alignment: Any) -> tuple[float, float, float, float]:
     if any(v.numel() != 1 for v in numbers):
         raise TypeError("alignment must be one pair's (certify each pair of a batch on its own)")
     sh, sw, sy, sx = (float(v) for v in numbers)
+    if not all(math.isfinite(v) for v in (sh, sw, sy, sx)) or min(sh, sw) <= 0:
+        raise ValueError(f"alignment must hold positive finite scales and finite shifts, got {(sh, sw, sy, sx)}")
     return sh, sw, sy, sx
 
 

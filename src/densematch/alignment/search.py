@@ -64,11 +64,7 @@ def grid_search(
     # rows and columns of the stretched image that any valid crop can touch
     rows = math.floor(hh * grid_h.max().item())
     cols = math.floor(ww * grid_w.max().item())
-    zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
-    ry = sampling_matrix(rows, hh, grid_h, zeros_h)  # (nh, rows, H)
-    rx = sampling_matrix(cols, ww, grid_w, zeros_w)  # (nw, cols, W)
     in_c = use_c and native.usable(x.device, x.dtype)
-    taps = bilinear_taps(cols, ww, grid_w, zeros_w) if in_c else None  # Rx's two taps per row, for C
     # valid integer shifts: 0 <= s <= H * scale - h
     # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
     max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
@@ -76,7 +72,6 @@ def grid_search(
     n_y, n_x = int(max_y.max().item()) + 1, int(max_x.max().item()) + 1
     ok_y = torch.arange(n_y, device=x.device) <= max_y[:, None]  # (nh, n_y)
     ok_x = torch.arange(n_x, device=x.device) <= max_x[:, None]  # (nw, n_x)
-    valid = ok_y[:, None, :, None] & ok_x[None, :, None, :]  # (nh, nw, n_y, n_x)
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
@@ -87,8 +82,16 @@ def grid_search(
     else:  # the stretched images, their squares and spectra
         per_pair = fh * fw * item * (6 * c + 8)
     stretch = f"({grid_h.max().item():g}, {grid_w.max().item():g})"
-    what = f"the search of one scale pair of a {hh}x{ww} image stretched up to {stretch}"
-    chunk_rows(budget, per_pair, what, fix="raise memory or narrow the scale ranges")
+    what = f"the search of one scale pair of a {hh}x{ww} image stretched up to {stretch}, beside its sampling matrices"
+    # held for the whole search: the sampling matrices Ry (nh, rows, H) and Rx (nw, cols, W), and
+    # for C Rx's two taps per row (two indices, two weights)
+    held = item * (nh * rows * hh + nw * cols * ww) + (nw * cols * 2 * (8 + item) if in_c else 0)
+    chunk_rows(budget, per_pair, what, fixed=held, fix="raise memory or narrow the scale ranges")
+    budget -= held
+    zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
+    ry = sampling_matrix(rows, hh, grid_h, zeros_h)
+    rx = sampling_matrix(cols, ww, grid_w, zeros_w)
+    taps = bilinear_taps(cols, ww, grid_w, zeros_w) if in_c else None
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
     pairs = chunk_rows(cap, per_pair, what)
@@ -103,7 +106,8 @@ def grid_search(
         e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
         part_taps = None if taps is None else tuple(tap[v] for tap in taps)
         args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, products, part_taps)
-        score = _shift_scores(*args).masked_fill(~valid[q, v], math.inf)
+        valid = ok_y[q, None, :, None] & ok_x[None, v, None, :]  # (step_h, step_w, n_y, n_x): the chunk's
+        score = _shift_scores(*args).masked_fill(~valid, math.inf)
         found[chunk] = _best_shifts(score, in_c)
 
     for chunk in chunks:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_bool
 from ..progress import progress_bar
 from .io import atomic_write, save_arrays, save_with
 from .tasks import PairResult, align_pairs, distance_pair, match_pair, picture_bytes
@@ -64,7 +65,20 @@ def _check_id(value: str, where: str) -> str:
             f"{where}: id {value!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or "
             "digit (it names the pair's output files)"
         )
+    if value.casefold() == Path(INDEX).stem:
+        raise ValueError(f"{where}: id {value!r} is reserved: its page would be the batch's own {INDEX}; rename it")
     return value
+
+
+def _check_unique(seen: dict[str, str], pair_id: str, where: str) -> None:
+    """Add ``pair_id`` to ``seen`` (case-folded id -> id), refusing one given before: ids name
+    files, and two that differ only in case are one file where names ignore case (macOS,
+    Windows)."""
+    other = seen.get(pair_id.casefold())
+    seen[pair_id.casefold()] = pair_id
+    if other is not None:
+        same = "appears twice" if other == pair_id else f"differs from id {other!r} only in case"
+        raise ValueError(f"{where}: id {pair_id!r} {same}; ids must be unique (ignoring case: they name files)")
 
 
 def read_manifest(path: str | os.PathLike[str], task: str) -> list[Pair]:
@@ -81,6 +95,16 @@ def read_manifest(path: str | os.PathLike[str], task: str) -> list[Pair]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"MANIFEST {str(p)!r} does not exist or is not a file")
+    try:
+        return _read_pairs(p, columns, task)
+    except UnicodeDecodeError:
+        raise ValueError(
+            f'MANIFEST {str(p)!r} is not UTF-8 text; save it as UTF-8 (a spreadsheet\'s "CSV UTF-8"), or convert it '
+            "with iconv -t UTF-8"
+        ) from None
+
+
+def _read_pairs(p: Path, columns: tuple[str, ...], task: str) -> list[Pair]:
     # utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte-order mark, which must not join
     # the first column's name
     with open(p, newline="", encoding="utf-8-sig") as fh:
@@ -92,14 +116,13 @@ def read_manifest(path: str | os.PathLike[str], task: str) -> list[Pair]:
                 f"MANIFEST {str(p)!r} must have a header with columns {', '.join(columns)} (and optionally id) "
                 f"for {task}; missing {', '.join(missing)}, found {', '.join(header) or 'no header'}"
             )
-        pairs, seen = [], set()
+        pairs: list[Pair] = []
+        seen: dict[str, str] = {}
         for number, row in enumerate(reader, start=1):
             row = {(k or "").strip(): (v or "").strip() for k, v in row.items()}
             where = f"MANIFEST {str(p)!r} row {number}"
             pair_id = _check_id(row.get("id") or str(number), where)
-            if pair_id in seen:
-                raise ValueError(f"{where}: id {pair_id!r} appears twice; ids must be unique")
-            seen.add(pair_id)
+            _check_unique(seen, pair_id, where)
             empty = [c for c in columns if not row[c]]
             if empty:
                 raise ValueError(f"{where}: empty {', '.join(empty)}")
@@ -446,6 +469,7 @@ def run(
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    viz, html, progress = (check_bool(v, name) for v, name in ((viz, "viz"), (html, "html"), (progress, "progress")))
     if viz and out_dir is None:
         raise ValueError("viz=True needs out_dir: the pictures are written there")
     if html and out_dir is None:
@@ -454,10 +478,9 @@ def run(
         p if isinstance(p, Pair) else Pair(str(n), dict(zip(columns, map(str, p), strict=True)))
         for n, p in enumerate(pairs, start=1)
     ]
+    seen: dict[str, str] = {}
     for p in todo:  # ids name output files: the manifest's rule holds for any caller
-        _check_id(p.id, "pairs")
-    if len({p.id for p in todo}) != len(todo):
-        raise ValueError("pairs must have unique ids")
+        _check_unique(seen, _check_id(p.id, "pairs"), "pairs")
     order = [p.id for p in todo]
     results = None
     if out_dir is not None:

@@ -130,8 +130,10 @@ def at_grid(img: np.ndarray, grid: tuple[int, ...]) -> np.ndarray:
 
 def _render(data: dict[str, Any]) -> str:
     template = resources.files("densematch.app").joinpath("viewer/page.html").read_text(encoding="utf-8")
-    # "</" cannot end the data's script element early once escaped
-    payload = json.dumps(data, allow_nan=False).replace("</", "<\\/")
+    # no "<" reaches the script element: "</script" would end it early, and "<!--" with
+    # "<script" would keep its end tag from ending it (the HTML parser's double-escaped state);
+    # in JSON a "<" lies only inside strings, where \u003c reads back as the same character
+    payload = json.dumps(data, allow_nan=False).replace("<", "\\u003c")
     return template.replace("/*DATA*/", payload).replace(
         "<title>densematch</title>", f"<title>{html.escape(data['title'])}</title>"
     )

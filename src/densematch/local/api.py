@@ -162,11 +162,10 @@ def local_cost_volume(
     missing = (0.0 if m.higher_is_better else math.inf) if fill is None else _check_fill(fill)
     budget = resolve_memory(memory, ra.device)
     nb, h, w, _ = win.shape
-    vol = values(win, ra, rb, moved, lambda y0, y1: win.offsets, band_rows(win, ra, budget), missing)
+    # offsets that no pixel can reach (win.slots: where the others sit) are missing everywhere
+    slots = None if win.slots is None else (win.slots, win.window[0] * win.window[1])
+    vol = values(win, ra, rb, moved, lambda y0, y1: win.offsets, band_rows(win, ra, budget), missing, slots)
     shape = (*win.window, h, w)
-    if win.slots is not None:  # offsets that no pixel can reach: missing everywhere
-        whole = vol.new_full((nb, win.window[0] * win.window[1], h, w), missing)
-        vol = whole.index_copy(1, torch.tensor(win.slots, dtype=torch.long, device=vol.device), vol)
     return vol.reshape(nb, *shape) if batched else vol.reshape(shape)
 
 

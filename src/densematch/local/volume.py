@@ -34,8 +34,10 @@ def band_rows(win: Window, ra: torch.Tensor, budget: int) -> int:
 
 
 class _Values(torch.autograd.Function):
-    """(B, m, H, W) values of m offsets per pixel, ``fill`` where a pixel has no candidate. The
-    backward recomputes each (band, offset) and differentiates it alone."""
+    """(B, m, H, W) values of m offsets per pixel, ``fill`` where a pixel has no candidate; with
+    ``slots`` (the place of each offset among ``total``), (B, total, H, W) with ``fill`` at the
+    other places, written in place. The backward recomputes each (band, offset) and
+    differentiates it alone."""
 
     @staticmethod
     def forward(
@@ -47,22 +49,29 @@ class _Values(torch.autograd.Function):
         offsets: Offsets,
         rows: int,
         fill: float,
+        slots: tuple[list[int], int] | None,
     ) -> torch.Tensor:
         nb, h, w, _ = win.shape
-        out: torch.Tensor | None = None
+        out, places = None, None
+        if slots is not None:
+            places = torch.tensor(slots[0], dtype=torch.long, device=ra.device)
+            out = ra.new_full((nb, slots[1], h, w), fill)
         for y0 in range(0, h, rows):
             y1 = min(h, y0 + rows)
             v, ok = band(win, ra, rb, flow, y0, y1, offsets(y0, y1))
             v.masked_fill_(~ok, fill)
-            if rows >= h:  # one band: it is the output
+            if out is None and rows >= h:  # one band: it is the output
                 out = v
                 break
             if out is None:
                 out = ra.new_empty((nb, v.shape[1], h, w))
-            out[:, :, y0:y1] = v
+            if places is None:
+                out[:, :, y0:y1] = v
+            else:
+                out[:, places, y0:y1] = v
         assert out is not None
         ctx.save_for_backward(ra, rb, flow)
-        ctx.win, ctx.offsets, ctx.rows = win, offsets, rows
+        ctx.win, ctx.offsets, ctx.rows, ctx.places = win, offsets, rows, places
         return out
 
     @staticmethod
@@ -76,14 +85,15 @@ class _Values(torch.autograd.Function):
         for y0 in range(0, h, ctx.rows):
             y1 = min(h, y0 + ctx.rows)
             offsets = ctx.offsets(y0, y1)
+            g_band = grad[:, :, y0:y1] if ctx.places is None else grad[:, ctx.places, y0:y1]  # (B, m, rows, W)
             if _dot_grad_in_c(win, ra, flow, offsets):
-                _grad_c(win, ra, rb, flow, y0, y1, offsets, grad, grads)
+                _grad_c(win, ra, rb, flow, y0, y1, offsets, g_band, grads)
                 continue
             for j, (oy, ox) in enumerate(offsets):
                 read = win.read(y0, y1, oy, ox, flow)
                 if read.out is None:
                     continue
-                g = grad[:, j, y0:y1][read.out] * read.valid[read.out]
+                g = g_band[:, j][read.out] * read.valid[read.out]
                 if win.linear and read.b is not None and read.a is not None:
                     # a shifted dot product: its gradients directly, with no recomputation
                     if grads[0] is not None:
@@ -107,7 +117,7 @@ class _Values(torch.autograd.Function):
                             grads[1].view(-1, c).index_add_(0, read.index[k], got.reshape(-1, c))
                 if grads[2] is not None and fl is not None:
                     grads[2][:, y0:y1] += next(found)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def values(
@@ -118,8 +128,9 @@ def values(
     offsets: Offsets,
     rows: int,
     fill: float,
+    slots: tuple[list[int], int] | None = None,
 ) -> torch.Tensor:
-    out = _Values.apply(ra, rb, flow, win, offsets, rows, fill)  # type: ignore[no-untyped-call]
+    out = _Values.apply(ra, rb, flow, win, offsets, rows, fill, slots)  # type: ignore[no-untyped-call]
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -204,13 +215,13 @@ def _grad_c(
     grad: torch.Tensor,
     grads: list[torch.Tensor | None],
 ) -> None:
-    """The band's gradients through :func:`densematch.kernels.native.local_flow_grad`, into
-    ``grads`` (for a, b and the flow, each None where not wanted); shifted windows are windows
-    moved by a flow of zeros."""
+    """The band's gradients (``grad``: the band's own, (B, m, y1 - y0, W)) through
+    :func:`densematch.kernels.native.local_flow_grad`, into ``grads`` (for a, b and the flow,
+    each None where not wanted); shifted windows are windows moved by a flow of zeros."""
     table = torch.tensor(offsets, dtype=torch.int64).reshape(-1, 2)
     if flow is None:
         flow = ra.new_zeros((ra.shape[0], ra.shape[1], ra.shape[2], 2))
-    g = grad[:, :, y0:y1]
+    g = grad
     if win.mask_a is not None:  # masked-out pixels of a have no windows
         g = g * win.mask_a[:, None, y0:y1]
     for i in range(ra.shape[0]):
