@@ -194,10 +194,22 @@ class TestBadInput:
         ],
     )
     def test_errors(self, x, p, kwargs, error, pattern):
-        with pytest.raises(error, match=pattern):
-            pairwise_distance(x, p, **kwargs)
+        if x.numel() and p.shape[0]:  # empty inputs: pairwise_distance's output is empty too
+            with pytest.raises(error, match=pattern):
+                pairwise_distance(x, p, **kwargs)
         with pytest.raises(error, match=pattern):
             nearest_prototype(x, p, **kwargs)
+
+    @pytest.mark.parametrize(("x_shape", "f"), [((0, 8, 5, 6), 4), ((2, 8, 0, 6), 4), ((2, 8, 5, 6), 0)])
+    def test_empty_inputs_give_empty_outputs_as_cdist_does(self, x_shape, f):
+        x = torch.randn(*x_shape, dtype=torch.float64, requires_grad=True)
+        p = torch.randn(f, 8, dtype=torch.float64, requires_grad=True)
+        got = pairwise_distance(x, p)
+        n, _, h, w = x_shape
+        want = torch.cdist(x.permute(0, 2, 3, 1).reshape(n, h * w, 8), p.expand(n, f, 8))
+        assert got.shape == (n, f, h, w) and want.numel() == got.numel() == 0 and got.dtype == x.dtype
+        got.sum().backward()  # gradients of the right shapes, as cdist's
+        assert x.grad.shape == x.shape and p.grad.shape == p.shape
 
     def test_check_finite_can_be_switched_off(self):
         x = torch.full((1, 3, 2, 2), float("nan"))

@@ -30,10 +30,11 @@ __all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
 
 
 def _check_inputs(
-    x: Any, prototypes: Any, metric: str, finite: bool, *, empty: bool = False
+    x: Any, prototypes: Any, metric: str, finite: bool, *, empty: bool = False, empty_x: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, Metric, torch.dtype]:
     """Validated x (N, D, H, W), prototypes as (F, D), the metric, and the compute dtype
-    (``empty``: a bank without rows is allowed, as one rank's slice of a sharded bank may be)."""
+    (``empty``: a bank without rows is allowed, as one rank's slice of a sharded bank may be;
+    ``empty_x``: so is an x without pixels)."""
     m = get_metric(metric)
     finite = check_bool(finite, "check_finite")
     x = as_tensor(x, "x")
@@ -51,7 +52,7 @@ def _check_inputs(
         raise ValueError(f"prototypes must hold at least one prototype (F >= 1), got {tuple(p.shape)}")
     if p.shape[1] != x.shape[1]:
         raise ValueError(f"prototypes must have D={x.shape[1]} features like x (N, D, H, W), got D={p.shape[1]}")
-    if x.numel() == 0:
+    if x.numel() == 0 and not (empty_x and x.shape[1] > 0):
         raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
     if p.device != x.device:
         raise ValueError(f"x and prototypes must be on one device, got {x.device} and {p.device}")
@@ -231,7 +232,8 @@ def pairwise_distance(
     -------
     Tensor of shape (N, F, H, W)
         In x's dtype (computed in float32, or float64 for float64 inputs), laid out like x.
-        Differentiable with respect to x and prototypes (first order).
+        Differentiable with respect to x and prototypes (first order). Empty where N, H, W or
+        F is 0, as :func:`torch.cdist` gives it.
 
     Notes
     -----
@@ -245,7 +247,10 @@ def pairwise_distance(
     >>> pairwise_distance(x, torch.randn(3, 8)).shape
     torch.Size([2, 3, 5, 7])
     """
-    x, p, m, dtype = _check_inputs(x, prototypes, metric, check_finite)
+    x, p, m, dtype = _check_inputs(x, prototypes, metric, check_finite, empty=True, empty_x=True)
+    if x.numel() == 0 or p.shape[0] == 0:  # no pixel or no prototype: empty, as torch.cdist gives it
+        tied = (x.sum() + p.sum()).to(x.dtype) * 0  # the graph's link to both inputs
+        return x.new_zeros((x.shape[0], p.shape[0], *x.shape[2:])) + tied
     budget = resolve_memory(memory, x.device)
     item = torch.finfo(dtype).bits // 8
     hw = x.shape[2] * x.shape[3]

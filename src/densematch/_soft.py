@@ -134,37 +134,58 @@ def soft_match(
     centre = ((hb - 1) / 2, (wb - 1) / 2)
     values = torch.stack((rows - centre[0], cols - centre[1], (rows - centre[0]) ** 2 + (cols - centre[1]) ** 2), 1)
     outs, tops = [], []
-    for i in range(ra.shape[0]):
-        allowed = None if masks is None else masks[i].nonzero().squeeze(1)
-        kb = rb[i] if allowed is None else rb[i].index_select(0, allowed)
-        v = values if allowed is None else values.index_select(0, allowed)
-        if kb.shape[0] == 0:
-            raise ValueError("mask_b must leave at least one pixel of b")
-        check_finite(kb.detach(), "b")
-        q = F.normalize(ra[i].to(dtype), dim=1)
-        k = F.normalize(kb.to(dtype), dim=1)
-        if auto:  # each row's own temperature, folded into its query row
-            q = q * _auto_scale(q.detach(), k.detach(), budget)[:, None]
-        # float64 takes the tiles everywhere: torch's fused CPU kernel strayed ~1e-9 from
-        # float64's exact moments (tests/test_soft.py's rounding bound)
-        flash = mode == "softmax" and _SDPA and q.dtype != torch.float64
-        wanted = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        fused = _fused(q, k, v, 1.0 / t, budget) if flash and q.device.type != "cpu" else None
-        if fused is not None:
-            out, top = fused
-        elif flash and wanted and q.shape[1] < _FUSED_WIDTH:  # on a CPU
-            out, top = _TilesThenFlash.apply(q, k, v, 1.0 / t, budget)  # type: ignore[no-untyped-call]
-        else:
-            out, top = _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
-        outs.append(out)
-        tops.append(top)
+    # autocast would run the products in bfloat16 or float16 and move coordinates by up to
+    # 0.045 px: the weights are computed in float32 (float64 for float64 inputs) whatever it says
+    with torch.autocast(device_type=ra.device.type, enabled=False):
+        for i in range(ra.shape[0]):
+            out, top = _one_item(
+                ra[i], rb[i], None if masks is None else masks[i], values, t, mode, auto, budget, dtype
+            )
+            outs.append(out)
+            tops.append(top)
     out, top = torch.stack(outs), torch.stack(tops)
+
     coords = out[..., :2] + torch.tensor(centre, dtype=out.dtype, device=out.device)
     variance = (out[..., 2] - out[..., :2].square().sum(-1)).clamp_min(1e-12)
     shape = (*((ra.shape[0],) if batched else ()), *grid_a)
     return SoftMatches(
         coords.to(dtype).reshape(*shape, 2), variance.sqrt().to(dtype).reshape(shape), top.to(dtype).reshape(shape)
     )
+
+
+def _one_item(
+    qa: torch.Tensor,
+    kb: torch.Tensor,
+    mask: torch.Tensor | None,
+    values: torch.Tensor,
+    t: float,
+    mode: str,
+    auto: bool,
+    budget: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch item: the moments (Na, 3) of ``values`` under each row of a's weights over the
+    rows of b that ``mask`` (Nb,) allows, and each row's largest weight (Na,)."""
+    allowed = None if mask is None else mask.nonzero().squeeze(1)
+    kb = kb if allowed is None else kb.index_select(0, allowed)
+    v = values if allowed is None else values.index_select(0, allowed)
+    if kb.shape[0] == 0:
+        raise ValueError("mask_b must leave at least one pixel of b")
+    check_finite(kb.detach(), "b")
+    q = F.normalize(qa.to(dtype), dim=1)
+    k = F.normalize(kb.to(dtype), dim=1)
+    if auto:  # each row's own temperature, folded into its query row
+        q = q * _auto_scale(q.detach(), k.detach(), budget)[:, None]
+    # float64 takes the tiles everywhere: torch's fused CPU kernel strayed ~1e-9 from
+    # float64's exact moments (tests/test_soft.py's rounding bound)
+    flash = mode == "softmax" and _SDPA and q.dtype != torch.float64
+    wanted = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    fused = _fused(q, k, v, 1.0 / t, budget) if flash and q.device.type != "cpu" else None
+    if fused is not None:
+        return fused
+    if flash and wanted and q.shape[1] < _FUSED_WIDTH:  # on a CPU
+        return _TilesThenFlash.apply(q, k, v, 1.0 / t, budget)  # type: ignore[no-untyped-call]
+    return _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
 
 
 _EXP_FLOOR = -60.0

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 __all__ = ["THREADED", "own_thread", "scratch", "share_out", "share_size", "workers_for"]
 
@@ -32,10 +33,17 @@ THREADED = True
 ITEMS_PER_WORKER = 4
 
 
+def traced() -> bool:
+    """Whether this thread's operators reach something other than memory: a torch dispatch mode
+    (FakeTensorMode, whose tensors have no storage, and which other threads do not share) or
+    torch.compile's tracing. Neither C kernels nor worker threads may run then."""
+    return is_in_torch_dispatch_mode() or torch.compiler.is_compiling()
+
+
 def workers_for(device: torch.device) -> int:
     """Worker threads for work on ``device``: one per intra-op thread of the caller on a CPU,
-    one elsewhere (a GPU's kernels do not wait on CPU barriers)."""
-    if not THREADED or device.type != "cpu":
+    one elsewhere (a GPU's kernels do not wait on CPU barriers) or while :func:`traced`."""
+    if not THREADED or device.type != "cpu" or traced():
         return 1
     return max(1, torch.get_num_threads())
 

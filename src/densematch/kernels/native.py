@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..threads import traced
 from . import build as kernel_build
 
 __all__ = [
@@ -216,9 +217,13 @@ def status() -> dict[str, str]:
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the C kernels can run for tensors of ``dtype`` on ``device``: float32 or float64
-    on a CPU, the library built. Whether they may is the caller's setting
+    on a CPU, the library built, and the tensors real: not while :func:`densematch.threads.traced`
+    (FakeTensorMode's tensors have no storage: a pointer to it crashed the process; and a ctypes
+    call is not an operator torch.compile can record). Whether they may is the caller's setting
     (:attr:`densematch.precision.Precision.c_kernels`), never read here."""
-    return device.type == "cpu" and dtype in _SUFFIX and library() is not None
+    if device.type != "cpu" or dtype not in _SUFFIX or traced():
+        return False
+    return library() is not None
 
 
 def _loaded(what: str) -> ctypes.CDLL:
