@@ -292,6 +292,18 @@ def test_prototype_gradient_does_not_depend_on_which_worker_finishes_first(monke
 
 
 class TestBuild:
+    def test_cc_names_the_compiler_or_none(self, monkeypatch):
+        # CC=/nonexistent fell back to gcc on the PATH: a build that was asked for no compiler
+        # got one
+        from densematch.kernels import build
+
+        monkeypatch.setenv("CC", "/nonexistent")
+        assert build.compiler() is None
+        monkeypatch.setenv("CC", sys.executable)  # any program that runs counts as named
+        assert build.compiler() == sys.executable
+        monkeypatch.delenv("CC")
+        assert build.compiler() == (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
+
     def test_a_failed_build_raises_and_leaves_nothing(self, tmp_path, monkeypatch):
         monkeypatch.setenv("DENSEMATCH_CACHE", str(tmp_path))
         monkeypatch.setenv("CC", "false")  # a "compiler" that always fails

@@ -68,9 +68,52 @@ def test_default_budget_comes_from_free_memory_and_is_capped(monkeypatch):
         assert resolve_memory("7MiB", cpu) == 7 * 2**20
 
 
-def test_source_passes_ruff_and_mypy():
+USER_CODE = """import torch
+import densematch
+
+
+def good(a: torch.Tensor) -> densematch.Matches:
+    return densematch.match(a, a, metric="l2", layout="chw", precision="fast")
+
+
+def bad(a: torch.Tensor) -> densematch.Matches:
+    return densematch.match(a, a, metric="l3")
+"""
+
+
+def test_source_passes_ruff_and_mypy(tmp_path):
     # CI runs only `make test`: the lint and the type check of `make lint` run here too
     root = Path(__file__).resolve().parents[1]
-    for command in (["ruff", "check", "src", "tests", "benchmarks"], ["mypy"]):
-        done = subprocess.run([sys.executable, "-m", *command], cwd=root, capture_output=True, text=True)
-        assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout}{done.stderr}"
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "src", "tests", "benchmarks"], cwd=root,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, f"ruff:\n{done.stdout}{done.stderr}"
+    # and a user's file beside the package, in the same run: metric="l3" type-checked while every
+    # choice was a plain str; the choices are Literal types now (densematch.choices)
+    user = tmp_path / "user.py"
+    user.write_text(USER_CODE)
+    done = subprocess.run([sys.executable, "-m", "mypy", "src/densematch", str(user)], cwd=root,
+                          capture_output=True, text=True)  # fmt: skip
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"{user}:10: error") and "Literal['l3']" in errors[0], done.stdout
+
+
+def test_the_choices_equal_what_the_runtime_checks():
+    import typing
+
+    from densematch import choices
+    from densematch._soft import SOFT_MODES
+    from densematch.alignment.api import OBJECTIVES
+    from densematch.checks import LAYOUTS
+    from densematch.local.api import SAMPLINGS
+    from densematch.metrics import METRICS
+    from densematch.precision import PRECISIONS
+
+    for alias, runtime in (
+        (choices.MetricName, tuple(METRICS)),
+        (choices.LayoutName, LAYOUTS),
+        (choices.PrecisionName, PRECISIONS),
+        (choices.SoftMode, SOFT_MODES),
+        (choices.ObjectiveName, OBJECTIVES),
+        (choices.SamplingName, SAMPLINGS),
+    ):
+        assert typing.get_args(alias) == tuple(runtime)

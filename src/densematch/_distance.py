@@ -20,6 +20,7 @@ from torch import nn
 from . import engine
 from .budget import chunk_rows
 from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
+from .choices import MetricName, PrecisionName
 from .config import kernel_setting, resolve_memory
 from .kernels import native
 from .metrics import Metric, Minkowski, get_metric
@@ -200,7 +201,7 @@ def _tiles(n: int, hw: int, cols: int) -> list[tuple[int, int]]:
 def pairwise_distance(
     x: Any,
     prototypes: Any,
-    metric: str = "l2",
+    metric: MetricName = "l2",
     *,
     memory: int | str | None = None,
     check_finite: bool = True,
@@ -274,12 +275,12 @@ def pairwise_distance(
 def nearest_prototype(
     x: Any,
     prototypes: Any,
-    metric: str = "l2",
+    metric: MetricName = "l2",
     *,
     k: int = 1,
     memory: int | str | None = None,
     check_finite: bool = True,
-    precision: str = "exact",
+    precision: PrecisionName = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` nearest prototypes of every pixel, without building the (N, F, H, W) tensor.
 
@@ -426,7 +427,7 @@ class PrototypeDistance(nn.Module):
         self,
         num_prototypes: int,
         dim: int,
-        metric: str = "l2",
+        metric: MetricName = "l2",
         *,
         memory: int | str | None = None,
         check_finite: bool = False,
@@ -445,7 +446,9 @@ class PrototypeDistance(nn.Module):
             x, self.prototypes, self.metric, memory=self.memory, check_finite=self.check_finite, compile=self.compiled
         )
 
-    def nearest(self, x: torch.Tensor, k: int = 1, precision: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
+    def nearest(
+        self, x: torch.Tensor, k: int = 1, precision: PrecisionName = "exact"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest prototypes of every pixel (see :func:`nearest_prototype`)."""
         return nearest_prototype(
             x,

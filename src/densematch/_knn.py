@@ -9,6 +9,7 @@ import torch
 from . import engine
 from ._distance import nearest_search, nearest_task
 from .checks import as_tensor, check_bool, check_finite
+from .choices import MetricName, PrecisionName
 from .metrics import Metric
 from .precision import Precision
 
@@ -55,10 +56,10 @@ def knn(
     queries: Any,
     bank: Any,
     k: int = 1,
-    metric: str = "l2",
+    metric: MetricName = "l2",
     *,
     memory: int | str | None = None,
-    precision: str = "exact",
+    precision: PrecisionName = "exact",
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k nearest rows of ``bank`` of every row of ``queries``, exactly, without the N x M
@@ -123,10 +124,10 @@ class KNNIndex:
     def __init__(
         self,
         bank: Any,
-        metric: str = "l2",
+        metric: MetricName = "l2",
         *,
         memory: int | str | None = None,
-        precision: str = "exact",
+        precision: PrecisionName = "exact",
         check_finite: bool = True,
     ) -> None:
         b = _rows(bank, "bank")

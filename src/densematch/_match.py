@@ -22,6 +22,7 @@ from .checks import (
     check_pair,
     compute_dtype,
 )
+from .choices import LayoutName, MetricName, PrecisionName
 from .config import resolve_memory
 from .metrics import Metric, get_metric
 from .options import MatchOptions
@@ -69,16 +70,16 @@ def match(
     a: Any,
     b: Any,
     *,
-    metric: str = "cosine",
+    metric: MetricName = "cosine",
     k: int = 1,
     mutual: bool = False,
     ratio: float | None = None,
-    layout: str = "hwc",
+    layout: LayoutName = "hwc",
     mask_a: Any = None,
     mask_b: Any = None,
     memory: int | str | None = None,
     progress: bool = False,
-    precision: str = "exact",
+    precision: PrecisionName = "exact",
     refine: str | None = None,
     stride: float | tuple[float, float] | None = None,
     offset: float | tuple[float, float] | None = None,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .budget import chunk_rows
 from .checks import check_batch_mask, check_choice, check_features, check_finite, check_pair, check_real, compute_dtype
+from .choices import LayoutName, SoftMode
 from .config import resolve_memory
 
 __all__ = ["SOFT_MODES", "SoftMatches", "soft_match"]
@@ -63,8 +64,8 @@ def soft_match(
     b: Any,
     *,
     temperature: float | str = "auto",
-    mode: str = "softmax",
-    layout: str = "hwc",
+    mode: SoftMode = "softmax",
+    layout: LayoutName = "hwc",
     mask_b: Any = None,
     memory: int | str | None = None,
 ) -> SoftMatches:
@@ -114,7 +115,7 @@ def soft_match(
     >>> bool((s.coords - grid).abs().max() < 1e-3), bool(s.max_weight.min() > 0.99)
     (True, True)
     """
-    mode = check_choice(mode, "mode", SOFT_MODES)
+    check_choice(mode, "mode", SOFT_MODES)
     auto = isinstance(temperature, str) and temperature == "auto"
     t = 1.0 if auto else check_real(temperature, "temperature", 0.0, math.inf, low_open=True)
     if layout not in ("hwc", "chw"):

@@ -30,6 +30,7 @@ import torch
 
 from ..budget import chunk_rows
 from ..checks import as_tensor, check_choice, check_finite, compute_dtype
+from ..choices import ObjectiveName
 from ..config import kernel_setting, resolve_memory
 from ..threads import share_out, share_size, workers_for
 from .refine import objective_at, refine
@@ -190,7 +191,7 @@ def align(
     *,
     scale_h: tuple[float, float] = (0.8, 1.2),
     scale_w: tuple[float, float] = (0.8, 1.2),
-    objective: str = "l1",
+    objective: ObjectiveName = "l1",
     template_mask: Any = None,
     memory: int | str | None = None,
 ) -> Alignment:
@@ -238,7 +239,7 @@ def align(
     >>> round(a.scale_h, 3), round(a.scale_w, 3), round(a.shift_y, 2), round(a.shift_x, 2)
     (1.1, 0.9, 4.25, 3.5)
     """
-    objective = check_choice(objective, "objective", OBJECTIVES)
+    check_choice(objective, "objective", OBJECTIVES)
     (lo_h, hi_h), (lo_w, hi_w) = _check_range(scale_h, "scale_h"), _check_range(scale_w, "scale_w")
     t, x = checked_images(template, image, (lo_h, hi_h), (lo_w, hi_w))
     h, w = t.shape[-2:]

@@ -22,6 +22,7 @@ from .._match import Matches
 from .._match import run as run_match
 from ..alignment import Certificate, align, certify_alignment
 from ..budget import chunk_rows
+from ..choices import MetricName, PrecisionName
 from ..config import resolve_memory
 from ..options import MatchOptions
 from .features import FEATURES, dense_features
@@ -312,10 +313,10 @@ def distance_pair(
     features: str,
     prototypes: str,
     *,
-    metric: str = "l2",
+    metric: MetricName = "l2",
     nearest: bool = False,
     k: int = 1,
-    precision: str = "exact",
+    precision: PrecisionName = "exact",
     memory: int | str | None = None,
     search: Callable[..., tuple[torch.Tensor, torch.Tensor]] = nearest_prototype,
     to: str | None = None,
@@ -369,7 +370,7 @@ def distance_pair(
 
 
 def _distance_slices(
-    x: torch.Tensor, p: torch.Tensor, metric: str, memory: int | str | None, out: IO[bytes] | None
+    x: torch.Tensor, p: torch.Tensor, metric: MetricName, memory: int | str | None, out: IO[bytes] | None
 ) -> tuple[tuple[int, ...], float]:
     """Every distance of ``x`` (N, D, H, W) to ``p``, one item and a band of prototypes at a
     time: half the budget for the band's output, half for its search. Written to ``out`` as one

@@ -83,8 +83,13 @@ def library_name(name: str) -> str:
 
 
 def compiler() -> str | None:
-    """The C compiler: ``$CC``, else cc, gcc or clang on the PATH."""
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    """The C compiler: ``$CC`` where it is set (and none where it names nothing that runs:
+    ``CC=/nonexistent`` means no compiler, not the next one found), else cc, gcc or clang on
+    the PATH."""
+    chosen = os.environ.get("CC")
+    if chosen:
+        return shutil.which(chosen)
+    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def compile_library(cc: str, name: str, path: Path, *, here: bool = False) -> None:

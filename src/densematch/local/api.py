@@ -13,6 +13,7 @@ from torch import nn
 from .._match import Matches
 from ..budget import parse_memory
 from ..checks import check_choice, check_int, check_real
+from ..choices import LayoutName, MetricName, SamplingName
 from ..config import kernel_setting, resolve_memory
 from ..metrics import get_metric
 from .topk import topk
@@ -29,10 +30,10 @@ def local_match(
     *,
     dilation: int | tuple[int, int] = 1,
     flow: Any = None,
-    sampling: str = "nearest",
-    metric: str = "cosine",
+    sampling: SamplingName = "nearest",
+    metric: MetricName = "cosine",
     k: int = 1,
-    layout: str = "hwc",
+    layout: LayoutName = "hwc",
     mask_a: Any = None,
     mask_b: Any = None,
     memory: int | str | None = None,
@@ -98,7 +99,7 @@ def local_match(
     ...     torch.arange(5, 15), torch.arange(5, 19), indexing="ij"), -1)).all())
     True
     """
-    sampling = check_choice(sampling, "sampling", SAMPLINGS)
+    check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
     win, (ra, rb, moved), batched = prepare(
         a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=kernel_setting() != "torch"
@@ -114,9 +115,9 @@ def local_cost_volume(
     *,
     dilation: int | tuple[int, int] = 1,
     flow: Any = None,
-    sampling: str = "nearest",
-    metric: str = "cosine",
-    layout: str = "hwc",
+    sampling: SamplingName = "nearest",
+    metric: MetricName = "cosine",
+    layout: LayoutName = "hwc",
     mask_a: Any = None,
     mask_b: Any = None,
     fill: float | None = None,
@@ -154,7 +155,7 @@ def local_cost_volume(
     >>> local_cost_volume(f, torch.roll(f, shifts=(1, -2), dims=(0, 1)), (1, 2)).shape
     torch.Size([3, 5, 20, 24])
     """
-    sampling = check_choice(sampling, "sampling", SAMPLINGS)
+    check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
     win, (ra, rb, moved), batched = prepare(
         a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=kernel_setting() != "torch"
@@ -229,10 +230,10 @@ class LocalMatcher(_Windowed):
         radius: int | tuple[int, int],
         *,
         dilation: int | tuple[int, int] = 1,
-        sampling: str = "nearest",
-        metric: str = "cosine",
+        sampling: SamplingName = "nearest",
+        metric: MetricName = "cosine",
         k: int = 1,
-        layout: str = "hwc",
+        layout: LayoutName = "hwc",
         memory: int | str | None = None,
     ) -> None:
         super().__init__(radius, dilation, sampling, metric, layout, memory)
@@ -266,9 +267,9 @@ class LocalCostVolume(_Windowed):
         radius: int | tuple[int, int],
         *,
         dilation: int | tuple[int, int] = 1,
-        sampling: str = "nearest",
-        metric: str = "cosine",
-        layout: str = "hwc",
+        sampling: SamplingName = "nearest",
+        metric: MetricName = "cosine",
+        layout: LayoutName = "hwc",
         fill: float | None = None,
         memory: int | str | None = None,
     ) -> None:
