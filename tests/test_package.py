@@ -94,7 +94,7 @@ def test_source_passes_ruff_and_mypy(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mypy", "src/densematch", str(user)], cwd=root,
                           capture_output=True, text=True)  # fmt: skip
     errors = [line for line in done.stdout.splitlines() if ": error:" in line]
-    assert len(errors) == 1 and errors[0].startswith(f"{user}:10: error") and "Literal['l3']" in errors[0], done.stdout
+    assert len(errors) == 1 and "user.py:10: error" in errors[0] and "Literal['l3']" in errors[0], done.stdout
 
 
 def test_the_choices_equal_what_the_runtime_checks():
