@@ -208,3 +208,65 @@ def test_c_and_torch_reach_the_same_verdict_and_cells(objective):
         scales = c_path.cells_left[:, :2] - torch.tensor([1.02, 0.98], dtype=torch.float64)
         assert (scales.abs() <= 0.02 + c_path.cell_size[0] + 1e-9).all()  # none beyond the ranges
         assert c_path.certified == (answer is a), c_path.reason  # a 24-pixel template pins scales loosely
+
+
+def _wrong_first(monkeypatch, pairs_off: tuple[int, ...], by: float = 4.0) -> None:
+    """align's search hands back the answers of ``pairs_off`` moved ``by`` px along x: a first
+    answer in the wrong basin, as the coarse grid gave on the mask pair of issue 41."""
+    from densematch.alignment import api
+
+    real = api._search_pairs
+
+    def search(*args, **kwargs):
+        found = real(*args, **kwargs)
+        for i in pairs_off:
+            found.shift_x[i] -= by
+        return found
+
+    monkeypatch.setattr(api, "_search_pairs", search)
+
+
+def test_certify_true_ends_certified_at_the_truth_from_a_wrong_first_answer(monkeypatch):
+    tpl, img = pair(44, 32, (1.0, 1.0, 7.3, 4.6))
+    fixed = {"scale_h": (1.0, 1.0), "scale_w": (1.0, 1.0)}
+    _wrong_first(monkeypatch, (0,))
+    assert densematch.align(tpl, img, **fixed).shift_x == pytest.approx(0.6, abs=0.05)  # wrong, silently
+    a = densematch.align(tpl, img, certify=True, **fixed)
+    assert a.certificate.certified and a.certificate.reason == ""
+    assert (a.shift_y, a.shift_x) == pytest.approx((7.3, 4.6), abs=0.05)
+    assert a.error == pytest.approx(a.certificate.error, rel=1e-4)
+    torch.testing.assert_close(a.warped, densematch.warp(img, 1.0, 1.0, a.shift_y, a.shift_x, (32, 32)))
+
+
+def test_certify_true_out_of_time_says_so_with_within():
+    tpl, img = pair(44, 32, (1.0, 1.0, 7.3, 4.6))
+    a = densematch.align(tpl, img, certify=True, time_limit=0.0)
+    cert = a.certificate
+    assert not cert.certified and cert.reason == "out of time after 0 s"
+    assert len(cert.within) == 4 and all(w > 0 for w in cert.within)
+
+
+def test_certify_true_gives_each_pair_of_a_batch_its_own_certificate(monkeypatch):
+    (t0, x0), (t1, x1) = pair(44, 32, (1.0, 1.0, 7.3, 4.6)), pair(44, 32, (1.0, 1.0, 3.2, 8.9), seed=5)
+    fixed = {"scale_h": (1.0, 1.0), "scale_w": (1.0, 1.0)}
+    _wrong_first(monkeypatch, (1,))  # the hard pair: its first answer in the wrong basin
+    a = densematch.align(torch.stack((t0, t1)), torch.stack((x0, x1)), certify=True, **fixed)
+    assert [c.certified for c in a.certificate] == [True, True]
+    assert a.shift_x.tolist() == pytest.approx([4.6, 8.9], abs=0.05)
+    assert a.shift_y.tolist() == pytest.approx([7.3, 3.2], abs=0.05)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"objective": "ncc"}, ValueError, "certify=True needs objective 'l1' or 'l2'"),
+        ({"template_mask": torch.ones(32, 32)}, ValueError, "certify=True does not take template_mask"),
+        ({"time_limit": -1.0}, ValueError, r"time_limit must be in \[0, inf\]"),
+    ],
+)
+def test_certify_true_refuses_what_it_cannot_certify(kwargs, error, pattern):
+    tpl, img = pair(44, 32, (1.0, 1.0, 7.3, 4.6))
+    with pytest.raises(error, match=pattern):
+        densematch.align(tpl, img, certify=True, **kwargs)
+    with pytest.raises(TypeError, match="certify must be True or False"):
+        densematch.align(tpl, img, certify="yes")

@@ -20,6 +20,7 @@ whose coarsest level has a template of 20 to 39 pixels on its shorter side:
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from ..budget import chunk_rows
-from ..checks import as_tensor, check_choice, check_finite, compute_dtype
+from ..checks import as_tensor, check_bool, check_choice, check_finite, check_real, compute_dtype
 from ..choices import ObjectiveName
 from ..config import kernel_setting, resolve_memory
 from ..threads import share_out, share_size, workers_for
@@ -83,6 +84,9 @@ class Alignment:
     at_bound : tuple of str, or list of them for batches
         The scales found at an end of their range ("scale_h", "scale_w"): the truth may lie
         beyond it (:func:`align` warns, naming the range to widen).
+    certificate : Certificate, or list of them for batches, or None
+        With ``certify=True``: the last certificate of each pair's answer. An answer not
+        certified says why (``reason``) and how far a better fit can lie (``within``).
     """
 
     scale_h: float | torch.Tensor
@@ -95,9 +99,11 @@ class Alignment:
     scales_h: torch.Tensor
     scales_w: torch.Tensor
     at_bound: tuple[str, ...] | list[tuple[str, ...]] = ()
+    certificate: Any = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The warp and error as plain Python numbers (lists for batches), and ``at_bound``."""
+        """The warp and error as plain Python numbers (lists for batches), ``at_bound``, and
+        with ``certify=True`` each certificate's verdict (:meth:`Certificate.as_dict`)."""
         out: dict[str, Any] = {
             k: (v.tolist() if isinstance(v, torch.Tensor) else v)
             for k, v in (
@@ -110,6 +116,9 @@ class Alignment:
         }
         bound = self.at_bound
         out["at_bound"] = [list(b) for b in bound] if isinstance(bound, list) else list(bound)
+        cert = self.certificate
+        if cert is not None:
+            out["certificate"] = [c.as_dict() for c in cert] if isinstance(cert, list) else cert.as_dict()
         return out
 
 
@@ -194,6 +203,8 @@ def align(
     objective: ObjectiveName = "l1",
     template_mask: Any = None,
     memory: int | str | None = None,
+    certify: bool = False,
+    time_limit: float | None = None,
 ) -> Alignment:
     """Find the stretch and shift that fit `template` into `image`, globally, to sub-pixel precision.
 
@@ -212,6 +223,13 @@ def align(
         Non-negative weights of template pixels (shared by the channels); 0 ignores a pixel.
     memory : int or str, optional
         Cap on the grid search's working memory; batches are searched in chunks that fit.
+    certify : bool, default=False
+        After the search, :func:`densematch.certify_alignment` each pair's answer. Where the
+        certificate finds a better fit, the answer is refined from it and certified again, until
+        it is certified or ``time_limit`` runs out: no silent miss. "l1" and "l2" only, without
+        ``template_mask``. The certificates come back as ``certificate``.
+    time_limit : float, optional
+        Seconds per pair for ``certify`` (None: until certified or no better fit is found).
 
     Returns
     -------
@@ -255,6 +273,14 @@ def align(
         check_finite(t4.permute(0, 2, 3, 1), "template", mask=read)
         t4 = t4.masked_fill(~read[:, None], 0.0)
     budget = resolve_memory(memory, x.device)
+    if check_bool(certify, "certify"):
+        if objective == "ncc":
+            raise ValueError("certify=True needs objective 'l1' or 'l2' (its bound is on differences), got 'ncc'")
+        if template_mask is not None:
+            raise ValueError("certify=True does not take template_mask (its bound weighs every template pixel alike)")
+    if time_limit is not None:
+        time_limit = check_real(time_limit, "time_limit", 0.0, math.inf, finite=False)
+    raw = (t4, x4)
 
     with torch.inference_mode():
         # the image's mean level off both: every objective is blind to a level both share (a
@@ -277,6 +303,10 @@ def align(
             template_mask is None,
             kernel_setting() != "torch",
         )
+        certificates = None
+        if certify:
+            args = ((lo_h, hi_h), (lo_w, hi_w), objective, budget, kernel_setting() != "torch")
+            certificates = _certify_pairs(raw, (t4 * unit, x4 * unit), mask, found, args, time_limit)
     warped = (found.warped / unit + level).reshape(t.shape)
     err = found.error
     # 1 - NCC is never below 0; rounding of a perfect fit may put it a hair under
@@ -288,8 +318,58 @@ def align(
     grids = (found.grid_h, found.grid_w)
     if t.ndim == 2:
         sh, sw, sy, sx = (float(v.item()) for v in warp_params)
-        return Alignment(sh, sw, sy, sx, err.item(), warped, landscape, *grids, bounds[0])
-    return Alignment(*warp_params, err, warped, landscape, *grids, bounds)
+        one = certificates[0] if certificates else None
+        return Alignment(sh, sw, sy, sx, err.item(), warped, landscape, *grids, bounds[0], one)
+    return Alignment(*warp_params, err, warped, landscape, *grids, bounds, certificates)
+
+
+_ROUNDS = 20  # certify-and-refine rounds per pair at most: each round's answer is strictly better
+
+
+def _certify_pairs(
+    raw: tuple[torch.Tensor, torch.Tensor],
+    unit: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+    found: _Found,
+    args: tuple[tuple[float, float], tuple[float, float], str, int, bool],
+    time_limit: float | None,
+) -> list[Any]:
+    """Each pair's answer in ``found`` certified (the pairs ``raw``, as given), refined from the
+    better fit a certificate finds (on the pairs at unit amplitude, ``unit``) and certified
+    again, until certified, out of time or out of better fits; ``found`` is updated in place.
+    The pair's certificates, in order."""
+    from .certify import certify_alignment  # certify.py imports this module
+
+    (range_h, range_w, objective, budget, use_c), keys = args, ("scale_h", "scale_w", "shift_y", "shift_x")
+    (t, x), (tu, xu) = raw, unit
+    h, w = t.shape[-2:]
+    certificates = []
+    for i in range(t.shape[0]):
+        started = time.perf_counter()
+        answer = [float(getattr(found, key)[i]) for key in keys]
+        for _ in range(_ROUNDS):
+            left = None if time_limit is None else max(0.0, time_limit - (time.perf_counter() - started))
+            cert = certify_alignment(
+                t[i : i + 1], x[i : i + 1], dict(zip(keys, answer, strict=True)),
+                scale_h=range_h, scale_w=range_w, objective=objective, time_limit=left,
+            )  # fmt: skip
+            out_of_time = time_limit is not None and time.perf_counter() - started >= time_limit
+            if cert.certified or cert.better_fit is None or out_of_time:
+                break
+            start = torch.tensor([cert.better_fit], dtype=tu.dtype, device=tu.device)
+            owner = torch.zeros(1, dtype=torch.long, device=tu.device)
+            refined, sums = _refine_all(
+                tu[i : i + 1], xu[i : i + 1], mask[i : i + 1], owner, start, range_h, range_w, False, budget, use_c,
+                _TOLERANCE,
+            )  # fmt: skip
+            answer = refined[0].tolist()
+            found.error[i] = sums[0, 0 if objective == "l2" else 1] / (mask[i].sum() * tu.shape[1])
+        for key, value in zip(keys, answer, strict=True):
+            getattr(found, key)[i] = value
+        sh, sw, sy, sx = torch.tensor(answer, dtype=tu.dtype, device=tu.device)[:, None]
+        found.warped[i] = warp_batch(xu[i : i + 1], sh, sw, sy, sx, (h, w))[0]
+        certificates.append(cert)
+    return certificates
 
 
 def _at_bound(

@@ -81,6 +81,12 @@ class Certificate:
     better_fit: tuple[float, ...] | None
     seconds: float
 
+    def as_dict(self) -> dict[str, Any]:
+        """The verdict as plain Python values (the cells left out)."""
+        better = None if self.better_fit is None else list(self.better_fit)
+        return {"certified": self.certified, "reason": self.reason, "error": self.error, "within": list(self.within),
+                "cells_examined": self.cells_examined, "better_fit": better, "seconds": self.seconds}  # fmt: skip
+
 
 def sample_spans(idx: torch.Tensor, n_in: int, scale: torch.Tensor, shift: torch.Tensor, ds: float, dt: float) -> Span:
     """Per cell (centres ``scale``, ``shift``: (M,)) and output pixel c in ``idx`` (n,): the

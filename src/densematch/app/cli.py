@@ -23,14 +23,14 @@ from .. import __version__
 from .._match import Matches
 from .._match import run as run_match
 from .._refine import REFINES
-from ..alignment import OBJECTIVES, Certificate
+from ..alignment import OBJECTIVES
 from ..metrics import METRICS
 from ..options import MatchOptions
 from ..precision import PRECISIONS, RANKINGS
 from ..progress import say
 from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, PAGE_OUTPUTS, check_output, is_image, save_arrays
-from .tasks import PairResult, align_pairs, certify_pair, distance_pair, match_pair
+from .tasks import PairResult, align_pairs, distance_pair, match_pair
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 _PRECISION_HELP = "exact (float32 results, half precision where faster), float32, fast (approximate)"
@@ -159,6 +159,8 @@ def cmd_align(args: argparse.Namespace) -> int:
     options = task_options("align", args)
     if args.certify is not None:
         _check_certify(args)
+        # certified, and where a better fit turns up refined from it and certified again
+        options.update(certify=True, time_limit=None if args.certify == float("inf") else args.certify)
     t0 = time.perf_counter()
     (r,) = align_pairs([(args.template, args.image)], viz=bool(args.viz), page=bool(args.html), **options)
     if isinstance(r, Exception):
@@ -174,12 +176,7 @@ def cmd_align(args: argparse.Namespace) -> int:
         f"error ({args.objective}) {a['error']:.6f} per pixel; found in {seconds * 1e3:.0f} ms",
     ]
     if args.certify is not None:
-        limit = None if args.certify == float("inf") else args.certify
-        ranges = {key: options[key] for key in ("scale_h", "scale_w", "objective")}
-        c = certify_pair(args.template, args.image, a, time_limit=limit, **ranges)
-        a = {**a, "certificate": {"certified": c.certified, "reason": c.reason, "within": list(c.within),
-                                  "cells_examined": c.cells_examined, "seconds": c.seconds}}  # fmt: skip
-        lines.append(_certificate_line(c))
+        lines.append(_certificate_line(a["certificate"]))
     if args.json:
         print(json.dumps(a))
     elif not args.quiet:
@@ -199,17 +196,17 @@ def _check_certify(args: argparse.Namespace) -> None:
         raise CommandError("--certify does not take --mask (its bound weighs every template pixel alike)")
 
 
-def _certificate_line(c: Certificate) -> str:
-    """The certificate in one line."""
-    ds, _, dt, _ = c.within
-    if c.certified:
+def _certificate_line(c: dict[str, Any]) -> str:
+    """The certificate (:meth:`Certificate.as_dict`) in one line."""
+    ds, _, dt, _ = c["within"]
+    if c["certified"]:
         return (
             f"certified: no better fit lies farther than {ds:g} in scale or {dt:g} px "
-            f"({c.cells_examined} cells, {c.seconds:.1f} s)"
+            f"({c['cells_examined']} cells, {c['seconds']:.1f} s)"
         )
     names = ("scale_h", "scale_w", "shift_y", "shift_x")
-    reach = ", ".join(f"{name} {v:.3g}" for name, v in zip(names, c.within, strict=True))
-    return f"not certified ({c.reason}); better fits lie within {reach} of it"
+    reach = ", ".join(f"{name} {v:.3g}" for name, v in zip(names, c["within"], strict=True))
+    return f"not certified ({c['reason']}); better fits lie within {reach} of it"
 
 
 def cmd_distance(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import torch
 from .._distance import nearest_prototype, pairwise_distance
 from .._match import Matches
 from .._match import run as run_match
-from ..alignment import Certificate, align, certify_alignment
+from ..alignment import align
 from ..budget import chunk_rows
 from ..choices import MetricName, PrecisionName
 from ..config import resolve_memory
@@ -117,12 +117,6 @@ def align_pairs(
             except Exception as err:
                 out[i] = err
     return [r if r is not None else RuntimeError("not aligned") for r in out]
-
-
-def certify_pair(template: str, image: str, answer: dict[str, Any], **options: Any) -> Certificate:
-    """:func:`densematch.certify_alignment` of align's ``answer`` (a :class:`PairResult`'s
-    ``result``) for the pair of paths; ``options`` are its keywords."""
-    return certify_alignment(grey_input(template, "TEMPLATE"), grey_input(image, "IMAGE"), answer, **options)
 
 
 def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, page: bool, objective: str) -> PairResult:
