@@ -57,7 +57,7 @@ class TestAlign:
         again = warp(c.image, a.scale_h, a.scale_w, a.shift_y, a.shift_x, tuple(c.template.shape))
         torch.testing.assert_close(a.warped, again)
         assert a.landscape.shape == (1, a.scales_h.numel(), a.scales_w.numel())
-        assert set(a.as_dict()) == {"scale_h", "scale_w", "shift_y", "shift_x", "error", "at_bound"}
+        assert set(a.as_dict()) == {"scale_h", "scale_w", "shift_y", "shift_x", "error", "relative_error", "at_bound"}
 
     @pytest.mark.parametrize("objective", ["l2", "ncc"])
     def test_other_objectives(self, objective):

@@ -127,12 +127,24 @@ def test_align_json_and_picture(images, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     ans = json.loads(out.stdout)
-    assert set(ans) == {"scale_h", "scale_w", "shift_y", "shift_x", "error", "at_bound"}
-    assert ans["at_bound"] == []
+    assert set(ans) == {"scale_h", "scale_w", "shift_y", "shift_x", "error", "relative_error", "at_bound"}
+    assert ans["at_bound"] == [] and ans["relative_error"] < 0.01 and "poor fit" not in out.stderr
     assert abs(ans["scale_h"] - 1.06) < 1e-3 and abs(ans["shift_x"] - 3.25) < 0.05
     assert (tmp_path / "a.png").exists()
     text = run("align", str(images / "template.npy"), str(images / "image.npy"), "--objective", "ncc")
     assert text.returncode == 0 and "scale_h 1.06" in text.stdout
+
+
+def test_align_warns_of_a_poor_fit_and_suggests_ncc_where_brightness_differs(images, tmp_path):
+    # a template whose brightness changed gave a wrong fit under l1 without a word
+    tpl = np.load(images / "template.npy")
+    np.save(tmp_path / "dim.npy", 0.4 * tpl + 0.5)
+    code, out, err = in_process("align", str(tmp_path / "dim.npy"), str(images / "image.npy"), "--json")
+    answer = json.loads(out)
+    assert code == 0 and answer["relative_error"] > 0.5
+    assert "a poor fit" in err and "try --objective ncc" in err  # beside the warning of a scale at its bound
+    code, out, err = in_process("align", str(tmp_path / "dim.npy"), str(images / "image.npy"), "--objective", "ncc")
+    assert code == 0 and "scale_h 1.06" in out and err == ""
 
 
 def test_align_certify(images, tmp_path):
@@ -491,3 +503,19 @@ def test_feature_files_in_chw_with_a_batch_of_one_and_masks(images, tmp_path):
         "match", str(images / "fa.npy"), str(images / "fb.npy"), "--mask-a", str(tmp_path / "mask_b.npy")
     )
     assert code == 1 and "--mask-a" in err and "must have its map's size" in err
+
+
+def test_demo_creates_its_folder_but_not_missing_parents_unless_asked(tmp_path, monkeypatch):
+    # `densematch demo --out /some/absolute/path` made that whole tree at the file system's root
+    target = tmp_path / "missing" / "deeper"
+    code, _, err = in_process("demo", "--out", str(target))
+    assert code == 1 and err.count("\n") == 1 and "does not exist; create it, or pass --parents" in err
+    assert not (tmp_path / "missing").exists()
+    from densematch.app import demo
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped after the folder")
+
+    monkeypatch.setattr(demo, "_sample", stop)  # the folder is all this test needs
+    code, _, err = in_process("demo", "--out", str(target), "--parents")
+    assert code == 1 and "stopped after the folder" in err and target.is_dir()

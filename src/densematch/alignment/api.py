@@ -84,6 +84,11 @@ class Alignment:
     at_bound : tuple of str, or list of them for batches
         The scales found at an end of their range ("scale_h", "scale_w"): the truth may lie
         beyond it (:func:`align` warns, naming the range to widen).
+    relative_error : float, or Tensor of shape (B,)
+        ``error`` against the template's own spread (by the same objective, the error of the
+        best flat fit: its weighted mean absolute or squared deviation; 1 for "ncc", whose error
+        is relative already): near 0 for a good fit, 1 for a fit no better than a constant.
+        The command line warns above 0.5.
     certificate : Certificate, or list of them for batches, or None
         With ``certify=True``: the last certificate of each pair's answer. An answer not
         certified says why (``reason``) and how far a better fit can lie (``within``).
@@ -100,6 +105,7 @@ class Alignment:
     scales_w: torch.Tensor
     at_bound: tuple[str, ...] | list[tuple[str, ...]] = ()
     certificate: Any = None
+    relative_error: float | torch.Tensor = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """The warp and error as plain Python numbers (lists for batches), ``at_bound``, and
@@ -112,6 +118,7 @@ class Alignment:
                 ("shift_y", self.shift_y),
                 ("shift_x", self.shift_x),
                 ("error", self.error),
+                ("relative_error", self.relative_error),
             )
         }
         bound = self.at_bound
@@ -316,11 +323,25 @@ def align(
     warp_params = (found.scale_h, found.scale_w, found.shift_y, found.shift_x)
     bounds = _at_bound(found.scale_h, found.scale_w, (lo_h, hi_h), (lo_w, hi_w))
     grids = (found.grid_h, found.grid_w)
+    relative = err / _spread(raw[0], mask, objective).to(err.dtype)
     if t.ndim == 2:
         sh, sw, sy, sx = (float(v.item()) for v in warp_params)
         one = certificates[0] if certificates else None
-        return Alignment(sh, sw, sy, sx, err.item(), warped, landscape, *grids, bounds[0], one)
-    return Alignment(*warp_params, err, warped, landscape, *grids, bounds, certificates)
+        return Alignment(sh, sw, sy, sx, err.item(), warped, landscape, *grids, bounds[0], one, relative.item())
+    return Alignment(*warp_params, err, warped, landscape, *grids, bounds, certificates, relative)
+
+
+def _spread(t: torch.Tensor, mask: torch.Tensor, objective: str) -> torch.Tensor:
+    """(B,) the error of the best flat fit to each template ``t`` (B, C, h, w) under the weights
+    ``mask`` (B, 1, h, w): the weighted mean absolute ("l1") or squared ("l2") deviation from
+    each channel's mean; 1 for "ncc". The smallest normal float where the template is flat."""
+    if objective == "ncc":
+        return torch.ones(t.shape[0], dtype=t.dtype, device=t.device)
+    total = mask.sum((2, 3), keepdim=True)
+    dev = t - (t * mask).sum((2, 3), keepdim=True) / total
+    dev = dev.abs() if objective == "l1" else dev.square()
+    spread = (dev * mask).sum((2, 3)).mean(1) / total.reshape(-1)
+    return spread.clamp_min(torch.finfo(t.dtype).tiny)
 
 
 _ROUNDS = 20  # certify-and-refine rounds per pair at most: each round's answer is strictly better

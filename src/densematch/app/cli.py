@@ -33,6 +33,7 @@ from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, PAGE_OUTPUTS, check_output, is_im
 from .tasks import PairResult, align_pairs, distance_pair, match_pair
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
+_POOR_FIT = 0.5  # align's relative error above which the command warns
 _PRECISION_HELP = "exact (float32 results, half precision where faster), float32, fast (approximate)"
 _HTML_HELP = "write a page to inspect the result in a browser (self-contained: no network)"
 _MEMORY_HELP = "working-memory cap, e.g. 256MiB or 1GiB (default: half the free memory, at most 512MiB on a CPU)"
@@ -177,6 +178,13 @@ def cmd_align(args: argparse.Namespace) -> int:
     ]
     if args.certify is not None:
         lines.append(_certificate_line(a["certificate"]))
+    if a["relative_error"] > _POOR_FIT:
+        hint = "" if args.objective == "ncc" else "; where the brightness differs, try --objective ncc"
+        print(
+            f"densematch: warning: a poor fit: its error is {a['relative_error']:.2f} of the template's own spread "
+            f"(0 is a perfect fit, 1 no better than a flat one){hint}",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(a))
     elif not args.quiet:
@@ -248,7 +256,7 @@ def cmd_distance(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(Path(args.out), quiet=args.quiet, progress=_progress(args))
+    return run_demo(Path(args.out), quiet=args.quiet, progress=_progress(args), parents=args.parents)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -492,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("demo", help="match, align and distance on bundled sample images, with pictures")
     e.add_argument("--out", default="demo-out", metavar="DIR", help="where to write the pictures")
+    e.add_argument("--parents", action="store_true", help="create the missing parent folders of --out too")
     _common(e)
     e.set_defaults(run=cmd_demo)
 

@@ -39,10 +39,16 @@ def _downsize(img: np.ndarray, factor: int) -> np.ndarray:
     return torch.nn.functional.avg_pool2d(t, factor)[0, 0].numpy()
 
 
-def run_demo(out: Path, *, quiet: bool = False, progress: bool = False) -> int:
-    """Match, align and distance on scikit-image's sample photographs; pictures into `out`."""
+def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents: bool = False) -> int:
+    """Match, align and distance on scikit-image's sample photographs; pictures into `out`.
+    As ``mkdir`` does, `out` itself is created but not its missing parents, unless ``parents``:
+    a mistyped absolute path must not become a tree at the file system's root."""
     say = (lambda *a: None) if quiet else print
-    out.mkdir(parents=True, exist_ok=True)
+    if not parents and not out.parent.is_dir():
+        raise FileNotFoundError(
+            f"--out {str(out)!r}: its folder {str(out.parent)!r} does not exist; create it, or pass --parents"
+        )
+    out.mkdir(parents=parents, exist_ok=True)
     from .view import align_page, distance_page, match_page, write_page
     from .viz import align_figure, distance_figure, invalid_note, match_figure, save_figure
 
