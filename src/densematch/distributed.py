@@ -168,10 +168,10 @@ def _mixed(v: torch.Tensor) -> torch.Tensor:
 def checksum(t: torch.Tensor | None, step: int = 1 << 20) -> int | None:
     """An exact, order-free checksum of a tensor's bits: the sum, wrapping modulo 2^64, of each
     element's bit pattern and position mixed by splitmix64's finaliser. Integer additions, so no
-    thread count or kernel changes it; and not linear in the bits, so no change to several
-    elements cancels out (scaling three of them by 2, 1/4 and 2 moves their exponents by +1, -2
-    and +1, which a plain sum of patterns, even weighted by position, does not see). Reads
-    ``step`` elements at a time."""
+    thread count or kernel changes it; and not linear in the bits, so changes to several
+    elements cannot cancel by their structure, only by a 64-bit collision (scaling three of
+    them by 2, 1/4 and 2 moves their exponents by +1, -2 and +1, which a plain sum of patterns,
+    even one weighted by position, does not see). Reads ``step`` elements at a time."""
     if t is None:
         return None
     flat = t.detach().reshape(-1)

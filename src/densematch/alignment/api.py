@@ -59,7 +59,7 @@ _FAR = 1.0
 # the least share of the template's energy the coarsest level must hold below its Nyquist
 # frequency (:func:`_low_band`): photographs keep 0.24-0.95 at a factor of 4 and white noise
 # 0.065, while a periodic texture finer than the level keeps none (BENCHMARKS.md, "align on
-# fine textures and offsets")
+# fine textures and large levels")
 _LOW_BAND = 0.02
 
 
