@@ -197,7 +197,25 @@ def test_bench_prints_a_table_with_a_verdict_per_row():
     for name in ("match", "same scene", "torch.cdist", "local_match", "soft_match", "align", "coarse-to-fine grid"):
         assert any(name in r for r in jobs), name
     for r in jobs:
-        assert r.split("x  ", 1)[1].split(":")[0] in ("ahead", "level", "behind"), r
+        assert r.split("  ", -1)[-1].split(":")[0] in ("ahead", "level", "level (noisy)", "behind"), r
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "said"),
+    [
+        ([1.0, 1.1, 1.2], [2.0, 2.1, 2.4], "ahead"),  # apart, and 1.75x
+        ([2.0, 2.1, 2.4], [1.0, 1.1, 1.2], "behind"),
+        # "behind 0.77x" then "ahead 1.96x": repeats that overlap call it level, whatever the median
+        ([1.0, 1.3, 2.6], [0.9, 2.0, 2.7], "level (noisy)"),
+        ([1.0, 1.02, 1.05], [1.0, 1.04, 1.07], "level"),
+        ([1.0], [1.5], "ahead"),  # one repeat: no spread to overlap
+    ],
+)
+def test_bench_calls_a_row_ahead_or_behind_only_where_the_repeats_do_not_overlap(ours, theirs, said):
+    from densematch.app.bench import verdict
+
+    got, ratio, (low, high) = verdict(ours, theirs)
+    assert got == said and low <= ratio <= high
 
 
 def test_every_bench_row_can_say_why_densematch_is_behind():

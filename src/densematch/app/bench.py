@@ -2,7 +2,9 @@
 (:mod:`densematch.app.recipes`), on this machine, with a verdict per row: ahead, level, or
 behind and why.
 
-The two are alternated round by round (a busy spell slows both) and the medians compared. The
+The two are alternated round by round (a busy spell slows both) and the medians compared, with
+the span of the speed-ups the repeats allow; a row is called ahead or behind only where the two
+sets of times do not overlap (else "level (noisy)"). The
 header names the CPU, its features and the path match's default takes on it, since the figures
 differ between an AVX2 machine and one with AMX.
 """
@@ -27,7 +29,7 @@ from ..local import local_cost_volume, local_match
 from . import recipes
 from .synthetic import same_scene_pair
 
-__all__ = ["run_bench"]
+__all__ = ["run_bench", "verdict"]
 
 AHEAD, LEVEL = 1.1, 0.9  # speed-ups at or above AHEAD are "ahead", below LEVEL "behind"
 _EXACT = 'precision="exact" on the CPU'  # the report's line naming match's default path
@@ -45,8 +47,9 @@ class Job:
     why_behind: str
 
 
-def _alternated(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
-    """Median seconds of ``a`` and of ``b``, timed in turn after one untimed call of each."""
+def _alternated(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of each of ``repeats`` calls of ``a`` and of ``b``, timed in turn after one
+    untimed call of each."""
     a(), b()
     ta: list[float] = []
     tb: list[float] = []
@@ -55,7 +58,23 @@ def _alternated(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tup
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+    return ta, tb
+
+
+def verdict(ours: list[float], theirs: list[float]) -> tuple[str, float, tuple[float, float]]:
+    """The row's verdict from the repeats' seconds, its median speed-up and the speed-ups'
+    range (the recipe's slowest over densematch's fastest, and the other way round). "ahead" or
+    "behind" only where the median speed-up says so and the two sets of times do not overlap:
+    where they do, the machine's noise could flip it ("level (noisy)"), as one job read
+    "behind 0.77x" and then "ahead 1.96x"."""
+    ratio = statistics.median(theirs) / statistics.median(ours)
+    spread = (min(theirs) / max(ours), max(theirs) / min(ours))
+    apart = min(theirs) > max(ours) or min(ours) > max(theirs)
+    if LEVEL <= ratio < AHEAD:
+        return "level", ratio, spread
+    if not apart:
+        return "level (noisy)", ratio, spread
+    return ("ahead" if ratio >= AHEAD else "behind"), ratio, spread
 
 
 def _jobs(quick: bool) -> list[Job]:
@@ -157,8 +176,9 @@ def _jobs(quick: bool) -> list[Job]:
 
 
 def run_bench(quick: bool = False, repeats: int | None = None) -> int:
-    """Time every job against its recipe and print one table, with a verdict per row: medians of
-    ``repeats`` alternated rounds (default 3 quick, 5 full)."""
+    """Time every job against its recipe and print one table, with a verdict per row
+    (:func:`verdict`): medians of ``repeats`` alternated rounds (default 3 quick, 5 full), and
+    the span of the speed-ups."""
     repeats = repeats or (3 if quick else 5)
     report = config_report()
     exact = report[_EXACT]
@@ -167,21 +187,19 @@ def run_bench(quick: bool = False, repeats: int | None = None) -> int:
         f"{torch.get_num_threads()} threads; match's exact default: {exact}; "
         f"C kernels: {report['kernels']}; medians of {repeats}, alternated"
     )
-    print(f"{'job':44} {'densematch':>11} {'recipe':>20} {'recipe time':>12} {'speed-up':>9}  verdict")
+    heads = f"{'job':44} {'densematch':>11} {'recipe':>20} {'recipe time':>12} {'speed-up':>9}"
+    print(f"{heads} {'repeats span':>13}  verdict")
     behind = 0
     for job in _jobs(quick):
         with torch.inference_mode():
             ours, theirs = _alternated(job.ours, job.recipe, repeats)
-        ratio = theirs / ours
-        if ratio >= AHEAD:
-            verdict = "ahead"
-        elif ratio >= LEVEL:
-            verdict = "level"
-        else:
+        said, ratio, (low, high) = verdict(ours, theirs)
+        if said == "behind":
             behind += 1
-            verdict = f"behind: {job.why_behind}"
+            said = f"behind: {job.why_behind}"
         print(
-            f"{job.name:44} {ours * 1e3:8.1f} ms {job.recipe_name:>20} {theirs * 1e3:9.1f} ms {ratio:8.2f}x  {verdict}"
+            f"{job.name:44} {statistics.median(ours) * 1e3:8.1f} ms {job.recipe_name:>20} "
+            f"{statistics.median(theirs) * 1e3:9.1f} ms {ratio:8.2f}x {low:6.2f}-{high:<6.2f}  {said}"
         )
     if behind:
         print(f"{behind} row(s) behind their recipe on this machine; the reasons are printed beside them")
