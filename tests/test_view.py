@@ -243,6 +243,28 @@ def test_batch_index_links_every_pair_and_shows_errors(tmp_path, open_page, run)
     assert problems == []
 
 
+def test_a_pair_at_a_bound_is_flagged_in_its_row_not_on_the_terminal(tmp_path, open_page, run, capsys):
+    # the index read "ok" for a pair whose scale lay at the end of the range searched, and the
+    # warning went to the terminal as a raw Python warning
+    g = np.random.default_rng(2)
+    image = g.random((60, 60)).astype(np.float32)
+    np.save(tmp_path / "image.npy", image)
+    np.save(tmp_path / "near.npy", warp(image, 1.0, 1.0, 3.0, 2.0, (40, 40)).numpy())
+    np.save(tmp_path / "far.npy", warp(image, 1.3, 1.0, 3.0, 2.0, (40, 40)).numpy())  # past scale_h's 1.2
+    (tmp_path / "pairs.csv").write_text("template,image,id\nnear.npy,image.npy,near\nfar.npy,image.npy,far\n")
+    out = run("batch", "align", str(tmp_path / "pairs.csv"), "-o", str(tmp_path / "out"), "--html")
+    assert out.returncode == 0 and "Warning" not in out.stderr and "at an end" not in out.stderr
+    records = {r["id"]: r for r in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    assert "warning" not in records["near"]
+    assert records["far"]["status"] == "ok" and "scale_h at an end of the range searched" in records["far"]["warning"]
+    assert "--scale-h" in records["far"]["warning"]
+    page, problems = open_page(tmp_path / "out" / "index.html")
+    rows = page.locator("#pairs tr.pair")
+    assert rows.nth(0).locator("td.ok").inner_text() == "ok"
+    assert rows.nth(1).locator("td.warn").inner_text().startswith("ok, but scale_h at an end")
+    assert "(1 with a warning)" in page.inner_text("body") and problems == []
+
+
 def test_names_holding_script_markup_leave_every_page_drawn(tmp_path, open_page, run):
     # "<!--" and "<script" in a name kept the data's script element open to the end of the
     # page: every page kind came up blank, the batch index too

@@ -17,6 +17,7 @@ import os
 import platform
 import re
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import numpy as np
 from ..checks import check_bool
 from ..progress import progress_bar
 from .io import atomic_write, save_arrays, save_with
-from .tasks import PairResult, align_pairs, distance_pair, match_pair, picture_bytes
+from .tasks import PairResult, align_pairs, align_warnings, distance_pair, match_pair, picture_bytes
 from .view import batch_page, write_page
 
 __all__ = ["COLUMNS", "ENGINES", "INDEX", "RESULTS", "Pair", "read_manifest", "read_results", "run", "write_index"]
@@ -140,9 +141,11 @@ def _solve(task: str, pairs: Sequence[Pair], options: dict[str, Any], extras: Ex
     outcomes: list[PairResult | Exception]
     if task == "align":
         try:
-            outcomes = align_pairs(
-                [(p.inputs[first], p.inputs[second]) for p in pairs], viz=pictures, page=pages, **options
-            )
+            with warnings.catch_warnings():  # a scale at its bound goes into the pair's record
+                warnings.simplefilter("ignore", UserWarning)
+                outcomes = align_pairs(
+                    [(p.inputs[first], p.inputs[second]) for p in pairs], viz=pictures, page=pages, **options
+                )
         except Exception as err:  # an option that fails every pair (a bad --mask)
             outcomes = [err] * len(pairs)
     else:
@@ -166,9 +169,12 @@ def _solve(task: str, pairs: Sequence[Pair], options: dict[str, Any], extras: Ex
             records.append(_record(p, seconds, error=message))
         else:
             picture = picture_bytes(outcome.figure) if outcome.figure is not None else None
+            said = align_warnings(outcome.result, options.get("objective", "l1")) if task == "align" else []
             records.append(
                 _record(p, seconds, result=outcome.result, _arrays=outcome.arrays, _picture=picture, _page=outcome.page)
             )
+            if said:
+                records[-1]["warning"] = "; ".join(said)
     return records
 
 

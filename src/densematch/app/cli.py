@@ -30,10 +30,9 @@ from ..precision import PRECISIONS, RANKINGS
 from ..progress import say
 from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, PAGE_OUTPUTS, check_output, is_image, save_arrays
-from .tasks import PairResult, align_pairs, distance_pair, match_pair
+from .tasks import PairResult, align_pairs, distance_pair, match_pair, poor_fit
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
-_POOR_FIT = 0.5  # align's relative error above which the command warns
 _PRECISION_HELP = "exact (float32 results, half precision where faster), float32, fast (approximate)"
 _HTML_HELP = "write a page to inspect the result in a browser (self-contained: no network)"
 _MEMORY_HELP = "working-memory cap, e.g. 256MiB or 1GiB (default: half the free memory, at most 512MiB on a CPU)"
@@ -178,13 +177,9 @@ def cmd_align(args: argparse.Namespace) -> int:
     ]
     if args.certify is not None:
         lines.append(_certificate_line(a["certificate"]))
-    if a["relative_error"] > _POOR_FIT:
-        hint = "" if args.objective == "ncc" else "; where the brightness differs, try --objective ncc"
-        print(
-            f"densematch: warning: a poor fit: its error is {a['relative_error']:.2f} of the template's own spread "
-            f"(0 is a perfect fit, 1 no better than a flat one){hint}",
-            file=sys.stderr,
-        )
+    poor = poor_fit(a, args.objective)  # (a scale at its bound: align's own warning says so)
+    if poor is not None:
+        print(f"densematch: warning: {poor}", file=sys.stderr)
     if args.json:
         print(json.dumps(a))
     elif not args.quiet:

@@ -28,7 +28,17 @@ from ..options import MatchOptions
 from .features import FEATURES, dense_features
 from .io import atomic_write, is_image, load_any, load_array, load_image
 
-__all__ = ["PairResult", "align_pairs", "distance_pair", "match_pair", "picture_bytes", "redraw", "verdicts"]
+__all__ = [
+    "PairResult",
+    "align_pairs",
+    "align_warnings",
+    "distance_pair",
+    "match_pair",
+    "picture_bytes",
+    "poor_fit",
+    "redraw",
+    "verdicts",
+]
 
 
 @dataclass
@@ -117,6 +127,35 @@ def align_pairs(
             except Exception as err:
                 out[i] = err
     return [r if r is not None else RuntimeError("not aligned") for r in out]
+
+
+POOR_FIT = 0.5  # align's relative error above which the command and the batch index warn
+
+
+def poor_fit(answer: dict[str, Any], objective: str) -> str | None:
+    """What to tell the reader of align's ``answer`` (its ``as_dict()``) whose fit is poor, or None."""
+    relative = answer.get("relative_error", 0.0)
+    if relative <= POOR_FIT:
+        return None
+    hint = "" if objective == "ncc" else "; where the brightness differs, try --objective ncc"
+    return (
+        f"a poor fit: its error is {relative:.2f} of the template's own spread (0 is a perfect fit, 1 no better "
+        f"than a flat one){hint}"
+    )
+
+
+def align_warnings(answer: dict[str, Any], objective: str) -> list[str]:
+    """Everything to tell the reader of align's ``answer``: a scale at an end of the range
+    searched (which :func:`densematch.align` itself warns of), a poor fit."""
+    said = []
+    bound = answer.get("at_bound") or []
+    if bound:
+        flags = ", ".join("--" + name.replace("_", "-") for name in bound)
+        said.append(
+            f"{' and '.join(bound)} at an end of the range searched: the truth may lie beyond it; widen {flags}"
+        )
+    poor = poor_fit(answer, objective)
+    return said if poor is None else [*said, poor]
 
 
 def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, page: bool, objective: str) -> PairResult:

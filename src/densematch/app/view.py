@@ -335,13 +335,16 @@ def batch_page(
                 "id": r["id"],
                 "ok": r.get("status") == "ok",
                 "error": r.get("error", ""),
+                "warning": r.get("warning", ""),
                 "figures": figures,
                 "thumb": thumb,
                 "page": page,
             }
         )
     done = sum(row["ok"] for row in rows)
-    notes = [{"text": f"{len(rows)} pairs: {done} done, {len(rows) - done} failed."}]
+    warned = sum(bool(row["ok"] and row["warning"]) for row in rows)
+    flagged = f" ({warned} with a warning)" if warned else ""
+    notes = [{"text": f"{len(rows)} pairs: {done} done{flagged}, {len(rows) - done} failed."}]
     return _render({"kind": "batch", "title": title, "notes": notes, "rows": rows})
 
 
