@@ -56,9 +56,9 @@ PRODUCTS = {"seconds": 0.0}
 _block = HalfSearch._block
 
 
-def _timed_block(self, qh, j, n, out=None):  # type: ignore[no-untyped-def]
+def _timed_block(self, qh, j, n, out=None, **kw):  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
-    got = _block(self, qh, j, n, out=out)
+    got = _block(self, qh, j, n, out=out, **kw)
     PRODUCTS["seconds"] += time.perf_counter() - t0
     return got
 

@@ -58,6 +58,69 @@ def test_pair_bounds_hold_for_every_pair(camera_small, metric, half):
     assert (e <= 8 * precision.unit_roundoff(half) * scale + 1e-20).all()
 
 
+def centred_bounds(q, r, half, centre):
+    """The half scores plus bias of prepared rows ``q`` and ``r`` with the queries centred on
+    ``centre`` (as HalfSearch forms them) and their per-pair bounds."""
+    qc = q - centre
+    qh, rh = qc.to(half), r.to(half)
+    cross = r @ centre
+    terms = ref_terms(r, rh)
+    terms[:, 2] += precision.cross_terms(terms, centre, cross, half)
+    stored = (qh @ rh.T).double()
+    u = precision.unit_roundoff(half)
+    rounding = u / (1 - u) * (1 + 2**-12) + 4 * precision.unit_roundoff(torch.float32)
+    e = (query_terms(qc, qh, uncentred=q) @ terms.T).double() + rounding * stored.abs()
+    return stored + cross.double(), e
+
+
+@pytest.mark.parametrize("metric", ["cosine", "dot"])
+@pytest.mark.parametrize("where", ["mean", "far"])
+def test_centred_query_bounds_hold_for_every_pair(camera_small, metric, where):
+    # queries less a centre, the centre's products added back in float32: the bound holds
+    # for every pair of a photo's rows and of large noisy ones, centred on their mean or on a
+    # point far from every row (where the centring only costs)
+    from densematch.app.synthetic import same_scene_pair
+
+    fa, fb = same_scene_pair(24, 24, 64)
+    a = torch.cat([fa.reshape(-1, 64), 30 * torch.randn(40, 64)])
+    b = fb.reshape(-1, 64)
+    q, r = prepared(a, metric, "query"), prepared(b, metric, "ref")
+    r = r - r.mean(0)  # the references' own shift, as HalfSearch makes it
+    centre = q[:-40].mean(0) if where == "mean" else 50 * torch.randn(64)
+    scores, e = centred_bounds(q, r, torch.bfloat16, centre)
+    exact = q.double() @ r.double().T
+    assert ((scores - exact).abs() <= e).all()
+
+
+def test_centred_queries_tighten_the_bound_on_same_scene_features():
+    # raw patches of two crops of one photo look alike: less their mean, the rows multiplied
+    # are a fraction of their norms, and so is every term of the bound
+    from densematch.app.synthetic import same_scene_pair
+
+    fa, fb = same_scene_pair(24, 24, 64)
+    q, r = prepared(fa.reshape(-1, 64), "cosine", "query"), prepared(fb.reshape(-1, 64), "cosine", "ref")
+    r = r - r.mean(0)
+    _, centred = centred_bounds(q, r, torch.bfloat16, q.mean(0))
+    _, plain = centred_bounds(q, r, torch.bfloat16, torch.zeros(64))
+    assert float(centred.median()) < 0.5 * float(plain.median())
+
+
+def test_centred_queries_send_fewer_same_scene_rows_over_the_cap(monkeypatch):
+    from densematch.app.synthetic import same_scene_pair
+    from densematch.engine.half import HalfSearch
+
+    fa, fb = same_scene_pair(48, 48, 64)
+    a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
+    over = {}
+    for centre in (True, False):
+        monkeypatch.setattr(HalfSearch, "centre_queries", centre)
+        stats: dict[str, int] = {}
+        _, got = engine.topk(a, b, metric="cosine", k=1, budget=2**26, precision=BF16, stats=stats)
+        assert_topk_exact(a, b, got, "cosine", 1)
+        over[centre] = stats["fallback"]
+    assert over[True] < 0.5 * over[False]  # 117 and 998 of 2304 rows on an AMD EPYC
+
+
 @pytest.mark.parametrize("metric", MATRIX)
 @pytest.mark.parametrize("k", [1, 3])
 def test_certified_search_equals_float32_on_a_photo(camera_small, metric, k):

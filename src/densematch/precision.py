@@ -44,6 +44,7 @@ __all__ = [
     "PRECISIONS",
     "RANKINGS",
     "Precision",
+    "cross_terms",
     "product_slack",
     "query_terms",
     "ref_terms",
@@ -175,7 +176,7 @@ def product_slack(q: torch.Tensor, ref_norms: tuple[float, float], extra: int = 
     return 2 * _gamma(q.shape[1], q.dtype) * bound + _FLUSH
 
 
-def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+def query_terms(q: torch.Tensor, qh: torch.Tensor, uncentred: torch.Tensor | None = None) -> torch.Tensor:
     """The query side of the per-pair rounding bound: (m, 3) rows ``(x, z, 1)``.
 
     The bound of pair (i, j) is ``query_terms[i] . ref_terms[j]``: a bound on |half score -
@@ -188,6 +189,12 @@ def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
         Prepared query rows in float32.
     qh : Tensor of shape (m, C)
         Their half-precision copies (what the product reads).
+    uncentred : Tensor of shape (m, C), optional
+        Where ``q`` is these rows less a common centre ``v`` (the score then gains ``v . b``, see
+        :func:`cross_terms`): the rows before. The float32 roundings of ``q = fl(u - v)`` and of
+        the references' own centring are at most ``u32 (|u| + |q|)`` per unit of reference norm,
+        which the float32 terms above, proportional to ``|q|``, no longer cover when ``|q|`` is
+        far below ``|u|``.
     """
     gamma = _gamma(q.shape[1], q.dtype)
     qh32 = qh.to(q.dtype, copy=True)  # the one (m, C) temporary: reused for the residual below
@@ -196,7 +203,18 @@ def query_terms(q: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
     dq = torch.linalg.vector_norm(qh32.sub_(q), dim=1)
     x = nq * _NORM_SLACK
     z = (dq + nqh * gamma) * _NORM_SLACK
+    if uncentred is not None:  # against the half references' norm w, within u of their own
+        z += 2 * unit_roundoff(q.dtype) * (torch.linalg.vector_norm(uncentred, dim=1) + x)
     return torch.stack([x, z, torch.ones_like(x)], dim=1)
+
+
+def cross_terms(terms: torch.Tensor, centre: torch.Tensor, cross: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """(n,) additions to the per-reference term of :func:`ref_terms` ``terms`` for queries
+    centred on ``centre`` (C,): the float32 product ``cross = b . centre`` (n,) is within
+    ``gamma |centre| |b|`` of the exact one (``|b| <= w / (1 - u)``, ``w`` the half rows' norm),
+    and adding it to a score rounds by at most 4 u32 of it."""
+    reach = _gamma(centre.shape[0], centre.dtype) * float(torch.linalg.vector_norm(centre)) / (1.0 - unit_roundoff(half))
+    return (reach * _NORM_SLACK) * terms[:, 1] + 4 * unit_roundoff(centre.dtype) * cross.abs()
 
 
 def ref_terms(r: torch.Tensor, rh: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ class KernelSearch(HalfSearch):
     # narrower reference tiles only cost the kernel more launches: it holds no score block
     narrowest_b = 1024
     split_bias = False  # the kernel adds the l2 column itself
+    centre_queries = False  # nor a bias per reference
     # rows over the cap are resolved in torch (`_resolve`) in blocks of at most this many pairs
     # and this many columns: the half scores, their bounds and the pass mask
     RESOLVE_PAIRS, RESOLVE_COLUMNS, RESOLVE_PAIR_BYTES = 2**20, 4096, 16

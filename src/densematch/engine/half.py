@@ -13,13 +13,14 @@ scores rank alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..kernels import native
 from ..metrics import Metric
-from ..precision import Precision, query_terms, ref_terms, unit_roundoff
+from ..precision import Precision, cross_terms, query_terms, ref_terms, unit_roundoff
 from .merge import best_of_candidates
 from .plan import Dims, TilePlan
 from .pool import CandidateList, Pool
@@ -30,6 +31,8 @@ __all__ = ["HalfSearch"]
 # the float32 roundings of adding the l2 bias to a half score, and of the bounds built on it
 # (relative to the score and to the bias): four at most
 _BIAS_ROUNDING = 4 * unit_roundoff(torch.float32)
+# a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
+_Side = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class HalfSearch(Strategy):
@@ -43,6 +46,9 @@ class HalfSearch(Strategy):
 
     # whether the l2 column is added as a float32 bias (the fused kernel handles it itself)
     split_bias = True
+    # whether each query tile's half rows are centred on its mean (:meth:`_half_query`), the
+    # difference added back as a float32 bias per reference (the fused kernel takes no bias)
+    centre_queries = True
 
     @classmethod
     def cap(cls, precision: Precision, metric: Metric, k: int, nb: int) -> int:
@@ -75,7 +81,8 @@ class HalfSearch(Strategy):
         u = unit_roundoff(self.half)
         self.rounding = u / (1.0 - u) * (1.0 + 2.0**-12)
         self.split = self.split_bias and self.metric.extra_columns == 1
-        if self.split:  # the float32 additions of the bias to the block, low and upper bounds
+        self.centring = self.centre_queries and self.half != self.dtype
+        if self.split or self.centring:  # the float32 additions of a bias to the block and bounds
             self.rounding += _BIAS_ROUNDING
         if inputs.prepared is not None:
             state = inputs.prepared.state
@@ -127,25 +134,65 @@ class HalfSearch(Strategy):
         terms[:, 2] += _BIAS_ROUNDING * refs[:, c].abs()
         return terms
 
-    def _half_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query rows the half product reads (the body columns where the bias is apart),
-        and their bound terms."""
+    def _half_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The query rows the half product reads (the body columns, less their centre), their
+        bound terms, and that centre (None where the rows are not centred).
+
+        Centring: with ``v`` the mean of the tile's finite body rows, ``a.b = (a - v).b + v.b``,
+        and ``v.b`` is a per-reference float32 bias (:meth:`_sides`). Features that look alike
+        (same-scene patches) keep only what tells them apart, so every term of the bound, which
+        scales with the norm of the rows multiplied, shrinks with it (issue 39: 5x at C=64)."""
         body = q[:, : q.shape[1] - 1] if self.split else q
-        qh = body.to(self.half)
-        return qh, query_terms(body, qh)
+        finite = torch.isfinite(body).all(1) if self.centring and body.shape[0] > 1 else None
+        if finite is None or not bool(finite.any()):
+            qh = body.to(self.half)
+            return qh, query_terms(body, qh), None
+        centre = body[finite].mean(0)
+        centred = body - centre
+        qh = centred.to(self.half)
+        return qh, query_terms(centred, qh, uncentred=body), centre
+
+    def _sides(self, centre: torch.Tensor | None) -> Callable[[int, int, torch.Tensor], _Side]:
+        """``side(start, stop, half_refs)``: the bound terms of references start:stop and the
+        float32 bias added to their half scores (the l2 column kept out of the product, plus
+        ``centre . b`` for centred queries; None without either), for a query tile centred on
+        ``centre``. With every reference prepared, the bias of all of them is made once here."""
+        if self.whole is not None and self.whole_t is not None:
+            terms, bias = self._centred(self.whole, self.whole_t, centre)
+            return lambda start, stop, rh: (terms[start:stop], None if bias is None else bias[start:stop])
+
+        def side(start: int, stop: int, rh: torch.Tensor) -> _Side:
+            refs = self._prepare_refs(start, stop)
+            return self._centred(refs, self._terms(refs, rh), centre)
+
+        return side
+
+    def _centred(self, refs: torch.Tensor, terms: torch.Tensor, centre: torch.Tensor | None) -> _Side:
+        """The terms and bias of prepared references ``refs`` (their bound terms ``terms``) for
+        queries centred on ``centre``: the bias gains ``centre . b``, computed in float32 to
+        within ``gamma |centre| |b|``, and the per-reference term that and its addition's
+        roundings."""
+        c = refs.shape[1] - 1 if self.split else refs.shape[1]
+        bias = refs[:, c] if self.split else None
+        if centre is None:
+            return terms, bias
+        cross = refs[:, :c] @ centre
+        terms = terms.clone()
+        terms[:, 2] += cross_terms(terms, centre, cross, self.half)
+        if bias is None:
+            return terms, cross
+        terms[:, 2] += unit_roundoff(self.dtype) * (bias.abs() + cross.abs())
+        return terms, cross.add_(bias)
 
     def _block(
-        self, qh: torch.Tensor, j: int, n: int, out: torch.Tensor | None = None
+        self, qh: torch.Tensor, j: int, n: int, out: torch.Tensor | None = None, *, sides: Callable[..., _Side]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The half scores of references j:j+n (into ``out``), their bound terms, and the
-        float32 bias to add (None without one)."""
+        float32 bias to add (None without one), the last two from ``sides`` (:meth:`_sides`)."""
         rh = self._half_refs(j, j + n)
-        terms = self._ref_terms(j, j + n, rh)
-        if self.split:
-            c = rh.shape[1] - 1
-            bias = self._prepare_refs(j, j + n)[:, c]
-            return torch.mm(qh, rh[:, :c].T, out=out), terms, bias
-        return torch.mm(qh, rh.T, out=out), terms, None
+        terms, bias = sides(j, j + n, rh)
+        c = qh.shape[1]
+        return torch.mm(qh, (rh if rh.shape[1] == c else rh[:, :c]).T, out=out), terms, bias
 
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         m = best_v.shape[0]
@@ -156,9 +203,10 @@ class HalfSearch(Strategy):
             return
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        qh, qt = self._half_query(q)
+        qh, qt, centre = self._half_query(q)
+        sides = self._sides(centre)
         if self._native_certified(best_v, best_i):
-            self._rank_native(q, qh, qt, best_v, best_i, start, buf)
+            self._rank_native(q, qh, qt, sides, best_v, best_i, start, buf)
             return
         rounding = self.rounding
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
@@ -166,7 +214,7 @@ class HalfSearch(Strategy):
         bounds = torch.empty(2, m * min(self.tile_b, self.nb), dtype=self.dtype, device=q.device)
         for j in self._tile_order(start, m):
             n = min(self.tile_b, self.nb - j)
-            s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n))
+            s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n), sides=sides)
             # only rows whose best score, raised by the largest bound it can have in this tile,
             # reaches the floor can gain a candidate or a better floor: after the first tiles,
             # few do, and the others cost one row maximum, as in the float32 search
@@ -212,6 +260,7 @@ class HalfSearch(Strategy):
         q: torch.Tensor,
         qh: torch.Tensor,
         qt: torch.Tensor,
+        sides: Callable[..., _Side],
         best_v: torch.Tensor,
         best_i: torch.Tensor,
         start: int,
@@ -238,7 +287,7 @@ class HalfSearch(Strategy):
         for j in self._tile_order(start, m):
             n = min(self.tile_b, self.nb - j)
             ph, pt, pv, pi, pl = part
-            s, terms, bias = self._block(ph, j, n, out=buf[: ph.shape[0] * n].view(-1, n))
+            s, terms, bias = self._block(ph, j, n, out=buf[: ph.shape[0] * n].view(-1, n), sides=sides)
             native.merge_certified(s, j, pv, pi, pt, terms, bias, self.rounding, pl)
             gone = int(pl.over.sum())
             if gone and 4 * gone >= ph.shape[0]:
