@@ -213,7 +213,8 @@ def cross_terms(terms: torch.Tensor, centre: torch.Tensor, cross: torch.Tensor, 
     centred on ``centre`` (C,): the float32 product ``cross = b . centre`` (n,) is within
     ``gamma |centre| |b|`` of the exact one (``|b| <= w / (1 - u)``, ``w`` the half rows' norm),
     and adding it to a score rounds by at most 4 u32 of it."""
-    reach = _gamma(centre.shape[0], centre.dtype) * float(torch.linalg.vector_norm(centre)) / (1.0 - unit_roundoff(half))
+    norm = float(torch.linalg.vector_norm(centre))
+    reach = _gamma(centre.shape[0], centre.dtype) * norm / (1.0 - unit_roundoff(half))
     return (reach * _NORM_SLACK) * terms[:, 1] + 4 * unit_roundoff(centre.dtype) * cross.abs()
 
 
