@@ -243,3 +243,17 @@ def test_same_scene_rows_over_the_cap_are_searched_again_exactly(same_scene, ker
     assert_topk_exact(a, b, got, metric, k)
     _, want = engine.topk(a, b, metric=metric, k=k, budget=2**26, precision=Precision(candidates=2))
     assert_same_up_to_ties(a, b, got, want, metric)
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+@pytest.mark.parametrize("metric", ["cosine", "dot"])
+def test_zero_query_rows_tie_every_reference(path, metric):
+    # a black patch's row scores an exact 0 against every reference: far more ties than any
+    # cap, settled from the products themselves, to the lowest indices, beside ordinary rows
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(3 * Precision().cap(8, 900), 16, generator=g)
+    a = torch.randn(40, 16, generator=g)
+    a[::4] = 0
+    r = flat_match(a, b, metric, 8, path)
+    assert torch.equal(r.index[::4], torch.arange(8).expand(10, 8))
+    assert_topk_exact(a, b, r.index, metric, 8)

@@ -388,13 +388,24 @@ class Strategy:
             sel, fg = rows[g : g + group], floor[g : g + group, None]
             gv, gi = v[g : g + group], i[g : g + group]
             side = q[g : g + group]
+            # a zero query row of a pure product (dot, cosine: a black patch) ties every
+            # reference at an exact 0, which its product already is: the direct form would score
+            # all nb pairs one by one to find the same ties
+            zero = (side == 0).all(1) if not self.metric.extra_columns else None
+            exact = zero.nonzero().squeeze(1) if zero is not None and bool(zero.any()) else None
             for j in range(0, self.nb, width):
                 block = self.metric.score_tile(
                     side, self._prepare_refs(j, j + min(width, self.nb - j)), use_c=self.use_c
                 )
                 reach = block >= fg
+                products = None
+                if exact is not None:
+                    products = block.index_select(0, exact)
+                    reach.index_fill_(0, exact, False)
                 total = torch.cumsum(reach.sum(1), 0).tolist()
                 block.fill_(-math.inf)
+                if products is not None:
+                    block.index_copy_(0, exact, products)
                 first = 0
                 while first < len(total):  # rows of the group in steps of at most `limit` candidates
                     base = total[first - 1] if first else 0

@@ -394,8 +394,11 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
                              const float *qt, const float *rt, float rounding, float *best_v, int64_t *best_i,
                              int64_t k, int64_t cap, int64_t *cand_cols, float *cand_vals, int *counts,
                              unsigned char *over) {
-    enum { CB = 32 };
-    float ev[CB], uv[CB];
+    enum { CB = 32, L = 8 };
+    typedef uint16_t half8 __attribute__((vector_size(16)));
+    typedef uint32_t word8 __attribute__((vector_size(32)));
+    const float *ry = rt, *rw = rt + n, *rf = rt + 2 * n; /* the reference terms, one plane each */
+    float ev[CB], hv[CB];
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = h + r * ldh;
         float *bv = best_v + r * k;
@@ -404,25 +407,47 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
         float *cv = cand_vals + r * cap;
         if (over[r]) continue;
         const float x = qt[3 * r], z = qt[3 * r + 1], one = qt[3 * r + 2];
+        const vec_f32 vx = (vec_f32){} + x, vz = (vec_f32){} + z, vone = (vec_f32){} + one;
+        const vec_f32 vround = (vec_f32){} + rounding;
         int listing = 1;
         for (int64_t c0 = 0; c0 < n; c0 += CB) {
             const int64_t cn = n - c0 < CB ? n - c0 : CB;
-            /* the chunk's bounds in a branch-free loop (vectorised); the chunk is skipped unless
-             * an upper bound reaches the floor (NaN does: it proves nothing). After the first
-             * tiles few do, and only their pairs pay for the merge and the listing. */
+            /* the chunk's bounds, eight lanes at a time (the bfloat16 widened by a shift); the
+             * chunk is skipped unless an upper bound reaches the floor (NaN does: it proves
+             * nothing). After the first tiles few do, and only their pairs pay for the merge and
+             * the listing. */
             int hit = 0;
-            for (int64_t t = 0; t < cn; t++) {
-                const int64_t c = c0 + t;
-                const float hv = bf16_to_f32(row[c]);
-                ev[t] = x * rt[3 * c] + z * rt[3 * c + 1] + one * rt[3 * c + 2] + rounding * fabsf(hv);
-                uv[t] = (hv + ev[t]) + (bias ? bias[c] : 0.0f);
-                hit |= !(uv[t] < bv[k - 1]);
+            if (cn == CB) {
+                const vec_f32 floor = (vec_f32){} + bv[k - 1];
+                mask_f32 reach = {0};
+                for (int t = 0; t < CB; t += L) {
+                    const int64_t c = c0 + t;
+                    half8 raw;
+                    memcpy(&raw, row + c, sizeof raw);
+                    const word8 bits = __builtin_convertvector(raw, word8) << 16;
+                    vec_f32 v;
+                    memcpy(&v, &bits, sizeof v);
+                    const vec_f32 e = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
+                                      vround * vabs_f32(v);
+                    const vec_f32 up = (v + e) + load_f32(bias + c);
+                    store_f32(hv + t, v);
+                    store_f32(ev + t, e);
+                    reach |= ~(up < floor); /* NaN reaches */
+                }
+                const lanes64 w = (lanes64)reach;
+                hit = (w[0] | w[1] | w[2] | w[3]) != 0;
+            } else {
+                for (int64_t t = 0; t < cn; t++) {
+                    const int64_t c = c0 + t;
+                    hv[t] = bf16_to_f32(row[c]);
+                    ev[t] = ((x * ry[c] + z * rw[c]) + one * rf[c]) + rounding * fabsf(hv[t]);
+                    hit |= !((hv[t] + ev[t]) + bias[c] < bv[k - 1]);
+                }
             }
             if (!hit) continue;
             for (int64_t t = 0; t < cn; t++) {
                 const int64_t c = c0 + t, idx = offset + c;
-                const float hv = bf16_to_f32(row[c]);
-                float low = (hv - ev[t]) + (bias ? bias[c] : 0.0f), up = uv[t];
+                float low = (hv[t] - ev[t]) + bias[c], up = (hv[t] + ev[t]) + bias[c];
                 if (low != low) low = -INFINITY;
                 if (up != up) up = INFINITY;
                 if (listing && up >= bv[k - 1])

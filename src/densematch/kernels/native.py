@@ -442,11 +442,10 @@ def merge_certified(
     m, n = h.shape
     if m * n == 0:
         return
-    qt, rt = qt.float().contiguous(), rt.float().contiguous()
-    if bias is not None:
-        bias = bias.float().contiguous()
+    qt, rt = qt.float().contiguous(), rt.float().T.contiguous()  # the references' terms as planes
+    bias = torch.zeros(n) if bias is None else bias.float().contiguous()
     lib.dm_merge_certified_bf16(
-        h.data_ptr(), h.stride(0), m, n, offset, None if bias is None else bias.data_ptr(),
+        h.data_ptr(), h.stride(0), m, n, offset, bias.data_ptr(),
         qt.data_ptr(), rt.data_ptr(), rounding, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
         listed.cap, listed.cols.data_ptr(), listed.vals.data_ptr(), listed.counts.data_ptr(), listed.over.data_ptr(),
     )  # fmt: skip
