@@ -383,6 +383,17 @@ class TestBuild:
             "        b = native.certify_bound(xs[0], t[0], cells, (0.01, 0.02, 0.7, 0.3), torch.arange(20),\n"
             "                                 exact=exact, squared=sq, stop=float('inf'))\n"
             "        h.update(b.numpy().tobytes())\n"
+            # the certified bfloat16 step: whole chunks (AVX2's lanes or the portable ones) and a tail
+            "hb = torch.randn(40, 100, generator=g).bfloat16()\n"
+            "hb[3, 50] = float('nan')\n"
+            "qt, rt = torch.rand(40, 3, generator=g) * 1e-2, torch.rand(100, 3, generator=g) * 1e-2\n"
+            "qt[:, 2] = 1\n"
+            "for k in (1, 8):\n"
+            "    bv, bi = torch.full((40, k), -float('inf')), torch.full((40, k), -1, dtype=torch.int64)\n"
+            "    listed = native.Candidates(40, 16, torch.float32)\n"
+            "    native.merge_certified(hb, 0, bv, bi, qt, rt, torch.randn(100, generator=g), 2**-8, listed)\n"
+            "    for t in (bv, bi, listed.over, *listed.reaching(torch.full((40,), -float('inf')))):\n"
+            "        h.update(t.numpy().tobytes())\n"
             "print(native.status()['level'], h.hexdigest())\n"
         )
         # the levels side by side, each building its library into the cache

@@ -16,6 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #define FB 4
 
@@ -390,13 +393,50 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
+/* eight bfloat16 at p widened to float32 (a shift each) */
+static inline vec_f32 widen_bf16(const uint16_t *p) {
+    vec_f32 v;
+#if defined(__AVX2__)
+    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    typedef uint16_t half8 __attribute__((vector_size(16)));
+    typedef uint32_t word8 __attribute__((vector_size(32)));
+    half8 raw;
+    memcpy(&raw, p, sizeof raw);
+    const word8 bits = __builtin_convertvector(raw, word8) << 16;
+#endif
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* bit i set where lane i of m is */
+static inline unsigned lanes_set(mask_f32 m) {
+#if defined(__AVX__)
+    return (unsigned)_mm256_movemask_ps((__m256)m);
+#else
+    unsigned bits = 0;
+    for (int i = 0; i < 8; i++) bits |= (unsigned)(m[i] != 0) << i;
+    return bits;
+#endif
+}
+
+/* one pair of a chunk that may reach the row's floor: merged and listed (see below) */
+static inline void certified_pair(float h, float e, float b, int64_t idx, float *bv, int64_t *bi, int64_t k,
+                                  int64_t cap, int64_t *cc, float *cv, int *count, unsigned char *over, int *listing) {
+    float up = (h + e) + b;
+    if (up < bv[k - 1]) return; /* nor can its lower bound (<= up) enter the top k */
+    float low = (h - e) + b;
+    if (low != low) low = -INFINITY;
+    if (up != up) up = INFINITY;
+    if (*listing && up >= bv[k - 1]) *listing = list_f32(cc, cv, count, cap, over, bv[k - 1], idx, up);
+    insert_f32(bv, bi, k, low, idx);
+}
+
 void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias,
                              const float *qt, const float *rt, float rounding, float *best_v, int64_t *best_i,
                              int64_t k, int64_t cap, int64_t *cand_cols, float *cand_vals, int *counts,
                              unsigned char *over) {
     enum { CB = 32, L = 8 };
-    typedef uint16_t half8 __attribute__((vector_size(16)));
-    typedef uint32_t word8 __attribute__((vector_size(32)));
     const float *ry = rt, *rw = rt + n, *rf = rt + 2 * n; /* the reference terms, one plane each */
     float ev[CB], hv[CB];
     for (int64_t r = 0; r < m; r++) {
@@ -410,50 +450,34 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
         const vec_f32 vx = (vec_f32){} + x, vz = (vec_f32){} + z, vone = (vec_f32){} + one;
         const vec_f32 vround = (vec_f32){} + rounding;
         int listing = 1;
-        for (int64_t c0 = 0; c0 < n; c0 += CB) {
-            const int64_t cn = n - c0 < CB ? n - c0 : CB;
-            /* the chunk's bounds, eight lanes at a time (the bfloat16 widened by a shift); the
-             * chunk is skipped unless an upper bound reaches the floor (NaN does: it proves
-             * nothing). After the first tiles few do, and only their pairs pay for the merge and
-             * the listing. */
-            int hit = 0;
-            if (cn == CB) {
-                const vec_f32 floor = (vec_f32){} + bv[k - 1];
-                mask_f32 reach = {0};
-                for (int t = 0; t < CB; t += L) {
-                    const int64_t c = c0 + t;
-                    half8 raw;
-                    memcpy(&raw, row + c, sizeof raw);
-                    const word8 bits = __builtin_convertvector(raw, word8) << 16;
-                    vec_f32 v;
-                    memcpy(&v, &bits, sizeof v);
-                    const vec_f32 e = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
-                                      vround * vabs_f32(v);
-                    const vec_f32 up = (v + e) + load_f32(bias + c);
-                    store_f32(hv + t, v);
-                    store_f32(ev + t, e);
-                    reach |= ~(up < floor); /* NaN reaches */
-                }
-                const lanes64 w = (lanes64)reach;
-                hit = (w[0] | w[1] | w[2] | w[3]) != 0;
-            } else {
-                for (int64_t t = 0; t < cn; t++) {
-                    const int64_t c = c0 + t;
-                    hv[t] = bf16_to_f32(row[c]);
-                    ev[t] = ((x * ry[c] + z * rw[c]) + one * rf[c]) + rounding * fabsf(hv[t]);
-                    hit |= !((hv[t] + ev[t]) + bias[c] < bv[k - 1]);
-                }
+        int64_t c0 = 0;
+        /* whole chunks: the bounds eight lanes at a time, and only the pairs whose upper bound
+         * reaches the floor (NaN does: it proves nothing) go on to the merge and the listing.
+         * After the first tiles few do. */
+        for (; c0 + CB <= n; c0 += CB) {
+            const vec_f32 floor = (vec_f32){} + bv[k - 1];
+            uint32_t reach = 0;
+            for (int t = 0; t < CB; t += L) {
+                const int64_t c = c0 + t;
+                const vec_f32 v = widen_bf16(row + c);
+                const vec_f32 e = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
+                                  vround * vabs_f32(v);
+                const vec_f32 up = (v + e) + load_f32(bias + c);
+                store_f32(hv + t, v);
+                store_f32(ev + t, e);
+                reach |= lanes_set(~(up < floor)) << t;
             }
-            if (!hit) continue;
-            for (int64_t t = 0; t < cn; t++) {
-                const int64_t c = c0 + t, idx = offset + c;
-                float low = (hv[t] - ev[t]) + bias[c], up = (hv[t] + ev[t]) + bias[c];
-                if (low != low) low = -INFINITY;
-                if (up != up) up = INFINITY;
-                if (listing && up >= bv[k - 1])
-                    listing = list_f32(cc, cv, &counts[r], cap, &over[r], bv[k - 1], idx, up);
-                insert_f32(bv, bi, k, low, idx);
+            while (reach) {
+                const int t = __builtin_ctz(reach);
+                reach &= reach - 1;
+                certified_pair(hv[t], ev[t], bias[c0 + t], offset + c0 + t, bv, bi, k, cap, cc, cv, &counts[r],
+                               &over[r], &listing);
             }
+        }
+        for (int64_t c = c0; c < n; c++) { /* the tail */
+            const float v = bf16_to_f32(row[c]);
+            const float e = ((x * ry[c] + z * rw[c]) + one * rf[c]) + rounding * fabsf(v);
+            certified_pair(v, e, bias[c], offset + c, bv, bi, k, cap, cc, cv, &counts[r], &over[r], &listing);
         }
     }
 }
