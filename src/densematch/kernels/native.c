@@ -420,9 +420,14 @@ static inline unsigned lanes_set(mask_f32 m) {
 #endif
 }
 
-/* one pair of a chunk that may reach the row's floor: merged and listed (see below) */
-static inline void certified_pair(float h, float e, float b, int64_t idx, float *bv, int64_t *bi, int64_t k,
-                                  int64_t cap, int64_t *cc, float *cv, int *count, unsigned char *over, int *listing) {
+/* the pair of column c that may reach the row's floor: its bound, merged and listed (see below) */
+static inline void certified_pair(uint16_t raw, int64_t c, float x, float z, float one, const float *ry,
+                                  const float *rw, const float *rf, float rounding, const float *bias, int64_t offset,
+                                  float *bv, int64_t *bi, int64_t k, int64_t cap, int64_t *cc, float *cv, int *count,
+                                  unsigned char *over, int *listing) {
+    const float h = bf16_to_f32(raw), b = bias[c];
+    const float e = ((x * ry[c] + z * rw[c]) + one * rf[c]) + rounding * fabsf(h);
+    const int64_t idx = offset + c;
     float up = (h + e) + b;
     if (up < bv[k - 1]) return; /* nor can its lower bound (<= up) enter the top k */
     float low = (h - e) + b;
@@ -438,7 +443,6 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
                              unsigned char *over) {
     enum { CB = 32, L = 8 };
     const float *ry = rt, *rw = rt + n, *rf = rt + 2 * n; /* the reference terms, one plane each */
-    float ev[CB], hv[CB];
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = h + r * ldh;
         float *bv = best_v + r * k;
@@ -463,22 +467,18 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
                 const vec_f32 e = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
                                   vround * vabs_f32(v);
                 const vec_f32 up = (v + e) + load_f32(bias + c);
-                store_f32(hv + t, v);
-                store_f32(ev + t, e);
                 reach |= lanes_set(~(up < floor)) << t;
             }
-            while (reach) {
-                const int t = __builtin_ctz(reach);
+            while (reach) { /* the few lanes that reach, their bounds again by the same operations */
+                const int64_t c = c0 + __builtin_ctz(reach);
                 reach &= reach - 1;
-                certified_pair(hv[t], ev[t], bias[c0 + t], offset + c0 + t, bv, bi, k, cap, cc, cv, &counts[r],
-                               &over[r], &listing);
+                certified_pair(row[c], c, x, z, one, ry, rw, rf, rounding, bias, offset, bv, bi, k, cap, cc, cv,
+                               &counts[r], &over[r], &listing);
             }
         }
-        for (int64_t c = c0; c < n; c++) { /* the tail */
-            const float v = bf16_to_f32(row[c]);
-            const float e = ((x * ry[c] + z * rw[c]) + one * rf[c]) + rounding * fabsf(v);
-            certified_pair(v, e, bias[c], offset + c, bv, bi, k, cap, cc, cv, &counts[r], &over[r], &listing);
-        }
+        for (int64_t c = c0; c < n; c++) /* the tail */
+            certified_pair(row[c], c, x, z, one, ry, rw, rf, rounding, bias, offset, bv, bi, k, cap, cc, cv,
+                           &counts[r], &over[r], &listing);
     }
 }
 
