@@ -430,3 +430,44 @@ def test_fast_merges_bfloat16_tiles_in_c_as_torch_does(k):
     want_v, want_i = torch.full((7, k), -math.inf), torch.full((7, k), -1, dtype=torch.int64)
     native.merge(s.float(), 0, want_v, want_i)
     assert torch.equal(i, want_i) and torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize(
+    ("half", "kernel"), [("bfloat16", "auto"), ("bfloat16", "torch"), ("float16", "auto"), ("bfloat16", "triton")]
+)
+def test_each_certified_path_takes_the_step_its_rule_names(monkeypatch, half, kernel):
+    # the rules, from what the device and dtype are: bfloat16 on a CPU with the C kernels runs
+    # one C call per tile, any other half type or kernel="torch" torch's operators; the torch
+    # engine centres its query tiles, the fused kernel (no bias per reference) does not
+    import importlib.util
+
+    from densematch.engine.half import HalfSearch
+
+    if kernel == "triton" and importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed: the kernel path cannot run here")
+    seen = {"c calls": 0, "centred": []}
+    real_merge, real_query = native.merge_certified, HalfSearch._half_query
+
+    def merge(*args, **kwargs):
+        seen["c calls"] += 1
+        return real_merge(*args, **kwargs)
+
+    def half_query(self, q):
+        got = real_query(self, q)
+        seen["centred"].append(got[2] is not None)
+        return got
+
+    monkeypatch.setattr(native, "merge_certified", merge)
+    monkeypatch.setattr(HalfSearch, "_half_query", half_query)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(60, 16, generator=g), torch.randn(90, 16, generator=g)
+    with densematch.config_context(half=half, kernel=kernel):
+        chosen = resolve_precision("exact", torch.device("cpu"), "cosine")
+        _, got = engine.topk(a, b, metric="cosine", k=2, budget=2**24, precision=chosen)
+    c_step = half == "bfloat16" and kernel == "auto" and native.usable(torch.device("cpu"), torch.float32)
+    assert (seen["c calls"] > 0) == c_step
+    if kernel == "triton":
+        assert seen["centred"] == []
+    else:
+        assert seen["centred"] and all(seen["centred"])
+    assert_topk_exact(a, b, got, "cosine", 2)
