@@ -32,7 +32,7 @@ __all__ = ["HalfSearch"]
 # (relative to the score and to the bias): four at most
 _BIAS_ROUNDING = 4 * unit_roundoff(torch.float32)
 # a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
-_Side = tuple[torch.Tensor, torch.Tensor | None]
+_Side = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class HalfSearch(Strategy):
@@ -134,9 +134,12 @@ class HalfSearch(Strategy):
         terms[:, 2] += _BIAS_ROUNDING * refs[:, c].abs()
         return terms
 
-    def _half_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _half_query(
+        self, q: torch.Tensor, *, bound: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The query rows the half product reads (the body columns, less their centre), their
-        bound terms, and that centre (None where the rows are not centred).
+        bound terms (None without ``bound``), and that centre (None where the rows are not
+        centred).
 
         Centring: with ``v`` the mean of the tile's finite body rows, ``a.b = (a - v).b + v.b``,
         and ``v.b`` is a per-reference float32 bias (:meth:`_sides`). Features that look alike
@@ -146,47 +149,51 @@ class HalfSearch(Strategy):
         finite = torch.isfinite(body).all(1) if self.centring and body.shape[0] > 1 else None
         if finite is None or not bool(finite.any()):
             qh = body.to(self.half)
-            return qh, query_terms(body, qh), None
+            return qh, query_terms(body, qh) if bound else None, None
         centre = body[finite].mean(0)
         centred = body - centre
         qh = centred.to(self.half)
-        return qh, query_terms(centred, qh, uncentred=body), centre
+        return qh, query_terms(centred, qh, uncentred=body) if bound else None, centre
 
-    def _sides(self, centre: torch.Tensor | None) -> Callable[[int, int, torch.Tensor], _Side]:
-        """``side(start, stop, half_refs)``: the bound terms of references start:stop and the
-        float32 bias added to their half scores (the l2 column kept out of the product, plus
-        ``centre . b`` for centred queries; None without either), for a query tile centred on
-        ``centre``. With every reference prepared, the bias of all of them is made once here."""
-        if self.whole is not None and self.whole_t is not None:
-            terms, bias = self._centred(self.whole, self.whole_t, centre)
-            return lambda start, stop, rh: (terms[start:stop], None if bias is None else bias[start:stop])
+    def _sides(self, centre: torch.Tensor | None, *, bound: bool = True) -> Callable[[int, int, torch.Tensor], _Side]:
+        """``side(start, stop, half_refs)``: the bound terms of references start:stop (None
+        without ``bound``) and the float32 bias added to their half scores (the l2 column kept
+        out of the product, plus ``centre . b`` for centred queries; None without either), for a
+        query tile centred on ``centre``. With every reference prepared, the bias of all of them
+        is made once here."""
+        if self.whole is not None and (self.whole_t is not None or not bound):
+            terms, bias = self._centred(self.whole, self.whole_t if bound else None, centre)
+            return lambda start, stop, rh: (
+                None if terms is None else terms[start:stop],
+                None if bias is None else bias[start:stop],
+            )
 
         def side(start: int, stop: int, rh: torch.Tensor) -> _Side:
             refs = self._prepare_refs(start, stop)
-            return self._centred(refs, self._terms(refs, rh), centre)
+            return self._centred(refs, self._terms(refs, rh) if bound else None, centre)
 
         return side
 
-    def _centred(self, refs: torch.Tensor, terms: torch.Tensor, centre: torch.Tensor | None) -> _Side:
-        """The terms and bias of prepared references ``refs`` (their bound terms ``terms``) for
-        queries centred on ``centre``: the bias gains ``centre . b``, computed in float32 to
-        within ``gamma |centre| |b|``, and the per-reference term that and its addition's
-        roundings."""
+    def _centred(self, refs: torch.Tensor, terms: torch.Tensor | None, centre: torch.Tensor | None) -> _Side:
+        """The terms and bias of prepared references ``refs`` (their bound terms ``terms``, or
+        None) for queries centred on ``centre``: the bias gains ``centre . b``, computed in
+        float32 to within ``gamma |centre| |b|``, and the per-reference term that and its
+        addition's roundings."""
         c = refs.shape[1] - 1 if self.split else refs.shape[1]
         bias = refs[:, c] if self.split else None
         if centre is None:
             return terms, bias
         cross = refs[:, :c] @ centre
-        terms = terms.clone()
-        terms[:, 2] += cross_terms(terms, centre, cross, self.half)
-        if bias is None:
-            return terms, cross
-        terms[:, 2] += unit_roundoff(self.dtype) * (bias.abs() + cross.abs())
-        return terms, cross.add_(bias)
+        if terms is not None:
+            terms = terms.clone()
+            terms[:, 2] += cross_terms(terms, centre, cross, self.half)
+            if bias is not None:
+                terms[:, 2] += unit_roundoff(self.dtype) * (bias.abs() + cross.abs())
+        return terms, cross if bias is None else cross.add_(bias)
 
     def _block(
         self, qh: torch.Tensor, j: int, n: int, out: torch.Tensor | None = None, *, sides: Callable[..., _Side]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The half scores of references j:j+n (into ``out``), their bound terms, and the
         float32 bias to add (None without one), the last two from ``sides`` (:meth:`_sides`)."""
         rh = self._half_refs(j, j + n)
@@ -197,13 +204,13 @@ class HalfSearch(Strategy):
     def rank(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int, buf: torch.Tensor) -> None:
         m = best_v.shape[0]
         q = self._prepare_queries(start, m)
-        qh = q.to(self.half)
-        if not self.cap_rows:  # "fast": rank by the half scores
-            self._scan(qh, best_v, best_i, buf, refs=self._half_refs)
+        if not self.cap_rows:
+            self._rank_fast(q, best_v, best_i, buf)
             return
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         qh, qt, centre = self._half_query(q)
+        assert qt is not None
         sides = self._sides(centre)
         if self._native_certified(best_v, best_i):
             self._rank_native(q, qh, qt, sides, best_v, best_i, start, buf)
@@ -215,6 +222,7 @@ class HalfSearch(Strategy):
         for j in self._tile_order(start, m):
             n = min(self.tile_b, self.nb - j)
             s, terms, bias = self._block(qh, j, n, out=buf[: m * n].view(m, n), sides=sides)
+            assert terms is not None
             # only rows whose best score, raised by the largest bound it can have in this tile,
             # reaches the floor can gain a candidate or a better floor: after the first tiles,
             # few do, and the others cost one row maximum, as in the float32 search
@@ -244,6 +252,23 @@ class HalfSearch(Strategy):
             pool.add(upper.nan_to_num_(nan=math.inf), j, best_v[:, -1], hot)
         del bounds  # free before `_settle`, whose blocks take its place
         self._settle(q, start, pool, best_v[:, -1].clone(), best_v, best_i, buf)
+
+    def _rank_fast(self, q: torch.Tensor, best_v: torch.Tensor, best_i: torch.Tensor, buf: torch.Tensor) -> None:
+        """ "fast": rank by the half scores of centred queries plus the float32 bias (the l2
+        column and the centre's products, as the certified search forms them), with no bound:
+        approximate, but as close to float32 as the half product can be made."""
+        qh, _, centre = self._half_query(q, bound=False)
+        sides = self._sides(centre, bound=False)
+        best_v.fill_(-math.inf)
+        best_i.fill_(-1)
+        c_merge = self._native(best_v, best_i)
+        for j in range(0, self.nb, self.tile_b):
+            n = min(self.tile_b, self.nb - j)
+            s, _, bias = self._block(qh, j, n, out=buf[: qh.shape[0] * n].view(-1, n), sides=sides)
+            if c_merge:
+                native.merge(s, j, best_v, best_i, bias=bias)
+            else:
+                self.merge(s if bias is None else s.to(self.dtype).add_(bias), j, best_v, best_i)
 
     def _native_certified(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
         """Whether each tile's bounds, merge and listing run as one C call
@@ -288,6 +313,7 @@ class HalfSearch(Strategy):
             n = min(self.tile_b, self.nb - j)
             ph, pt, pv, pi, pl = part
             s, terms, bias = self._block(ph, j, n, out=buf[: ph.shape[0] * n].view(-1, n), sides=sides)
+            assert terms is not None
             native.merge_certified(s, j, pv, pi, pt, terms, bias, self.rounding, pl)
             gone = int(pl.over.sum())
             if gone and 4 * gone >= ph.shape[0]:

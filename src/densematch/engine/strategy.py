@@ -404,7 +404,7 @@ class Strategy:
                     reach.index_fill_(0, exact, False)
                 total = torch.cumsum(reach.sum(1), 0).tolist()
                 block.fill_(-math.inf)
-                if products is not None:
+                if exact is not None and products is not None:
                     block.index_copy_(0, exact, products)
                 first = 0
                 while first < len(total):  # rows of the group in steps of at most `limit` candidates

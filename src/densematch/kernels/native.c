@@ -484,9 +484,10 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
 
 /* A bfloat16 score tile (m x n, row stride lds) merged into a float32 running top-k, as dm_merge
  * does (equal scores to the lower column, in any tile order), for precision="fast": chunks of 32
- * scores widened to float32 (a shift each) and skipped unless one reaches the row's k-th best. */
+ * scores widened to float32 (a shift each), plus bias[c] where given (the l2 column and the
+ * queries' centre, in float32), and skipped unless one reaches the row's k-th best. */
 void dm_merge_bf16(const uint16_t *s, int64_t lds, int64_t m, int64_t n, int64_t offset, float *best_v,
-                   int64_t *best_i, int64_t k) {
+                   int64_t *best_i, int64_t k, const float *bias) {
     enum { CB = 32 };
     float v[CB];
     for (int64_t r = 0; r < m; r++) {
@@ -498,7 +499,7 @@ void dm_merge_bf16(const uint16_t *s, int64_t lds, int64_t m, int64_t n, int64_t
             const float floor = bv[k - 1];
             int hit = 0;
             for (int64_t t = 0; t < cn; t++) {
-                v[t] = bf16_to_f32(row[c0 + t]);
+                v[t] = bf16_to_f32(row[c0 + t]) + (bias ? bias[c0 + t] : 0.0f);
                 hit |= v[t] >= floor;
             }
             if (!hit) continue;

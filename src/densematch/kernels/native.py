@@ -188,7 +188,7 @@ def library() -> ctypes.CDLL | None:
         ptr,
     ]
     lib.dm_merge_certified_bf16.restype = None
-    lib.dm_merge_bf16.argtypes = [ptr, n, n, n, n, ptr, ptr, n]
+    lib.dm_merge_bf16.argtypes = [ptr, n, n, n, n, ptr, ptr, n, ptr]
     lib.dm_merge_bf16.restype = None
     sizes = [n] * 5  # C, h, w, H, W
     lib.dm_align_refine.argtypes = [ptr, ptr, ptr, flag, *sizes, ptr, n, flag, ptr, flag, ctypes.c_double, ptr, ptr]
@@ -381,22 +381,29 @@ def merge(
     best_i: torch.Tensor,
     margin: torch.Tensor | None = None,
     listed: Candidates | None = None,
+    *,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Merge the score tile ``s`` (m, n; columns ``offset`` onwards; higher is better) into the
     running top-k ``best_v`` / ``best_i`` (m, k, contiguous; best first, -inf / -1 when empty),
     equal scores to the lower column. With ``margin`` (m,) and ``listed``, also list every pair
     reaching its row's k-th best minus the margin (see native.c). bfloat16 scores merge into a
-    float32 top-k, without a margin. On this thread."""
+    float32 top-k, without a margin, each column plus ``bias`` (n,) in float32 where given. On
+    this thread."""
     lib = _loaded("merge")
     _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
     if s.dtype == torch.bfloat16:
         _require(best_v.dtype == torch.float32 and margin is None, "bfloat16 scores merge into float32, no margin")
         s = _unit_rows(s)
+        if bias is not None:
+            bias = bias.float().contiguous()
         if s.numel():
             lib.dm_merge_bf16(
-                s.data_ptr(), s.stride(0), *s.shape, offset, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1]
-            )
+                s.data_ptr(), s.stride(0), *s.shape, offset, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
+                None if bias is None else bias.data_ptr(),
+            )  # fmt: skip
         return
+    _require(bias is None, "only bfloat16 scores take a bias")
     _require(s.dtype == best_v.dtype, "the scores and the running top-k must share one dtype")
     s = _unit_rows(s)
     m, n = s.shape
