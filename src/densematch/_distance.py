@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import engine
+from . import checks, engine
+from ._oprules import looped, read_once
 from .budget import chunk_rows
 from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
 from .choices import MetricName, PrecisionName
@@ -84,118 +85,294 @@ def _compiled_minkowski(metric: Minkowski, rows_last: bool) -> Any:
     return torch.compile(kernel, dynamic=True)
 
 
-def _column_tile(budget: int, f: int, d: int, item: int, minkowski: bool) -> int:
-    """Pixels per tile. The l1 / linf backward holds torch's (pixels, F, D) buffer (pass
+# Tiles per worker-independent share: tile boundaries never depend on the thread count, so
+# neither do the gradients' sums (the prototypes' gradient adds the tiles' parts in order)
+_TILE_SHARES = 16
+_MIN_TILE = 128
+
+
+def _tile_plan(
+    shape: tuple[int, ...], f: int, item: int, matrix: bool, budget: int, minkowski: bool
+) -> tuple[int, int]:
+    """Pixels per tile and how many tiles may be held at once, for maps of ``shape`` (N, D, H,
+    W) against F prototypes. The l1 / linf backward holds torch's (pixels, F, D) buffer (pass
     ``minkowski=True`` for it); the rest hold a few (F, pixels) blocks and copies of the
-    pixels' features."""
+    pixels' features. The tile size depends on the budget and the shape alone; the budget
+    bounds how many workers hold a tile at once."""
+    n, d, h, w = shape
+    hw = h * w
     per_col = f * 4 * item + 4 * d * item + (f * d * item if minkowski else 0)
     # the prepared bank, its centred or unit copy, the bank's gradient, and per worker the part
     # of it a tile computed plus one waiting to be added in order
     fixed = 6 * f * d * item
-    return chunk_rows(budget, per_col, f"one tile of F={f}, D={d}", fixed=fixed)
+    fit = chunk_rows(budget, per_col, f"one tile of F={f}, D={d}", fixed=fixed)
+    # several tiles per worker, and for the matrix metrics tiles whose passes stay in the cache
+    cap = min(hw, max(_MIN_TILE, share_size(n * hw, _TILE_SHARES)))
+    if matrix:
+        cap = min(cap, max(64, _CACHE_TILE // (f * item)))
+    cols = min(fit, cap)
+    return cols, max(1, (budget - fixed) // (per_col * cols))
 
 
-class _PairwiseDistance(torch.autograd.Function):
-    """Tiled forward written into the output; tiled closed-form backward from the output. Tiles
-    of ``cols`` pixels of one map go to worker threads (:mod:`densematch.threads`)."""
+def _forward(
+    x: torch.Tensor, p: torch.Tensor, metric: Metric, budget: int, use_c: bool, compiled: bool
+) -> torch.Tensor:
+    """The (N, F, H, W) distances, computed by tiles written into the output, laid out like x."""
+    dtype = compute_dtype(x, p)
+    use_c = use_c and native.usable(x.device, dtype)
+    n, d, h, w = x.shape
+    f, hw = p.shape[0], h * w
+    cols, held = _tile_plan(tuple(x.shape), f, torch.finfo(dtype).bits // 8, metric.matrix, budget, False)
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    bank = metric.bank(p, dtype)
+    x3 = x.flatten(2)  # (N, D, HW): a view for NCHW and channels_last alike
+    minkowski = metric if isinstance(metric, Minkowski) and x.dtype == dtype else None
+    if compiled and minkowski is not None:
+        # the fused kernel holds nothing but its output: no tiling needed
+        kernel = _compiled_minkowski(minkowski, channels_last)
+        buf = kernel(x3.transpose(1, 2) if channels_last else x3, bank.rows)
+    elif minkowski is not None and cols >= hw and not use_c:
+        # whole maps fit: one batched kernel call writes the output in x's layout directly
+        rows = x3.transpose(1, 2).contiguous()  # (N, HW, D): a view already if channels_last
+        bank_n = bank.rows.expand(n, f, d).contiguous()
+        buf = torch.ops.aten._cdist_forward(
+            *((rows, bank_n) if channels_last else (bank_n, rows)), minkowski.order, None
+        )
+    else:
+        # the output is laid out like x: NCHW, or channels_last as a (N, HW, F) buffer
+        buf = torch.empty((n, hw, f) if channels_last else (n, f, hw), dtype=x.dtype, device=x.device)
+        out = buf.transpose(1, 2) if channels_last else buf
+        # a metric that cannot write x's strides gets a contiguous tile of its own
+        strided = metric.bank_writes_strided(x.device, dtype, use_c=use_c)
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        p: torch.Tensor,
-        metric: Metric,
-        dtype: torch.dtype,
-        cols: int,
-        cols_backward: int,
-        compiled: bool,
-        use_c: bool,
-    ) -> torch.Tensor:
-        n, d, h, w = x.shape
-        f, hw = p.shape[0], h * w
-        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        bank = metric.bank(p, dtype)
-        x3 = x.detach().flatten(2)  # (N, D, HW): a view for NCHW and channels_last alike
-        minkowski = metric if isinstance(metric, Minkowski) and x.dtype == dtype else None
-        if compiled and minkowski is not None:
-            # the fused kernel holds nothing but its output: no tiling needed
-            kernel = _compiled_minkowski(minkowski, channels_last)
-            buf = kernel(x3.transpose(1, 2) if channels_last else x3, bank.rows)
-        elif minkowski is not None and cols >= hw and not use_c:
-            # whole maps fit: one batched kernel call writes the output in x's layout directly
-            rows = x3.transpose(1, 2).contiguous()  # (N, HW, D): a view already if channels_last
-            bank_n = bank.rows.expand(n, f, d).contiguous()
-            buf = torch.ops.aten._cdist_forward(
-                *((rows, bank_n) if channels_last else (bank_n, rows)), minkowski.order, None
-            )
-        else:
-            # the output is laid out like x: NCHW, or channels_last as a (N, HW, F) buffer
-            buf = torch.empty((n, hw, f) if channels_last else (n, f, hw), dtype=x.dtype, device=x.device)
-            out = buf.transpose(1, 2) if channels_last else buf
-            # a metric that cannot write x's strides gets a contiguous tile of its own
-            strided = metric.bank_writes_strided(x.device, dtype, use_c=use_c)
+        def tile(item: tuple[int, int]) -> None:
+            i, s = item
+            o = out[i, :, s : s + cols]
+            direct = o.dtype == dtype and (strided or o.is_contiguous())
+            t = o if direct else torch.empty(o.shape, dtype=dtype, device=x.device)
+            metric.bank_distances(bank, x3[i, :, s : s + cols].to(dtype), t, use_c=use_c)
+            if not direct:
+                o.copy_(t)
 
-            def tile(item: tuple[int, int]) -> None:
-                i, s = item
-                o = out[i, :, s : s + cols]
-                direct = o.dtype == dtype and (strided or o.is_contiguous())
-                t = o if direct else torch.empty(o.shape, dtype=dtype, device=x.device)
-                metric.bank_distances(bank, x3[i, :, s : s + cols].to(dtype), t, use_c=use_c)
-                if not direct:
-                    o.copy_(t)
+        workers = min(workers_for(x.device), held)
+        share_out(_tiles(n, hw, cols), tile, workers, name="densematch-distance")
+    return (buf.transpose(1, 2) if channels_last else buf).view(n, f, h, w)
 
-            share_out(_tiles(n, hw, cols), tile, workers_for(x.device), name="densematch-distance")
-        result = (buf.transpose(1, 2) if channels_last else buf).view(n, f, h, w)
-        ctx.save_for_backward(x, p, result)
-        ctx.settings = (metric, dtype, cols_backward, use_c)
-        return result
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, p, result = ctx.saved_tensors
-        metric, dtype, cols, use_c = ctx.settings
-        n, d, h, w = x.shape
-        x3, g3, d3 = x.flatten(2), grad.flatten(2), result.flatten(2)
-        bank = metric.bank(p, dtype)
-        gx = torch.empty((n, d, h * w), dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
-        gp = torch.zeros(p.shape, dtype=dtype, device=p.device)
-        tiles = _tiles(n, h * w, cols)
-        workers = workers_for(x.device)
-        # the prototypes' gradient adds the tiles' parts in the order of the tiles, whichever
-        # worker finishes first, so that it does not depend on the threads' timing; a worker
-        # ahead of the oldest unfinished tile by more than the workers waits, so that at most
-        # that many parts are held (tiles are taken in order: the oldest one's worker never waits)
-        done: dict[int, torch.Tensor] = {}
-        added = 0
-        turn = threading.Condition()
+def _backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    p: torch.Tensor,
+    result: torch.Tensor,
+    metric: Metric,
+    budget: int,
+    use_c: bool,
+    need_x: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The gradients of x (None unless ``need_x``) and of the prototypes, by tiles recomputed
+    from the output: in a fixed order, whatever the thread count."""
+    dtype = compute_dtype(x, p)
+    use_c = use_c and native.usable(x.device, dtype)
+    n, d, h, w = x.shape
+    item = torch.finfo(dtype).bits // 8
+    cols, held = _tile_plan(tuple(x.shape), p.shape[0], item, metric.matrix, budget, not metric.matrix and not use_c)
+    x3, g3, d3 = x.flatten(2), grad.flatten(2), result.flatten(2)
+    bank = metric.bank(p, dtype)
+    gx = torch.empty((n, d, h * w), dtype=x.dtype, device=x.device) if need_x else None
+    gp = torch.zeros(p.shape, dtype=dtype, device=p.device)
+    tiles = _tiles(n, h * w, cols)
+    workers = min(workers_for(x.device), held)
+    # the prototypes' gradient adds the tiles' parts in the order of the tiles, whichever
+    # worker finishes first, so that it does not depend on the threads' timing; a worker
+    # ahead of the oldest unfinished tile by more than the workers waits, so that at most
+    # that many parts are held (tiles are taken in order: the oldest one's worker never waits)
+    done: dict[int, torch.Tensor] = {}
+    added = 0
+    turn = threading.Condition()
 
-        def tile(number: int) -> None:
-            nonlocal added
-            i, s = tiles[number]
-            part = slice(s, s + cols)
-            tx, tp = metric.bank_grads(
-                bank, x3[i, :, part].to(dtype), g3[i, :, part].to(dtype), d3[i, :, part].to(dtype), use_c=use_c
-            )
-            if gx is not None:
-                gx[i, :, part] = tx
-            with turn:
-                turn.wait_for(lambda: number - added <= workers)
-                done[number] = tp
-                while added in done:
-                    gp.add_(done.pop(added))
-                    added += 1
-                turn.notify_all()
+    def tile(number: int) -> None:
+        nonlocal added
+        i, s = tiles[number]
+        part = slice(s, s + cols)
+        tx, tp = metric.bank_grads(
+            bank, x3[i, :, part].to(dtype), g3[i, :, part].to(dtype), d3[i, :, part].to(dtype), use_c=use_c
+        )
+        if gx is not None:
+            gx[i, :, part] = tx
+        with turn:
+            turn.wait_for(lambda: number - added <= workers)
+            done[number] = tp
+            while added in done:
+                gp.add_(done.pop(added))
+                added += 1
+            turn.notify_all()
 
-        share_out(range(len(tiles)), tile, workers, name="densematch-distance")
-        grad_x = None if gx is None else gx.view(n, d, h, w)
-        grad_p = metric.bank_grad_finish(bank, gp).to(p.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_p, None, None, None, None, None, None
+    share_out(range(len(tiles)), tile, workers, name="densematch-distance")
+    grad_x = None if gx is None else gx.view(n, d, h, w)
+    return grad_x, metric.bank_grad_finish(bank, gp).to(p.dtype)
 
 
 def _tiles(n: int, hw: int, cols: int) -> list[tuple[int, int]]:
     """(map, first pixel) of every tile of ``cols`` pixels."""
     return [(i, s) for i in range(n) for s in range(0, hw, cols)]
+
+
+# densematch::pairwise_distance: the distances as one PyTorch operator, so that torch.compile,
+# torch.export, torch.jit.trace and torch.func see one node with a known output (its fake
+# kernel) instead of Python that tiles and calls C. Settings arrive as arguments.
+@torch.library.custom_op(
+    "densematch::pairwise_distance",
+    mutates_args=(),
+    schema="(Tensor x, Tensor prototypes, str metric, int budget, bool use_c, bool compiled, "
+    "bool check_finite) -> Tensor",
+)
+def _distance_op(
+    x: torch.Tensor, prototypes: torch.Tensor, metric: str, budget: int, use_c: bool, compiled: bool, check_finite: bool
+) -> torch.Tensor:
+    if check_finite:
+        checks.check_finite(x, "x")
+        checks.check_finite(prototypes, "prototypes")
+    return _forward(x, prototypes, get_metric(metric), budget, use_c, compiled)
+
+
+@_distance_op.register_fake
+def _distance_fake(
+    x: torch.Tensor, prototypes: torch.Tensor, metric: str, budget: int, use_c: bool, compiled: bool, check_finite: bool
+) -> torch.Tensor:
+    n, _d, h, w = x.shape
+    f = prototypes.shape[0]
+    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return x.new_empty((n, h, w, f)).permute(0, 3, 1, 2)
+    return x.new_empty((n, f, h, w))
+
+
+@torch.library.custom_op(
+    "densematch::pairwise_distance_backward",
+    mutates_args=(),
+    schema="(Tensor grad, Tensor x, Tensor prototypes, Tensor result, str metric, int budget, bool use_c, "
+    "bool need_x) -> (Tensor, Tensor)",
+)
+def _distance_backward_op(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    prototypes: torch.Tensor,
+    result: torch.Tensor,
+    metric: str,
+    budget: int,
+    use_c: bool,
+    need_x: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gx, gp = _backward(grad, x, prototypes, result, get_metric(metric), budget, use_c, need_x)
+    return (x.new_empty(0) if gx is None else gx), gp
+
+
+@_distance_backward_op.register_fake
+def _distance_backward_fake(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    prototypes: torch.Tensor,
+    result: torch.Tensor,
+    metric: str,
+    budget: int,
+    use_c: bool,
+    need_x: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0)), torch.empty_like(
+        prototypes
+    )
+
+
+def _distance_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, p, metric, budget, use_c, _compiled, _finite = inputs
+    ctx.save_for_backward(x, p, output)
+    ctx.settings = (metric, budget, use_c)
+
+
+def _distance_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, p, result = ctx.saved_tensors
+    metric, budget, use_c = ctx.settings
+    need_x, need_p = ctx.needs_input_grad[:2]
+    gx, gp = torch.ops.densematch.pairwise_distance_backward(grad, x, p, result, metric, budget, use_c, need_x)
+    return (gx if need_x else None), (gp if need_p else None), None, None, None, None, None
+
+
+def _no_second_order(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
+    raise NotImplementedError(
+        "pairwise_distance is differentiable once: its backward has no derivative of its own (as "
+        "torch.cdist's); for second-order terms compute the distances with torch operators"
+    )
+
+
+_distance_op.register_autograd(_distance_grad, setup_context=_distance_setup)
+_distance_backward_op.register_autograd(_no_second_order, setup_context=lambda ctx, inputs, output: None)
+
+
+def _distance_vmap(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, p: torch.Tensor, *rest: Any) -> Any:
+    if in_dims[0] is not None and in_dims[1] is None:
+        # maps batched, one bank: the batch folds into N
+        xb = x.movedim(in_dims[0], 0)
+        out = _distance_op(xb.flatten(0, 1), p, *rest)
+        return out.unflatten(0, xb.shape[:2]), 0
+    return looped(_distance_op, (*in_dims[:2], *(None,) * len(rest)), (x, p, *rest))
+
+
+def _distance_backward_vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> Any:
+    return looped(_distance_backward_op, in_dims, args)
+
+
+_distance_op.register_vmap(_distance_vmap)
+_distance_backward_op.register_vmap(_distance_backward_vmap)
+
+
+class _DistanceBackward(torch.autograd.Function):
+    """The backward op, differentiable no further (see :func:`_no_second_order`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            out: tuple[torch.Tensor, torch.Tensor] = torch.ops.densematch.pairwise_distance_backward(*args)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    backward = staticmethod(_no_second_order)
+
+
+class _Distance(torch.autograd.Function):
+    """The op with its derivative, as torch.func transforms need it: the autograd a custom op's
+    ``register_autograd`` makes has no ``setup_context`` of its own, which torch.func.grad,
+    jacrev and vmap of a gradient refuse (pytorch/pytorch#168393); this one has."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, p: torch.Tensor, metric: str, budget: int, use_c: bool, compiled: bool, finite: bool
+    ) -> torch.Tensor:
+        with torch.no_grad():  # the op's own autograd stays out: this Function is the derivative
+            out: torch.Tensor = torch.ops.densematch.pairwise_distance(x, p, metric, budget, use_c, compiled, finite)
+        return out
+
+    setup_context = staticmethod(_distance_setup)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, p, result = ctx.saved_tensors
+        metric, budget, use_c = ctx.settings
+        need_x, need_p = ctx.needs_input_grad[:2]
+        gx, gp = _DistanceBackward.apply(grad, x, p, result, metric, budget, use_c, need_x)  # type: ignore[no-untyped-call]
+        return (gx if need_x else None), (gp if need_p else None), None, None, None, None, None
+
+
+@read_once
+def _distance_settings(memory: int | str | None, device: str) -> tuple[int, bool]:
+    """The budget and whether the C kernels may run, read once at the boundary. Under
+    torch.compile and torch.export they are read when the graph is made and kept in it."""
+    return resolve_memory(memory, torch.device(device)), kernel_setting() != "torch"
 
 
 def pairwise_distance(
@@ -248,27 +425,15 @@ def pairwise_distance(
     >>> pairwise_distance(x, torch.randn(3, 8)).shape
     torch.Size([2, 3, 5, 7])
     """
-    x, p, m, dtype = _check_inputs(x, prototypes, metric, check_finite, empty=True, empty_x=True)
+    finite = check_bool(check_finite, "check_finite")
+    x, p, m, _dtype = _check_inputs(x, prototypes, metric, False, empty=True, empty_x=True)
+    compiled = check_bool(compile, "compile")
     if x.numel() == 0 or p.shape[0] == 0:  # no pixel or no prototype: empty, as torch.cdist gives it
         tied = (x.sum() + p.sum()).to(x.dtype) * 0  # the graph's link to both inputs
         return x.new_zeros((x.shape[0], p.shape[0], *x.shape[2:])) + tied
-    budget = resolve_memory(memory, x.device)
-    item = torch.finfo(dtype).bits // 8
-    hw = x.shape[2] * x.shape[3]
-    workers = workers_for(x.device)
-    share = budget if workers == 1 else max(1, budget // workers)  # each worker holds one tile
-    # at least a few tiles per worker, and for the matrix metrics tiles whose several passes
-    # stay in the cache
-    cap = min(hw, share_size(x.shape[0] * hw, workers), max(64, _CACHE_TILE // (p.shape[0] * item)) if m.matrix else hw)
-    cols = min(_column_tile(share, p.shape[0], p.shape[1], item, False), cap)
-    # the C kernels' setting, read here at the boundary and carried to both passes
-    use_c = kernel_setting() != "torch" and native.usable(x.device, dtype)
-    torch_backward = not m.matrix and not use_c
-    cols_backward = min(_column_tile(share, p.shape[0], p.shape[1], item, torch_backward), cap)
+    budget, use_c = _distance_settings(memory, str(x.device))
     with torch.autocast(device_type=x.device.type, enabled=False):
-        out: torch.Tensor = _PairwiseDistance.apply(
-            x, p, m, dtype, cols, cols_backward, check_bool(compile, "compile"), use_c
-        )  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _Distance.apply(x, p, m.name, budget, use_c, compiled, finite)  # type: ignore[no-untyped-call]
         return out
 
 
@@ -341,7 +506,12 @@ def nearest_values(
     with torch.autocast(device_type=x.device.type, enabled=False):
         for i in range(n):
             rows = x[i].detach().flatten(1).T  # (HW, D), a view
-            value[i], index[i] = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec, prepared=prepared)
+            if prepared is None:
+                value[i], index[i] = engine.search(rows, pd, metric=m, k=k, budget=budget, precision=prec)
+            else:
+                value[i], index[i] = engine.topk(
+                    rows, pd, metric=m, k=k, budget=budget, precision=prec, prepared=prepared
+                )
     return value, index
 
 
@@ -383,9 +553,19 @@ def nearest_task(
     checked against it."""
     x, p, m, dtype = _check_inputs(x, prototypes, metric, finite, empty=bank is not None)
     check_choice(precision, "precision", RANKINGS)
-    prec = resolve_precision(precision, x.device, m, float64=dtype == torch.float64)
+    prec, budget = search_settings(precision, memory, str(x.device), m.name, dtype == torch.float64)
     k = check_int(k, "k", 1, p.shape[0] if bank is None else bank)
-    return x, p, m, prec, k, resolve_memory(memory, x.device)
+    return x, p, m, prec, k, budget
+
+
+@read_once
+def search_settings(
+    precision: str, memory: int | str | None, device: str, metric: str, float64: bool
+) -> tuple[Precision, int]:
+    """The resolved precision and budget of one search, read once at the boundary (under
+    torch.compile and torch.export: when the graph is made, and kept in it)."""
+    dev = torch.device(device)
+    return resolve_precision(precision, dev, metric, float64=float64), resolve_memory(memory, dev)
 
 
 def nearest_result(value: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:

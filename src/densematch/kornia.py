@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from . import engine
+from ._distance import search_settings
 from .checks import check_bool
-from .config import resolve_memory
 from .metrics import METRICS
-from .precision import resolve_precision
 
 __all__ = [
     "DescriptorMatcher",
@@ -81,11 +80,10 @@ def _nearest(
     """The k nearest rows of ``ref`` (l2) of each row of ``query``: distances (n, k) in the
     descriptors' dtype, recomputed directly (differentiable where the inputs require grad), and
     indices (n, k) int64, -1 (distance inf) beyond the rows available."""
-    wide = torch.float64 in (query.dtype, ref.dtype)  # scripted by torch.jit: no helper with *args
-    precision = resolve_precision("exact", query.device, _L2, float64=wide)
-    budget = resolve_memory(memory, query.device)
-    value, index = engine.topk(
-        query.detach(), ref.detach(), metric=_L2, k=k, budget=budget, precision=precision, rows_a=rows_a, rows_b=rows_b
+    wide = torch.float64 in (query.dtype, ref.dtype)
+    precision, budget = search_settings("exact", memory, str(query.device), "l2", wide)
+    value, index = engine.search(
+        query, ref, metric=_L2, k=k, budget=budget, precision=precision, rows_a=rows_a, rows_b=rows_b
     )
     if torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad):
         q = query if rows_a is None else query[rows_a]
@@ -153,7 +151,7 @@ def match_nn(
     if dm is not None:
         _check_dm(desc1, desc2, dm)
     value, index = _neighbours(desc1, desc2, 1, dm, memory)
-    return value.view(-1, 1), _pairs(torch.arange(len(desc1), device=desc1.device), index[:, 0])
+    return value.view(-1, 1), _pairs(torch.arange(desc1.shape[0], device=desc1.device), index[:, 0])
 
 
 def match_mnn(
@@ -176,13 +174,14 @@ def match_mnn(
     value, index = _neighbours(desc1, desc2, 1, dm, memory)
     forward, dists = index[:, 0], value[:, 0]
     back = _reverse(desc1, desc2, dm, memory)
-    if len(desc1) <= len(desc2):
-        rows = torch.arange(len(desc1), device=desc1.device)
-        mutual = back[forward] == rows
-        return dists[mutual].view(-1, 1), _pairs(rows, forward)[mutual]
-    cols = torch.arange(len(desc2), device=desc2.device)
-    mutual = forward[back] == cols
-    return dists[back][mutual].view(-1, 1), _pairs(back, cols)[mutual]
+    rows = torch.arange(desc1.shape[0], device=desc1.device)
+    mutual = back[forward] == rows
+    pairs, dists = _pairs(rows, forward)[mutual], dists[mutual].view(-1, 1)
+    # Kornia orders by desc2's index when B1 > B2; decided by tensors, so that a trace keeps
+    # the rule for inputs of other sizes (each side appears once: the keys are distinct)
+    by_desc2 = torch.ones_like(desc1[:, 0]).sum() > torch.ones_like(desc2[:, 0]).sum()
+    order = torch.where(by_desc2, pairs[:, 1], pairs[:, 0]).argsort()
+    return dists[order], pairs[order]
 
 
 def _ratio_test(value: torch.Tensor, index: torch.Tensor, th: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,9 +215,7 @@ def match_snn(
     if dm is not None:
         _check_dm(desc1, desc2, dm)
     ratio, kept, nearest = _ratio_test(*_neighbours(desc1, desc2, 2, dm, memory), th)
-    if not bool(kept.any()):
-        return _no_match(ratio)
-    rows = torch.arange(len(desc1), device=desc1.device)
+    rows = torch.arange(desc1.shape[0], device=desc1.device)
     return ratio[kept].view(-1, 1), _pairs(rows[kept], nearest[kept])
 
 
@@ -246,8 +243,6 @@ def match_smnn(
         _check_dm(desc1, desc2, dm)
     dists1, idx1 = match_snn(desc1, desc2, th, dm, memory=memory)
     dists2, idx2 = match_snn(desc2, desc1, th, None if dm is None else dm.t(), memory=memory)
-    if len(dists1) == 0 or len(dists2) == 0:
-        return _no_match(dists1 if dm is None else dm)
     # each row of desc2 appears at most once in idx2: join on it
     lookup = torch.full((desc2.shape[0],), -1, dtype=torch.long, device=idx2.device)
     lookup[idx2[:, 0]] = torch.arange(idx2.shape[0], device=idx2.device)
@@ -299,7 +294,7 @@ def match_fginn(
     kept = ratio <= th
     if not bool(kept.any()):
         return _no_match(like)
-    rows = torch.arange(len(desc1), device=desc1.device)
+    rows = torch.arange(desc1.shape[0], device=desc1.device)
     dists, idxs = ratio[kept].view(-1, 1), _pairs(rows[kept], index[:, 0][kept])
     if not mutual:
         return dists, idxs

@@ -18,10 +18,12 @@ Everything here works on flat (N, C) rows. Layouts, batches, masks and filters l
   certified half precision; the fused Triton kernel), each with its memory model.
 - ``merge``, ``pool``: running top-k merges, and the candidate pool.
 - ``products``: IEEE products for the length of a search.
+- ``op``: :func:`search`, the top-k as the ``densematch::topk`` operator.
 """
 
 from .driver import plan_tiles, prepare, topk
+from .op import search
 from .plan import TilePlan
 from .strategy import Prepared
 
-__all__ = ["Prepared", "TilePlan", "plan_tiles", "prepare", "topk"]
+__all__ = ["Prepared", "TilePlan", "plan_tiles", "prepare", "search", "topk"]

@@ -1,0 +1,36 @@
+"""What densematch's PyTorch operators share: a vmap rule by batch item, and the boundary that
+reads settings once per graph."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["looped", "read_once"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def read_once(fn: F) -> F:
+    """``fn`` marked as :func:`torch.compiler.assume_constant_result` marks it: under
+    torch.compile and torch.export it runs when the graph is made, and its result is kept in the
+    graph as a constant. For the settings a public function resolves (budget, precision, kernel)
+    from ContextVars, the environment and the device's free memory: Python that Dynamo cannot
+    trace. The mark is set here because torch's function imports torch._dynamo (2 s) to set it;
+    tests/test_compile.py checks that it is the mark torch sets."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def looped(op: Callable[..., Any], in_dims: tuple[int | None, ...], args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """A vmap rule that runs ``op`` once per batch item and stacks each output along dimension
+    0: for batched arguments no cheaper rule covers."""
+    size = next(a.shape[dim] for a, dim in zip(args, in_dims, strict=True) if dim is not None)
+    outs = [
+        op(*(a if dim is None else a.select(dim, i) for a, dim in zip(args, in_dims, strict=True))) for i in range(size)
+    ]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(parts) for parts in zip(*outs, strict=True)), (0,) * len(outs[0])
+    return torch.stack(outs), 0
