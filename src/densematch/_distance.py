@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import checks, engine
-from ._oprules import looped, read_once
+from ._oprules import looped
 from .budget import chunk_rows
 from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
 from .choices import MetricName, PrecisionName
@@ -368,13 +368,6 @@ class _Distance(torch.autograd.Function):
         return (gx if need_x else None), (gp if need_p else None), None, None, None, None, None
 
 
-@read_once
-def _distance_settings(memory: int | str | None, device: str) -> tuple[int, bool]:
-    """The budget and whether the C kernels may run, read once at the boundary. Under
-    torch.compile and torch.export they are read when the graph is made and kept in it."""
-    return resolve_memory(memory, torch.device(device)), kernel_setting() != "torch"
-
-
 def pairwise_distance(
     x: Any,
     prototypes: Any,
@@ -431,7 +424,7 @@ def pairwise_distance(
     if x.numel() == 0 or p.shape[0] == 0:  # no pixel or no prototype: empty, as torch.cdist gives it
         tied = (x.sum() + p.sum()).to(x.dtype) * 0  # the graph's link to both inputs
         return x.new_zeros((x.shape[0], p.shape[0], *x.shape[2:])) + tied
-    budget, use_c = _distance_settings(memory, str(x.device))
+    budget, use_c = resolve_memory(memory, x.device), kernel_setting() != "torch"
     with torch.autocast(device_type=x.device.type, enabled=False):
         out: torch.Tensor = _Distance.apply(x, p, m.name, budget, use_c, compiled, finite)  # type: ignore[no-untyped-call]
         return out
@@ -553,19 +546,9 @@ def nearest_task(
     checked against it."""
     x, p, m, dtype = _check_inputs(x, prototypes, metric, finite, empty=bank is not None)
     check_choice(precision, "precision", RANKINGS)
-    prec, budget = search_settings(precision, memory, str(x.device), m.name, dtype == torch.float64)
+    prec = resolve_precision(precision, x.device, m, float64=dtype == torch.float64)
     k = check_int(k, "k", 1, p.shape[0] if bank is None else bank)
-    return x, p, m, prec, k, budget
-
-
-@read_once
-def search_settings(
-    precision: str, memory: int | str | None, device: str, metric: str, float64: bool
-) -> tuple[Precision, int]:
-    """The resolved precision and budget of one search, read once at the boundary (under
-    torch.compile and torch.export: when the graph is made, and kept in it)."""
-    dev = torch.device(device)
-    return resolve_precision(precision, dev, metric, float64=float64), resolve_memory(memory, dev)
+    return x, p, m, prec, k, resolve_memory(memory, x.device)
 
 
 def nearest_result(value: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:

@@ -197,7 +197,7 @@ def run(a: Any, b: Any, options: MatchOptions, *, mask_a: Any = None, mask_b: An
     task = validate(a, b, options, mask_a, mask_b)
     with progress_bar(options.progress, total=task.pixels_searched(), unit="px", desc="match") as bar:
         # what both passes (a against b, and the mutual check's b against a) search with
-        search = task.search(bar.update)
+        search = task.search(bar.update if options.progress else None)
 
         def forward(i: int, rows_a: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             rows_b = task.rows(1, i)
@@ -330,6 +330,8 @@ class Task:
     def search(self, on_tile: Callable[[int], None] | None = None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         """:func:`densematch.engine.topk` with this call's metric, budget and precision bound:
         what both passes search with, in one process or in each shard."""
+        if on_tile is None:  # the densematch::topk operator: one node for compile, export and trace
+            return functools.partial(engine.search, metric=self.metric, budget=self.budget, precision=self.precision)
         return functools.partial(
             engine.topk, metric=self.metric, budget=self.budget, precision=self.precision, on_tile=on_tile
         )

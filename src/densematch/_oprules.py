@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["looped", "read_once"]
+__all__ = ["looped", "read_once", "recording"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,3 +34,9 @@ def looped(op: Callable[..., Any], in_dims: tuple[int | None, ...], args: tuple[
     if isinstance(outs[0], tuple):
         return tuple(torch.stack(parts) for parts in zip(*outs, strict=True)), (0,) * len(outs[0])
     return torch.stack(outs), 0
+
+
+def recording() -> bool:
+    """Whether a graph is being recorded (torch.compile's and torch.export's Dynamo, or
+    torch.jit.trace): a Python branch on the data would be fixed in it, not kept."""
+    return torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._oprules import recording
+
 __all__ = [
     "as_tensor",
     "check_bool",
@@ -94,8 +96,15 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
     pad ragged batches with NaN under a mask, and masked-out entries are never read."""
     if x.numel() == 0:
         return
+    message = f"{name} must hold only finite values, got NaN or Inf; clean it first (for example with torch.nan_to_num)"
     if mask is not None:
         x, mask = x.reshape(mask.numel(), -1), mask.reshape(-1)
+    if recording():
+        # a graph cannot branch on the data: the check becomes an assertion op in it, raised
+        # (as a RuntimeError) when the graph runs
+        ok = torch.isfinite(x) if mask is None else torch.isfinite(x).all(1) | ~mask
+        torch._assert_async(ok.all(), message)
+        return
     per_slice = max(1, x.numel() // x.shape[0])
     step = max(1, _FINITE_CHUNK // per_slice)
     for start in range(0, x.shape[0], step):
@@ -108,10 +117,7 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
         else:
             ok = torch.isfinite(chunk).all(1) | ~mask[start : start + step]
         if not bool(ok.all()):
-            raise ValueError(
-                f"{name} must hold only finite values, got NaN or Inf; clean it first "
-                f"(for example with torch.nan_to_num)"
-            )
+            raise ValueError(message)
 
 
 def check_features(

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import torch
 
+from ._oprules import read_once
 from .budget import default_budget, parse_memory
 
 __all__ = ["HALF_SETTINGS", "KERNEL_SETTINGS", "config_context", "get_config", "resolve_memory"]
@@ -31,21 +32,25 @@ _half: contextvars.ContextVar[str] = contextvars.ContextVar("densematch_half", d
 _kernel: contextvars.ContextVar[str] = contextvars.ContextVar("densematch_kernel", default="auto")
 
 
+@read_once
 def get_config() -> dict[str, int | str | None]:
     """The current settings, as a dict: ``memory``, ``half`` and ``kernel``."""
     return {"memory": _memory.get(), "half": _half.get(), "kernel": _kernel.get()}
 
 
+@read_once
 def half_setting() -> str:
     """The scoped ``half`` setting (one of :data:`HALF_SETTINGS`)."""
     return _half.get()
 
 
+@read_once
 def kernel_setting() -> str:
     """The scoped ``kernel`` setting (one of :data:`KERNEL_SETTINGS`)."""
     return _kernel.get()
 
 
+@read_once
 def resolve_memory(memory: int | str | None, device: torch.device) -> int:
     """The working-memory budget of one call, in bytes.
 

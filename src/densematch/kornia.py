@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from . import engine
-from ._distance import search_settings
 from .checks import check_bool
+from .config import resolve_memory
 from .metrics import METRICS
+from .precision import resolve_precision
 
 __all__ = [
     "DescriptorMatcher",
@@ -81,7 +82,8 @@ def _nearest(
     descriptors' dtype, recomputed directly (differentiable where the inputs require grad), and
     indices (n, k) int64, -1 (distance inf) beyond the rows available."""
     wide = torch.float64 in (query.dtype, ref.dtype)
-    precision, budget = search_settings("exact", memory, str(query.device), "l2", wide)
+    precision = resolve_precision("exact", query.device, _L2, float64=wide)
+    budget = resolve_memory(memory, query.device)
     value, index = engine.search(
         query, ref, metric=_L2, k=k, budget=budget, precision=precision, rows_a=rows_a, rows_b=rows_b
     )

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ._oprules import read_once
 from .config import KERNEL_SETTINGS, half_setting, kernel_setting
 from .metrics import Metric, get_metric
 
@@ -268,6 +269,7 @@ def device_half(device: torch.device, metric: str | Metric) -> torch.dtype | Non
     return None
 
 
+@read_once
 def resolve_precision(
     precision: str, device: torch.device, metric: str | Metric, *, float64: bool = False
 ) -> Precision:
