@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import checks, engine
-from ._oprules import looped
+from ._oprules import looped, refuse_legacy_onnx
 from .budget import chunk_rows
 from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
 from .choices import MetricName, PrecisionName
@@ -424,9 +424,13 @@ def pairwise_distance(
     if x.numel() == 0 or p.shape[0] == 0:  # no pixel or no prototype: empty, as torch.cdist gives it
         tied = (x.sum() + p.sum()).to(x.dtype) * 0  # the graph's link to both inputs
         return x.new_zeros((x.shape[0], p.shape[0], *x.shape[2:])) + tied
+    refuse_legacy_onnx("pairwise_distance")
     budget, use_c = resolve_memory(memory, x.device), kernel_setting() != "torch"
     with torch.autocast(device_type=x.device.type, enabled=False):
-        out: torch.Tensor = _Distance.apply(x, p, m.name, budget, use_c, compiled, finite)  # type: ignore[no-untyped-call]
+        # Dynamo traces the op with the derivative registered on it; eager calls go through
+        # _Distance, which torch.func's transforms accept
+        apply = _distance_op if torch.compiler.is_compiling() else _Distance.apply
+        out: torch.Tensor = apply(x, p, m.name, budget, use_c, compiled, finite)  # type: ignore[no-untyped-call]
         return out
 
 
@@ -544,7 +548,7 @@ def nearest_task(
     resolved precision (float64 for float64 inputs), k and the budget. ``bank``: the size of
     the whole bank when ``prototypes`` is one slice of it (which may then be empty); ``k`` is
     checked against it."""
-    x, p, m, dtype = _check_inputs(x, prototypes, metric, finite, empty=bank is not None)
+    x, p, m, dtype = _check_inputs(x, prototypes, metric, finite, empty=bank is not None, empty_x=True)
     check_choice(precision, "precision", RANKINGS)
     prec = resolve_precision(precision, x.device, m, float64=dtype == torch.float64)
     k = check_int(k, "k", 1, p.shape[0] if bank is None else bank)

@@ -16,10 +16,12 @@ from .precision import Precision
 __all__ = ["KNNIndex", "knn"]
 
 
-def _rows(x: Any, name: str) -> torch.Tensor:
+def _rows(x: Any, name: str, *, empty: bool = False) -> torch.Tensor:
+    """``x`` as (N, D) rows with D >= 1 and N >= 1 (N >= 0 where ``empty``)."""
     t = as_tensor(x, name)
-    if t.ndim != 2 or t.shape[0] == 0 or t.shape[1] == 0:
-        raise ValueError(f"{name} must have shape (N, D) with N, D >= 1, got {tuple(t.shape)}")
+    if t.ndim != 2 or t.shape[0] < (0 if empty else 1) or t.shape[1] == 0:
+        least = "N >= 0, D >= 1" if empty else "N, D >= 1"
+        raise ValueError(f"{name} must have shape (N, D) with {least}, got {tuple(t.shape)}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must hold real floats, got {t.dtype}; convert with .float() (of .real or .abs())")
     return t
@@ -39,7 +41,7 @@ def _task(
     """Validated queries (as one N x 1 map, a view), bank, metric, precision, k and budget
     (``bank_checked``: the bank's values were checked already, by the index)."""
     finite = check_bool(finite, "check_finite")
-    q, b = _rows(queries, "queries"), _rows(bank, "bank")
+    q, b = _rows(queries, "queries", empty=True), _rows(bank, "bank")
     if q.shape[1] != b.shape[1]:
         raise ValueError(f"queries and bank must have one D, got {q.shape[1]} and {b.shape[1]}")
     if q.device != b.device:

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["looped", "read_once", "recording"]
+__all__ = ["looped", "read_once", "recording", "refuse_legacy_onnx"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,3 +40,14 @@ def recording() -> bool:
     """Whether a graph is being recorded (torch.compile's and torch.export's Dynamo, or
     torch.jit.trace): a Python branch on the data would be fixed in it, not kept."""
     return torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+
+
+def refuse_legacy_onnx(what: str) -> None:
+    """Raise a RuntimeError naming ``what`` under torch.onnx's TorchScript exporter
+    (``dynamo=False``), which has no translation of densematch's operators."""
+    if torch._C._get_tracing_state() is not None and torch.onnx.is_in_onnx_export():
+        raise RuntimeError(
+            f"{what} cannot be exported by torch.onnx.export(..., dynamo=False): the TorchScript exporter has "
+            "no translation of densematch's operators; export with torch.export.export, pass the program "
+            "through densematch.onnx.decompose, then torch.onnx.export(program, dynamo=True) (docs/compile.md)"
+        )

@@ -148,7 +148,7 @@ def match_nn(
             [1, 0]])
     """
     _check_descriptors((desc1, "desc1"), (desc2, "desc2"))
-    if len(desc1) == 0 or len(desc2) == 0:
+    if desc1.shape[0] == 0 or desc2.shape[0] == 0:
         return _no_match(desc1)
     if dm is not None:
         _check_dm(desc1, desc2, dm)
@@ -169,7 +169,7 @@ def match_mnn(
         With 0 <= B3 <= min(B1, B2).
     """
     _check_descriptors((desc1, "desc1"), (desc2, "desc2"))
-    if len(desc1) == 0 or len(desc2) == 0:
+    if desc1.shape[0] == 0 or desc2.shape[0] == 0:
         return _no_match(desc1)
     if dm is not None:
         _check_dm(desc1, desc2, dm)

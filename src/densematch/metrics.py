@@ -44,7 +44,7 @@ _CLOSE = 1e-4
 def _peaks(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Each line's largest magnitude along ``dim`` (kept as a size-1 axis), 1 for zero lines."""
     low, high = torch.aminmax(x.detach(), dim=dim, keepdim=True)
-    peak = torch.maximum(high, low.neg_())
+    peak = torch.maximum(high, -low)
     return torch.where(peak > 0, peak, 1.0)
 
 
@@ -446,7 +446,7 @@ class Euclidean(Metric):
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         d = a - b
-        return torch.linalg.vecdot(d, d).neg_()
+        return torch.linalg.vecdot(d, d).neg()
 
     def bank(self, p: torch.Tensor, dtype: torch.dtype) -> Bank:
         # centring on the prototypes' mean leaves distances alone and shrinks the norms, and
@@ -560,7 +560,7 @@ class Minkowski(Metric):
         return torch.linalg.vector_norm(a - b, ord=self.order, dim=-1)
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(a - b, self.order, dim=-1).neg_()
+        return torch.linalg.vector_norm(a - b, self.order, dim=-1).neg()
 
     def reduce_abs(self, diff: torch.Tensor, dim: int) -> torch.Tensor:
         """The distance from absolute differences along ``dim``: their sum (l1) or maximum."""

@@ -35,9 +35,10 @@ ITEMS_PER_WORKER = 4
 
 def traced() -> bool:
     """Whether this thread's operators reach something other than memory: a torch dispatch mode
-    (FakeTensorMode, whose tensors have no storage, and which other threads do not share) or
-    torch.compile's tracing. Neither C kernels nor worker threads may run then."""
-    return is_in_torch_dispatch_mode() or torch.compiler.is_compiling()
+    (FakeTensorMode, whose tensors have no storage, and which other threads do not share),
+    torch.compile's tracing, or torch.jit.trace's (which records only torch operators called on
+    this thread). Neither C kernels nor worker threads may run then."""
+    return is_in_torch_dispatch_mode() or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
 
 
 def workers_for(device: torch.device) -> int:

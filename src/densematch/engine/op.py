@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._oprules import looped
+from .._oprules import looped, refuse_legacy_onnx
 from ..metrics import Metric
 from ..precision import HALF_DTYPES, Precision
 from .driver import topk
@@ -92,6 +92,7 @@ def search(
     """:func:`densematch.engine.topk` through the ``densematch::topk`` operator: the same
     values and indices, (na, k), from one node that transformations can record. Inputs are
     detached (the search has no derivative)."""
+    refuse_legacy_onnx("densematch's top-k search")
     half = "" if precision.half is None else _HALF_NAMES[precision.half]
     value, index = torch.ops.densematch.topk(
         a.detach(),

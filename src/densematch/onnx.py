@@ -1,0 +1,89 @@
+"""densematch's operators replaced by plain torch operators, for exporters that do not know them.
+
+``torch.export`` keeps ``densematch::pairwise_distance`` and ``densematch::topk`` as single nodes:
+the exported program runs them as eager does, on inputs of any size. ONNX has no such
+operators, so :func:`decompose` rewrites them into torch operators that every ONNX runtime has,
+computed whole (no tiles, no C kernels)::
+
+    program = torch.export.export(model, (x,), dynamic_shapes=...)
+    onnx_program = torch.onnx.export(densematch.onnx.decompose(program), dynamo=True)
+
+The whole form holds what the tiles avoid: the (N, F, H, W) distances and, for l1 and linf, the
+(N, HW, F, D) differences; the (Na, Nb) scores of a search and, for l1 and linf, their (Na, Nb,
+C) differences. Values follow the direct forms of :mod:`densematch.metrics` (equal to the
+operators' up to rounding); a search's ties go to ONNX TopK's order, not always the lower index.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .metrics import get_metric
+
+__all__ = ["decompose"]
+
+
+def _whole_distance(
+    x: torch.Tensor, p: torch.Tensor, metric: str, budget: int, use_c: bool, compiled: bool, check_finite: bool
+) -> torch.Tensor:
+    m = get_metric(metric)
+    n, _d, h, w = x.shape
+    dtype = torch.promote_types(torch.promote_types(x.dtype, p.dtype), torch.float32)
+    rows = x.flatten(2).transpose(1, 2).to(dtype)[:, :, None, :]  # (N, HW, 1, D)
+    value = m.distance(m.pair_value(rows, p.to(dtype)[None, None]))  # (N, HW, F)
+    return value.transpose(1, 2).reshape(n, p.shape[0], h, w).to(x.dtype)
+
+
+def _whole_topk(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    metric: str,
+    k: int,
+    budget: int,
+    precision: str,
+    dtype: torch.dtype,
+    half: str,
+    certify: bool,
+    backend: str,
+    candidates: int | None,
+    rows_a: torch.Tensor | None,
+    rows_b: torch.Tensor | None,
+    reserved: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m = get_metric(metric)
+    q = (a if rows_a is None else a.index_select(0, rows_a)).to(dtype)
+    r = b.to(dtype)
+    score = m.direct_score(q[:, None, :], r[None, :, :])  # (na, Nb), higher is better
+    if rows_b is not None:
+        allowed = torch.zeros(r.shape[0], dtype=torch.bool, device=r.device).index_fill(0, rows_b, True)
+        score = score.masked_fill(~allowed, -math.inf)
+    _top, index = score.topk(k, dim=1)
+    value = m.pair_value(q[:, None, :], r[index])
+    return value, index
+
+
+def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``program`` with densematch's operators rewritten into plain torch operators (see the
+    module's notes for the memory this costs), for ``torch.onnx.export(..., dynamo=True)``.
+
+    Parameters
+    ----------
+    program : torch.export.ExportedProgram
+        What :func:`torch.export.export` made of a model holding densematch's functions or
+        modules.
+
+    Returns
+    -------
+    torch.export.ExportedProgram
+        The same program, decomposed (also torch's own core-ATen decompositions).
+    """
+    if not isinstance(program, torch.export.ExportedProgram):
+        raise TypeError(
+            f"program must be a torch.export.ExportedProgram (from torch.export.export), got {type(program).__name__}"
+        )
+    table = torch.export.default_decompositions()
+    table[torch.ops.densematch.pairwise_distance.default] = _whole_distance
+    table[torch.ops.densematch.topk.default] = _whole_topk
+    return program.run_decompositions(table)
