@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import checks, engine
-from ._oprules import looped, refuse_legacy_onnx
+from ._oprules import looped, recording, refuse_legacy_onnx
 from .budget import chunk_rows
 from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
 from .choices import MetricName, PrecisionName
@@ -427,9 +427,9 @@ def pairwise_distance(
     refuse_legacy_onnx("pairwise_distance")
     budget, use_c = resolve_memory(memory, x.device), kernel_setting() != "torch"
     with torch.autocast(device_type=x.device.type, enabled=False):
-        # Dynamo traces the op with the derivative registered on it; eager calls go through
-        # _Distance, which torch.func's transforms accept
-        apply = _distance_op if torch.compiler.is_compiling() else _Distance.apply
+        # a recorded graph holds the op with the derivative registered on it (torch.jit.trace
+        # could not save _Distance); eager calls go through _Distance, which torch.func accepts
+        apply = _distance_op if recording() else _Distance.apply
         out: torch.Tensor = apply(x, p, m.name, budget, use_c, compiled, finite)  # type: ignore[no-untyped-call]
         return out
 

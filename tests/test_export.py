@@ -1,0 +1,120 @@
+"""Export (issue 40, goal 3): torch.export, ONNX through densematch.onnx.decompose and
+onnxruntime, torch.jit.trace and save; each run on inputs of sizes the export never saw and
+compared with eager. The TorchScript ONNX exporter, which once wrote one constant for a whole
+model, now refuses with an error that says what to do."""
+
+import io
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+
+import densematch
+import densematch.onnx
+from densematch import kornia as dk
+
+pytestmark = [
+    pytest.mark.slow,
+    # the trace's own notes on Python branches and sizes (the tests run the traces at other sizes)
+    pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:torch"),
+    # onnxscript asks torch.utils._pytree a deprecated question
+    pytest.mark.filterwarnings("ignore:`isinstance(treespec, LeafSpec)` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning"),
+]
+
+METRICS = ["l2", "cosine", "l1", "linf", "dot", "sqeuclidean"]
+MAPS = {"x": {0: torch.export.Dim("n"), 2: torch.export.Dim("h"), 3: torch.export.Dim("w")}}
+ROWS = {"a": {0: torch.export.Dim("na")}, "b": {0: torch.export.Dim("nb")}}
+
+
+class Matcher(torch.nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.fn = getattr(dk, name)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(a, b)
+
+
+def _onnx_run(program, *inputs: torch.Tensor) -> list[np.ndarray]:
+    onnx_program = torch.onnx.export(densematch.onnx.decompose(program), dynamo=True, verbose=False)
+    session = onnxruntime.InferenceSession(onnx_program.model_proto.SerializeToString())
+    return session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)})
+
+
+def _photo_maps(n: int, h: int, w: int) -> torch.Tensor:
+    from skimage import data
+
+    img = torch.tensor(data.coffee()[:h, :w].astype(np.float32) / 255).permute(2, 0, 1)
+    maps = torch.nn.functional.unfold(img[None], 3, padding=1).reshape(1, 27, h, w)[:, :8]
+    return torch.cat([maps + 0.01 * i for i in range(n)])
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_exported_prototype_distance_equals_eager_at_other_sizes(metric):
+    layer = densematch.PrototypeDistance(5, 8, metric)
+    program = torch.export.export(layer, (torch.randn(2, 8, 5, 6),), dynamic_shapes=MAPS)
+    x = _photo_maps(3, 11, 13)
+    want = layer(x)
+    assert torch.equal(program.module()(x), want)
+    (got,) = _onnx_run(program, x)
+    np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["match_nn", "match_mnn"])
+def test_exported_kornia_matchers_equal_eager_at_other_sizes(name):
+    program = torch.export.export(Matcher(name), (torch.randn(10, 16), torch.randn(12, 16)), dynamic_shapes=ROWS)
+    for na, nb in ((30, 25), (7, 40)):
+        a, b = torch.randn(na, 16), torch.randn(nb, 16)
+        want = getattr(dk, name)(a, b)
+        got = program.module()(a, b)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    dists, idxs = _onnx_run(program, a, b)
+    assert np.array_equal(idxs, want[1].numpy())
+    np.testing.assert_allclose(dists, want[0].numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["match_nn", "match_mnn", "match_snn", "match_smnn"])
+def test_traced_kornia_matchers_equal_eager_at_other_sizes(name):
+    fn = getattr(dk, name)
+    traced = torch.jit.trace(Matcher(name), (torch.randn(10, 16), torch.randn(12, 16)), check_trace=False)
+    saved = io.BytesIO()
+    torch.jit.save(traced, saved)
+    saved.seek(0)
+    loaded = torch.jit.load(saved)
+    for na, nb in ((11, 13), (20, 7), (5, 5)):
+        a, b = torch.randn(na, 16), torch.randn(nb, 16)
+        want = fn(a, b)
+        for run in (traced, loaded):
+            got = run(a, b)
+            assert got[0].shape == want[0].shape and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_traced_descriptor_matcher_and_prototype_distance_equal_eager_at_other_sizes():
+    matcher = dk.DescriptorMatcher("snn", 0.9)
+    traced = torch.jit.trace(matcher, (torch.randn(10, 16), torch.randn(12, 16)), check_trace=False)
+    a, b = torch.randn(30, 16), torch.randn(25, 16)
+    assert torch.equal(traced(a, b)[1], matcher(a, b)[1])
+    layer = densematch.PrototypeDistance(4, 8, "l1")
+    traced = torch.jit.trace(layer, torch.randn(2, 8, 3, 3))
+    saved = io.BytesIO()
+    torch.jit.save(traced, saved)
+    saved.seek(0)
+    x = _photo_maps(3, 7, 9)
+    assert torch.equal(torch.jit.load(saved)(x), layer(x))
+
+
+def test_the_torchscript_onnx_exporter_refuses_clearly():
+    for model, args in (
+        (densematch.PrototypeDistance(4, 8), (torch.randn(1, 8, 4, 4),)),
+        (Matcher("match_snn"), (torch.randn(6, 8), torch.randn(7, 8))),
+    ):
+        with pytest.raises(RuntimeError, match="densematch.onnx.decompose"):
+            torch.onnx.export(model, args, io.BytesIO(), dynamo=False)
+
+
+def test_decompose_takes_an_exported_program():
+    with pytest.raises(TypeError, match="ExportedProgram"):
+        densematch.onnx.decompose(densematch.PrototypeDistance(2, 3))

@@ -1,0 +1,82 @@
+"""densematch's operations as PyTorch operators (issue 40, goal 1): each passes torch's own
+operator checks (schema, fake kernel, autograd registration, AOT dispatch), and the public
+functions call them, so that a recorded graph holds one node per operation."""
+
+import pytest
+import torch
+
+import densematch
+from densematch import engine
+from densematch.metrics import METRICS, get_metric
+from densematch.precision import Precision
+
+BUDGET = 1 << 26
+
+
+def _maps(channels_last: bool) -> torch.Tensor:
+    x = torch.randn(2, 8, 5, 7)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+@pytest.mark.parametrize("metric", sorted(METRICS))
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pairwise_distance_op_passes_opcheck(metric, channels_last):
+    x = _maps(channels_last).requires_grad_()
+    p = torch.randn(4, 8, requires_grad=True)
+    torch.library.opcheck(torch.ops.densematch.pairwise_distance.default, (x, p, metric, BUDGET, True, False, True))
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "l1"])
+def test_pairwise_distance_backward_op_passes_opcheck(metric):
+    x, p = torch.randn(2, 8, 5, 7), torch.randn(4, 8)
+    out = densematch.pairwise_distance(x, p, metric)
+    grad = torch.randn_like(out)
+    for need_x in (True, False):
+        torch.library.opcheck(
+            torch.ops.densematch.pairwise_distance_backward.default, (grad, x, p, out, metric, BUDGET, True, need_x)
+        )
+
+
+@pytest.mark.parametrize(
+    ("metric", "half", "rows"),
+    [("l2", "", False), ("cosine", "bfloat16", True), ("l1", "", True), ("dot", "float16", False)],
+)
+def test_topk_op_passes_opcheck(metric, half, rows):
+    a, b = torch.randn(30, 8), torch.randn(40, 8)
+    rows_a, rows_b = (torch.arange(0, 30, 3), torch.arange(5, 40)) if rows else (None, None)
+    args = (a, b, metric, 3, BUDGET, "exact", torch.float32, half, True, "auto", None, rows_a, rows_b, 0)
+    torch.library.opcheck(torch.ops.densematch.topk.default, args)
+
+
+def test_the_op_equals_the_engine_it_wraps():
+    a, b = torch.randn(50, 16), torch.randn(70, 16)
+    m = get_metric("cosine")
+    prec = Precision("exact", half=torch.bfloat16)
+    want = engine.topk(a, b, metric=m, k=4, budget=BUDGET, precision=prec, rows_b=torch.arange(10, 60))
+    got = engine.search(a, b, metric=m, k=4, budget=BUDGET, precision=prec, rows_b=torch.arange(10, 60))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def _ops_called(fn) -> set[str]:
+    """The densematch operators ``fn`` dispatches."""
+    seen: set[str] = set()
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "densematch":
+                seen.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        fn()
+    return seen
+
+
+def test_public_functions_run_through_the_operators():
+    x, p = torch.randn(1, 8, 6, 7), torch.randn(5, 8)
+    a, b = torch.randn(6, 7, 8), torch.randn(6, 7, 8)
+    assert _ops_called(lambda: densematch.pairwise_distance(x, p)) == {"pairwise_distance"}
+    assert _ops_called(lambda: densematch.nearest_prototype(x, p, k=2)) == {"topk"}
+    assert _ops_called(lambda: densematch.match(a, b, mutual=True)) == {"topk"}
+    assert _ops_called(lambda: densematch.knn(torch.randn(9, 8), p)) == {"topk"}
+    assert _ops_called(lambda: densematch.kornia.match_snn(torch.randn(9, 8), p)) == {"topk"}
