@@ -188,7 +188,6 @@ class TestBadInput:
             (torch.randn(1, 3, 4, 4), torch.full((5, 3), float("inf")), {}, ValueError, "prototypes must hold only"),
             (torch.randn(1, 3, 4, 4), torch.randn(5, 3), {"metric": "L3"}, ValueError, "metric must be one of"),
             (torch.ones(1, 3, 4, 4, dtype=torch.int64), torch.randn(5, 3), {}, TypeError, "x must hold floats"),
-            (torch.randn(1, 3, 0, 4), torch.randn(5, 3), {}, ValueError, "x must not be empty"),
             (torch.randn(1, 3, 4, 4), torch.randn(5, 3), {"memory": 100}, ValueError, "cannot hold one tile"),
             (torch.randn(1, 3, 4, 4), torch.randn(5, 3), {"check_finite": "False"}, TypeError, "check_finite must be"),
         ],
@@ -241,3 +240,48 @@ class TestCompiledKernel:
         for a, b in zip(ours, want, strict=True):
             torch.testing.assert_close(a, b)
         assert PrototypeDistance(10, 12, metric=metric, compile=True)(x.detach()).shape == (2, 10, 7, 9)
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 4, 4), (2, 3, 0, 4), (2, 3, 4, 0)])
+def test_empty_maps_give_empty_outputs_as_cdist_does(shape):
+    x, p = torch.randn(*shape), torch.randn(5, 3)
+    n, _, h, w = shape
+    assert pairwise_distance(x, p).shape == (n, 5, h, w)
+    value, index = nearest_prototype(x, p, k=2)
+    assert value.shape == index.shape == (n, 2, h, w) and index.dtype == torch.int64
+    assert nearest_prototype(x, p)[0].shape == (n, h, w)
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "l1", "linf", "dot"])
+def test_gradients_are_the_same_at_any_thread_count(metric):
+    # tile boundaries and the order of the prototypes' sum depend on the budget alone
+    x, p = torch.randn(2, 16, 40, 50), torch.randn(24, 16)
+    weights = torch.linspace(0, 1, 2 * 24 * 40 * 50).view(2, 24, 40, 50)
+    got = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            xx, pp = x.clone().requires_grad_(), p.clone().requires_grad_()
+            out = pairwise_distance(xx, pp, metric, memory="4MiB")
+            (out * weights).sum().backward()
+            got.append((out.detach(), xx.grad, pp.grad))
+    finally:
+        torch.set_num_threads(threads)
+    for other in got[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got[0], other))
+
+
+def test_inference_tensors_are_taken_where_cdist_takes_them():
+    with torch.inference_mode():
+        x = torch.randn(1, 8, 4, 4)
+    layer = PrototypeDistance(3, 8)
+    with torch.inference_mode():  # cdist too takes them where nothing is recorded for backward
+        assert layer(x).shape == (1, 3, 4, 4)
+        assert layer.nearest(x)[0].shape == (1, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), pairwise_distance(x.clone(), layer.prototypes))
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        torch.cdist(x.flatten(2).transpose(1, 2), layer.prototypes[None])  # and refuses them here, as do we
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        layer(x)

@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning:torch"),
     # onnxscript asks torch.utils._pytree a deprecated question
-    pytest.mark.filterwarnings("ignore:`isinstance(treespec, LeafSpec)` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:.*treespec, LeafSpec:FutureWarning"),
     pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning"),
 ]
 

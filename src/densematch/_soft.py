@@ -185,8 +185,10 @@ def _one_item(
     if fused is not None:
         return fused
     if flash and wanted and q.shape[1] < _FUSED_WIDTH:  # on a CPU
-        return _TilesThenFlash.apply(q, k, v, 1.0 / t, budget)  # type: ignore[no-untyped-call]
-    return _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
+        out, top, _lse = _TilesThenFlash.apply(q, k, v, 1.0 / t, budget)  # type: ignore[no-untyped-call]
+        return out, top
+    out, top, *_lse = _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
+    return out, top
 
 
 _EXP_FLOOR = -60.0
@@ -238,18 +240,23 @@ class _TilesThenFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ta, tb = _tiles(q.shape[0], k.shape[0], q.shape[1], budget)
         lse, best, out, _ = _online(q, k, v, scale, ta, tb, None)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        top = torch.exp(best - lse)
-        ctx.mark_non_differentiable(top)
-        return out, top
+        return out, torch.exp(best - lse), lse
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, grad_top: torch.Tensor) -> tuple[Any, ...]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        # apart from forward (the log-sum-exp an output of its own), as torch.func wants it
+        q, k, v, scale, _budget = inputs
+        out, top, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(top, lse)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_top: torch.Tensor, grad_lse: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         c = max(q.shape[1], v.shape[1])
 
@@ -319,8 +326,8 @@ class _SoftAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
+    ) -> tuple[torch.Tensor, ...]:
         na, nb = q.shape[0], k.shape[0]
         shared = dual and _products_fit(na, nb, q, budget)
         # the dual's two passes share one matrix product where it fits, the tiles in what is left
@@ -338,17 +345,24 @@ class _SoftAttention(torch.autograd.Function):
         # the largest weight: exp(best - lse), of P_ij itself in dual mode (which may underflow:
         # a row whose best match is every other row's best too carries little weight)
         top = torch.exp(best - (plain_lse if plain_lse is not None else lse))
-        ctx.save_for_backward(q, k, v, lse, out, *(() if col_lse is None else (col_lse,)))
-        ctx.scale, ctx.dual, ctx.tiles, ctx.budget = scale, dual, (ta, tb), budget
-        ctx.mark_non_differentiable(top)
-        return out, top
+        return out, top, lse, (lse.new_empty(0) if col_lse is None else col_lse)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, grad_top: torch.Tensor) -> tuple[Any, ...]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        # apart from forward (the log-sum-exps outputs of their own), as torch.func wants it
+        q, k, v, scale, dual, budget = inputs
+        out, top, lse, col_lse = output
+        ctx.save_for_backward(q, k, v, lse, out, *((col_lse,) if dual else ()))
+        ctx.scale, ctx.dual, ctx.budget = scale, dual, budget
+        ctx.mark_non_differentiable(top, lse, col_lse)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, *_no_grads: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, lse, out, *dual_saved = ctx.saved_tensors
-        scale, (ta, tb) = ctx.scale, ctx.tiles
+        scale = ctx.scale
         na, nb = q.shape[0], k.shape[0]
         shared = ctx.dual and _products_fit(na, nb, q, ctx.budget)  # as in the forward, which sized the tiles
+        ta, tb = _tiles(na, nb, q.shape[1], ctx.budget - (_products_bytes(na, nb, q) if shared else 0))
         col_lse = dual_saved[0] if ctx.dual else None
         factor = 2.0 if ctx.dual else 1.0
         # out_i = sum_j w_ij v_j: the gradient reaches l_ij as w_ij g_ij, g_ij = grad_i . (v_j - out_i).

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._oprules import recording
 
@@ -99,9 +100,9 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
     message = f"{name} must hold only finite values, got NaN or Inf; clean it first (for example with torch.nan_to_num)"
     if mask is not None:
         x, mask = x.reshape(mask.numel(), -1), mask.reshape(-1)
-    if recording():
+    if recording() or is_fake(x):
         # a graph cannot branch on the data: the check becomes an assertion op in it, raised
-        # (as a RuntimeError) when the graph runs
+        # (as a RuntimeError) when the graph runs; fake tensors have no data to check
         ok = torch.isfinite(x) if mask is None else torch.isfinite(x).all(1) | ~mask
         torch._assert_async(ok.all(), message)
         return

@@ -37,8 +37,14 @@ def traced() -> bool:
     """Whether this thread's operators reach something other than memory: a torch dispatch mode
     (FakeTensorMode, whose tensors have no storage, and which other threads do not share),
     torch.compile's tracing, or torch.jit.trace's (which records only torch operators called on
-    this thread). Neither C kernels nor worker threads may run then."""
-    return is_in_torch_dispatch_mode() or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+    this thread), or a torch.func transform (whose wrapped tensors have no storage of their own).
+    Neither C kernels nor worker threads may run then."""
+    return (
+        is_in_torch_dispatch_mode()
+        or torch.compiler.is_compiling()
+        or torch._C._get_tracing_state() is not None
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    )
 
 
 def workers_for(device: torch.device) -> int:

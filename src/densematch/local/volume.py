@@ -41,7 +41,6 @@ class _Values(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
         ra: torch.Tensor,
         rb: torch.Tensor,
         flow: torch.Tensor | None,
@@ -70,9 +69,15 @@ class _Values(torch.autograd.Function):
             else:
                 out[:, places, y0:y1] = v
         assert out is not None
-        ctx.save_for_backward(ra, rb, flow)
-        ctx.win, ctx.offsets, ctx.rows, ctx.places = win, offsets, rows, places
         return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        # apart from forward, as torch.func.grad wants it
+        ra, rb, flow, win, offsets, rows, _fill, slots = inputs
+        ctx.save_for_backward(ra, rb, flow)
+        places = None if slots is None else torch.tensor(slots[0], dtype=torch.long, device=ra.device)
+        ctx.win, ctx.offsets, ctx.rows, ctx.places = win, offsets, rows, places
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
