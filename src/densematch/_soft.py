@@ -328,6 +328,13 @@ class _SoftAttention(torch.autograd.Function):
     def forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
     ) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():  # under torch.func too, where forward runs with autograd on
+            return _SoftAttention._forward(q, k, v, scale, dual, budget)
+
+    @staticmethod
+    def _forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
+    ) -> tuple[torch.Tensor, ...]:
         na, nb = q.shape[0], k.shape[0]
         shared = dual and _products_fit(na, nb, q, budget)
         # the dual's two passes share one matrix product where it fits, the tiles in what is left
@@ -420,8 +427,9 @@ def _products_fit(na: int, nb: int, q: torch.Tensor, budget: int) -> bool:
 def _products(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int) -> torch.Tensor:
     """scale q k^T (na, nb), written a row tile at a time (no temporary of its size)."""
     out = torch.empty(q.shape[0], k.shape[0], dtype=q.dtype, device=q.device)
-    for i in range(0, q.shape[0], ta):
-        torch.mm(q[i : i + ta] * scale, k.T, out=out[i : i + ta])
+    with torch.no_grad():  # a constant of both passes (out= takes no autograd, under torch.func either)
+        for i in range(0, q.shape[0], ta):
+            torch.mm(q[i : i + ta] * scale, k.T, out=out[i : i + ta])
     return out
 
 
