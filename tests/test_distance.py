@@ -269,7 +269,7 @@ def test_gradients_are_the_same_at_any_thread_count(metric):
     finally:
         torch.set_num_threads(threads)
     for other in got[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(got[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(got[0], other, strict=True))
 
 
 def test_inference_tensors_are_taken_where_cdist_takes_them():

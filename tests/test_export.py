@@ -41,7 +41,7 @@ class Matcher(torch.nn.Module):
 def _onnx_run(program, *inputs: torch.Tensor) -> list[np.ndarray]:
     onnx_program = torch.onnx.export(densematch.onnx.decompose(program), dynamo=True, verbose=False)
     session = onnxruntime.InferenceSession(onnx_program.model_proto.SerializeToString())
-    return session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)})
+    return session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})
 
 
 def _photo_maps(n: int, h: int, w: int) -> torch.Tensor:
@@ -111,7 +111,7 @@ def test_the_torchscript_onnx_exporter_refuses_clearly():
         (densematch.PrototypeDistance(4, 8), (torch.randn(1, 8, 4, 4),)),
         (Matcher("match_snn"), (torch.randn(6, 8), torch.randn(7, 8))),
     ):
-        with pytest.raises(RuntimeError, match="densematch.onnx.decompose"):
+        with pytest.raises(RuntimeError, match=r"densematch\.onnx\.decompose"):
             torch.onnx.export(model, args, io.BytesIO(), dynamo=False)
 
 

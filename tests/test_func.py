@@ -44,7 +44,7 @@ def test_vmap_grad_and_jacrev_through_pairwise_distance(maps, metric):
     weights = torch.rand(2, 3, 4, 5, dtype=torch.float64)
     got = torch.func.grad(lambda a, b: (mine(a, b) * weights).sum(), argnums=(0, 1))(x, p)
     want = torch.func.grad(lambda a, b: (theirs(a, b) * weights).sum(), argnums=(0, 1))(x, p)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     torch.testing.assert_close(torch.func.jacrev(lambda b: mine(x, b))(p), torch.func.jacrev(lambda b: theirs(x, b))(p))
     torch.testing.assert_close(torch.func.jacrev(lambda a: mine(a, p))(x), torch.func.jacrev(lambda a: theirs(a, p))(x))
@@ -64,14 +64,14 @@ def test_grad_through_soft_match_equals_autograd():
     a, b = torch.randn(6, 7, 8, dtype=torch.float64), torch.randn(5, 6, 8, dtype=torch.float64)
     for mode in ("softmax", "dual_softmax"):
 
-        def loss(x, y):
+        def loss(x, y, mode=mode):
             s = densematch.soft_match(x, y, temperature=0.2, mode=mode)
             return s.coords.square().sum() + s.spread.sum()
 
         got = torch.func.grad(loss, argnums=(0, 1))(a, b)
         x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
         want = torch.autograd.grad(loss(x, y), (x, y))
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
 
 
@@ -79,12 +79,12 @@ def test_grad_through_local_cost_volume_equals_autograd():
     a, b = torch.randn(1, 8, 6, 7, dtype=torch.float64), torch.randn(1, 8, 6, 7, dtype=torch.float64)
     for metric in ("dot",):  # cosine and l2 recompute with autograd inside their backward: not yet
 
-        def loss(x, y):
+        def loss(x, y, metric=metric):
             v = densematch.local_cost_volume(x, y, radius=1, metric=metric)
             return torch.nan_to_num(v, posinf=0.0).square().sum()
 
         got = torch.func.grad(loss, argnums=(0, 1))(a, b)
         x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
         want = torch.autograd.grad(loss(x, y), (x, y))
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
