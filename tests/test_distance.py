@@ -260,7 +260,7 @@ def test_gradients_are_the_same_at_any_thread_count(metric):
     got = []
     threads = torch.get_num_threads()
     try:
-        for count in (1, 2, 3):
+        for count in (1, 2):
             torch.set_num_threads(count)
             xx, pp = x.clone().requires_grad_(), p.clone().requires_grad_()
             out = pairwise_distance(xx, pp, metric, memory="4MiB")
