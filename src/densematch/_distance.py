@@ -289,12 +289,17 @@ def _distance_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> 
     ctx.settings = (metric, budget, use_c)
 
 
-def _distance_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _gradients(ctx: Any, grad: torch.Tensor, backward: Any) -> tuple[torch.Tensor | None, ...]:
+    """The op's input gradients from ``backward``, called as the backward op is."""
     x, p, result = ctx.saved_tensors
     metric, budget, use_c = ctx.settings
     need_x, need_p = ctx.needs_input_grad[:2]
-    gx, gp = torch.ops.densematch.pairwise_distance_backward(grad, x, p, result, metric, budget, use_c, need_x)
+    gx, gp = backward(grad, x, p, result, metric, budget, use_c, need_x)
     return (gx if need_x else None), (gp if need_p else None), None, None, None, None, None
+
+
+def _distance_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    return _gradients(ctx, grad, torch.ops.densematch.pairwise_distance_backward)
 
 
 def _no_second_order(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
@@ -362,11 +367,7 @@ class _Distance(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, p, result = ctx.saved_tensors
-        metric, budget, use_c = ctx.settings
-        need_x, need_p = ctx.needs_input_grad[:2]
-        gx, gp = _DistanceBackward.apply(grad, x, p, result, metric, budget, use_c, need_x)  # type: ignore[no-untyped-call]
-        return (gx if need_x else None), (gp if need_p else None), None, None, None, None, None
+        return _gradients(ctx, grad, _DistanceBackward.apply)
 
 
 def pairwise_distance(

@@ -335,10 +335,7 @@ class _SoftAttention(torch.autograd.Function):
     def _forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
     ) -> tuple[torch.Tensor, ...]:
-        na, nb = q.shape[0], k.shape[0]
-        shared = dual and _products_fit(na, nb, q, budget)
-        # the dual's two passes share one matrix product where it fits, the tiles in what is left
-        ta, tb = _tiles(na, nb, q.shape[1], budget - (_products_bytes(na, nb, q) if shared else 0))
+        shared, ta, tb = _attention_tiles(q, k, dual, budget)
         products = None
         if shared:
             products = _products(q, k, scale, ta)
@@ -368,8 +365,7 @@ class _SoftAttention(torch.autograd.Function):
         q, k, v, lse, out, *dual_saved = ctx.saved_tensors
         scale = ctx.scale
         na, nb = q.shape[0], k.shape[0]
-        shared = ctx.dual and _products_fit(na, nb, q, ctx.budget)  # as in the forward, which sized the tiles
-        ta, tb = _tiles(na, nb, q.shape[1], ctx.budget - (_products_bytes(na, nb, q) if shared else 0))
+        shared, ta, tb = _attention_tiles(q, k, ctx.dual, ctx.budget)  # as the forward sized them
         col_lse = dual_saved[0] if ctx.dual else None
         factor = 2.0 if ctx.dual else 1.0
         # out_i = sum_j w_ij v_j: the gradient reaches l_ij as w_ij g_ij, g_ij = grad_i . (v_j - out_i).
@@ -413,6 +409,14 @@ class _SoftAttention(torch.autograd.Function):
                 dq[i : i + ta].addmm_(ds, kj, alpha=scale)
                 dk[j : j + tb].addmm_(ds.T, qi, alpha=scale)
         return dq, dk, None, None, None, None
+
+
+def _attention_tiles(q: torch.Tensor, k: torch.Tensor, dual: bool, budget: int) -> tuple[bool, int, int]:
+    """Whether the dual softmax's two passes share one matrix product (where it fits), and the
+    tiles in what is left of the budget."""
+    na, nb = q.shape[0], k.shape[0]
+    shared = dual and _products_fit(na, nb, q, budget)
+    return shared, *_tiles(na, nb, q.shape[1], budget - (_products_bytes(na, nb, q) if shared else 0))
 
 
 def _products_bytes(na: int, nb: int, q: torch.Tensor) -> int:

@@ -23,6 +23,8 @@ from typing import TypeVar
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from ._oprules import recording
+
 __all__ = ["THREADED", "own_thread", "scratch", "share_out", "share_size", "workers_for"]
 
 T = TypeVar("T")
@@ -39,12 +41,7 @@ def traced() -> bool:
     torch.compile's tracing, or torch.jit.trace's (which records only torch operators called on
     this thread), or a torch.func transform (whose wrapped tensors have no storage of their own).
     Neither C kernels nor worker threads may run then."""
-    return (
-        is_in_torch_dispatch_mode()
-        or torch.compiler.is_compiling()
-        or torch._C._get_tracing_state() is not None
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    )
+    return is_in_torch_dispatch_mode() or recording() or torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def workers_for(device: torch.device) -> int:
