@@ -427,7 +427,8 @@ class TestBuild:
         source = Path(native.__file__).parent
         for name in ("__init__.py", "native.py", "build.py", "native.c", "align.c"):
             shutil.copy(source / name, kernels / name)
-        shutil.copy(source.parent / "threads.py", kernels.parent / "threads.py")  # what native.py imports
+        for name in ("threads.py", "_oprules.py"):  # what native.py imports, and what they import
+            shutil.copy(source.parent / name, kernels.parent / name)
         for path in built:
             shutil.copy(path, kernels / path.name)
             shutil.copy(path.with_suffix(".sha256"), kernels / path.with_suffix(".sha256").name)
