@@ -21,10 +21,17 @@ class BuildWithKernels(build_py):
 
 
 class PlatformWheel(bdist_wheel):
-    """ctypes loads the libraries: any Python 3 on this platform runs them (py3-none-<platform>)."""
+    """ctypes loads the libraries: any Python 3 on this platform runs them (py3-none-<platform>),
+    and on Linux a manylinux platform where they need no more than its policy allows
+    (src/densematch/kernels/wheeltag.py reads them)."""
 
     def get_tag(self) -> tuple[str, str, str]:
-        return "py3", "none", super().get_tag()[2]
+        platform = super().get_tag()[2]
+        libraries = sorted(Path(self.bdist_dir).rglob("densematch/kernels/*.so")) if self.bdist_dir else []
+        if libraries:
+            wheeltag = runpy.run_path(str(Path(__file__).parent / "src" / "densematch" / "kernels" / "wheeltag.py"))
+            platform = wheeltag["platform_tag"](libraries, platform)
+        return "py3", "none", platform
 
 
 class PlatformDistribution(Distribution):

@@ -76,6 +76,37 @@ def test_exported_kornia_matchers_equal_eager_at_other_sizes(name):
     np.testing.assert_allclose(dists, want[0].numpy(), rtol=1e-5)
 
 
+class Soft(torch.nn.Module):
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.options = options
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, mask_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = densematch.soft_match(a, b, mask_b=mask_b, **self.options)
+        return s.coords, s.max_weight
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.1, "mode": "dual_softmax"}], ids=["auto", "dual"])
+def test_exported_soft_match_equals_eager_at_other_sizes(options):
+    grids = {0: torch.export.Dim("h", min=2), 1: torch.export.Dim("w", min=2)}
+    grids_b = {0: torch.export.Dim("hb", min=2), 1: torch.export.Dim("wb", min=2)}
+    dims = {"a": grids, "b": {**grids_b}, "mask_b": grids_b}
+    model = Soft(**options)
+    # float64: the automatic temperature's sharp rows move float32 coordinates by ~4e-3 px between
+    # any two orders of summation (the tiles' and onnxruntime's)
+    example = (torch.randn(6, 7, 8).double(), torch.randn(5, 6, 8).double(), torch.ones(5, 6, dtype=torch.bool))
+    program = torch.export.export(model, example, dynamic_shapes=dims)
+    photo = _photo_maps(1, 24, 30)[0].permute(1, 2, 0).double()
+    a, b = photo[2:14, 3:20].contiguous(), photo[:16, :22].contiguous()
+    mask = torch.rand(16, 22, generator=torch.Generator().manual_seed(0)) > 0.2
+    want = model(a, b, mask)
+    got = program.module()(a, b, mask)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    coords, top = _onnx_run(program, a, b, mask)
+    np.testing.assert_allclose(coords, want[0].numpy(), atol=1e-8)
+    np.testing.assert_allclose(top, want[1].numpy(), rtol=1e-8, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["match_nn", "match_mnn", "match_snn", "match_smnn"])
 def test_traced_kornia_matchers_equal_eager_at_other_sizes(name):
     fn = getattr(dk, name)

@@ -40,7 +40,9 @@ class TestShapesAndLayouts:
         chw = match(a.permute(0, 3, 1, 2), b.permute(0, 3, 1, 2), k=3, layout="chw")
         flat = match(a.reshape(2, 63, 5), b.reshape(2, 66, 5), k=3, layout="flat")
         assert torch.equal(hwc.index, chw.index) and torch.equal(hwc.coords, chw.coords)
-        assert torch.equal(hwc.index.reshape(2, 63, 3), flat.index) and flat.coords is None
+        assert torch.equal(hwc.index.reshape(2, 63, 3), flat.index) and getattr(flat, "coords", None) is None
+        with pytest.raises(AttributeError, match="layout='flat'"):
+            _ = flat.coords
         assert hwc.index.shape == (2, 7, 9, 3) and hwc.coords.shape == (2, 7, 9, 3, 2)
 
     def test_batch_items_are_independent(self):

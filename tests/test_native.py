@@ -291,6 +291,32 @@ def test_prototype_gradient_does_not_depend_on_which_worker_finishes_first(monke
     assert len(calls) > 3 and torch.equal(grads[0], grads[1])
 
 
+@needs_library
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="manylinux tags are Linux's")
+def test_the_wheel_is_tagged_manylinux_from_what_its_libraries_need(tmp_path):
+    import platform
+
+    from packaging import tags
+
+    from densematch.kernels import wheeltag
+
+    library = Path(native.status()["library"])
+    loaded, versions = wheeltag.needs(library)
+    assert loaded <= wheeltag.ALLOWED and (2, 2) <= max(versions) <= (2, 17)  # glibc 2.16 today
+    arch = platform.machine()
+    tag = wheeltag.platform_tag([library], f"linux_{arch}")
+    assert tag == f"manylinux_2_17_{arch}"
+    assert tag in {t.platform for t in tags.sys_tags()}  # what pip installs here
+    # a library that loads more than the policies allow keeps the build's own tag, as does
+    # anything this cannot read
+    torch_lib = next(p for p in (Path(torch.__file__).parent / "lib").glob("libtorch_cpu*.so*"))
+    assert not wheeltag.needs(torch_lib)[0] <= wheeltag.ALLOWED
+    assert wheeltag.platform_tag([library, torch_lib], f"linux_{arch}") == f"linux_{arch}"
+    (tmp_path / "not-elf.so").write_bytes(b"#!/bin/sh\n")
+    assert wheeltag.platform_tag([tmp_path / "not-elf.so"], f"linux_{arch}") == f"linux_{arch}"
+    assert wheeltag.platform_tag([library], "macosx_11_0_arm64") == "macosx_11_0_arm64"
+
+
 class TestBuild:
     def test_cc_names_the_compiler_or_none(self, monkeypatch):
         # CC=/nonexistent fell back to gcc on the PATH: a build that was asked for no compiler

@@ -48,6 +48,26 @@ def test_topk_op_passes_opcheck(metric, half, rows):
     torch.library.opcheck(torch.ops.densematch.topk.default, args)
 
 
+@pytest.mark.parametrize(
+    ("dual", "auto", "masked"), [(False, False, False), (True, True, False), (False, True, True), (True, False, True)]
+)
+def test_soft_moments_ops_pass_opcheck(dual, auto, masked):
+    g = torch.Generator().manual_seed(0)
+    a, b = (
+        torch.randn(2, 20, 8, generator=g, requires_grad=True),
+        torch.randn(2, 30, 8, generator=g, requires_grad=True),
+    )
+    mask = torch.rand(2, 30, generator=g) > 0.3 if masked else None
+    values = torch.randn(30, 3, dtype=torch.float64, generator=g)
+    args = (a, b, mask, values, 4.0, dual, auto, BUDGET)
+    torch.library.opcheck(torch.ops.densematch.soft_moments.default, args)
+    with torch.no_grad():
+        moments, _top, lse, col_lse, row_scale = torch.ops.densematch.soft_moments(*args)
+    grad = torch.randn_like(moments)
+    back = (grad, a.detach(), b.detach(), mask, values, moments, lse, col_lse, row_scale, 4.0, dual, BUDGET)
+    torch.library.opcheck(torch.ops.densematch.soft_moments_backward.default, back)
+
+
 def test_the_op_equals_the_engine_it_wraps():
     a, b = torch.randn(50, 16), torch.randn(70, 16)
     m = get_metric("cosine")
@@ -78,5 +98,6 @@ def test_public_functions_run_through_the_operators():
     assert _ops_called(lambda: densematch.pairwise_distance(x, p)) == {"pairwise_distance"}
     assert _ops_called(lambda: densematch.nearest_prototype(x, p, k=2)) == {"topk"}
     assert _ops_called(lambda: densematch.match(a, b, mutual=True)) == {"topk"}
+    assert _ops_called(lambda: densematch.soft_match(a, b, mode="dual_softmax")) == {"soft_moments"}
     assert _ops_called(lambda: densematch.knn(torch.randn(9, 8), p)) == {"topk"}
     assert _ops_called(lambda: densematch.kornia.match_snn(torch.randn(9, 8), p)) == {"topk"}

@@ -78,6 +78,10 @@ def good(a: torch.Tensor) -> densematch.Matches:
 
 def bad(a: torch.Tensor) -> densematch.Matches:
     return densematch.match(a, a, metric="l3")
+
+
+def coords(a: torch.Tensor) -> torch.Tensor:  # Matches.coords was Tensor | None
+    return densematch.match(a, a).coords
 """
 
 

@@ -110,21 +110,20 @@ def test_the_largest_weight_costs_no_second_pass(photo, monkeypatch):
 
 def test_the_gpus_fused_path_takes_the_kernels_log_sum_exp(photo, monkeypatch):
     # the fused attention path a GPU takes, run here through the CPU's flash kernel: its moments,
-    # its gradients and its largest weight (the kernel's log-sum-exp against one pass of maxima,
-    # no pass of exponentials) equal the tiles'
+    # its largest weight (the kernel's log-sum-exp against one pass of maxima, no pass of
+    # exponentials) and its log-sum-exp equal the tiles', and so do the tiles' gradients from them
     monkeypatch.setattr(_soft, "_row_stats", lambda *args: pytest.fail("a second pass of exponentials"))
-    a, b = (torch.nn.functional.normalize(f.reshape(-1, f.shape[-1]), dim=1) for f in photo)
-    v = torch.randn(b.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    got, want = [], []
-    for run, into in ((lambda q, k: _soft._fused(q, k, v, 10.0, 2**24), got),
-                      (lambda q, k: _soft._SoftAttention.apply(q, k, v, 10.0, False, 2**24)[:2], want)):  # fmt: skip
-        q, k = a.clone().requires_grad_(), b.clone().requires_grad_()
-        out, top = run(q, k)
-        out.square().sum().backward()
-        into.extend(x.detach() for x in (out, top, q.grad, k.grad))
+    q, k = (torch.nn.functional.normalize(f.reshape(-1, f.shape[-1]), dim=1) for f in photo)
+    v = torch.randn(k.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got = _soft._fused(q, k, v, 10.0, 2**24)
+    want = _soft._attention_forward(q, k, v, 10.0, False, 2**24)[:3]
     for mine, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(mine.double(), theirs.double(), atol=2e-4 * float(theirs.abs().max()), rtol=0)
     assert bool((got[1] > 0).all() and (got[1] <= 1).all())
+    grad = torch.randn(q.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grads = [_soft._attention_backward(grad, q, k, v, out, lse, None, 10.0, 2**24) for out, _, lse in (got, want)]
+    for mine, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=2e-4 * float(theirs.abs().max()), rtol=0)
 
 
 def test_float32_gradients_through_the_flash_backward_equal_the_dense_recipes(photo):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import checks, engine
-from ._oprules import looped, recording, refuse_legacy_onnx
+from ._oprules import differentiable, looped, recording, refuse_legacy_onnx
 from .budget import chunk_rows
 from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
 from .choices import MetricName, PrecisionName
@@ -289,28 +289,16 @@ def _distance_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> 
     ctx.settings = (metric, budget, use_c)
 
 
-def _gradients(ctx: Any, grad: torch.Tensor, backward: Any) -> tuple[torch.Tensor | None, ...]:
+def _gradients(ctx: Any, grads: tuple[torch.Tensor], backward: Any) -> tuple[torch.Tensor | None, ...]:
     """The op's input gradients from ``backward``, called as the backward op is."""
     x, p, result = ctx.saved_tensors
     metric, budget, use_c = ctx.settings
     need_x, need_p = ctx.needs_input_grad[:2]
-    gx, gp = backward(grad, x, p, result, metric, budget, use_c, need_x)
+    gx, gp = backward(grads[0], x, p, result, metric, budget, use_c, need_x)
     return (gx if need_x else None), (gp if need_p else None), None, None, None, None, None
 
 
-def _distance_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    return _gradients(ctx, grad, torch.ops.densematch.pairwise_distance_backward)
-
-
-def _no_second_order(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
-    raise NotImplementedError(
-        "pairwise_distance is differentiable once: its backward has no derivative of its own (as "
-        "torch.cdist's); for second-order terms compute the distances with torch operators"
-    )
-
-
-_distance_op.register_autograd(_distance_grad, setup_context=_distance_setup)
-_distance_backward_op.register_autograd(_no_second_order, setup_context=lambda ctx, inputs, output: None)
+_Distance = differentiable(_distance_op, _distance_backward_op, _distance_setup, _gradients, "pairwise_distance")
 
 
 def _distance_vmap(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, p: torch.Tensor, *rest: Any) -> Any:
@@ -328,46 +316,6 @@ def _distance_backward_vmap(info: Any, in_dims: tuple[int | None, ...], *args: A
 
 _distance_op.register_vmap(_distance_vmap)
 _distance_backward_op.register_vmap(_distance_backward_vmap)
-
-
-class _DistanceBackward(torch.autograd.Function):
-    """The backward op, differentiable no further (see :func:`_no_second_order`)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            out: tuple[torch.Tensor, torch.Tensor] = torch.ops.densematch.pairwise_distance_backward(*args)
-        return out
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
-
-    backward = staticmethod(_no_second_order)
-
-
-class _Distance(torch.autograd.Function):
-    """The op with its derivative, as torch.func transforms need it: the autograd a custom op's
-    ``register_autograd`` makes has no ``setup_context`` of its own, which torch.func.grad,
-    jacrev and vmap of a gradient refuse (pytorch/pytorch#168393); this one has."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(
-        x: torch.Tensor, p: torch.Tensor, metric: str, budget: int, use_c: bool, compiled: bool, finite: bool
-    ) -> torch.Tensor:
-        with torch.no_grad():  # the op's own autograd stays out: this Function is the derivative
-            out: torch.Tensor = torch.ops.densematch.pairwise_distance(x, p, metric, budget, use_c, compiled, finite)
-        return out
-
-    setup_context = staticmethod(_distance_setup)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _gradients(ctx, grad, _DistanceBackward.apply)
 
 
 def pairwise_distance(
@@ -430,7 +378,7 @@ def pairwise_distance(
     budget, use_c = resolve_memory(memory, x.device), kernel_setting() != "torch"
     with torch.autocast(device_type=x.device.type, enabled=False):
         # a recorded graph holds the op with the derivative registered on it (torch.jit.trace
-        # could not save _Distance); eager calls go through _Distance, which torch.func accepts
+        # could not save an autograd.Function); eager calls go through _Distance (torch.func's)
         apply = _distance_op if recording() else _Distance.apply
         out: torch.Tensor = apply(x, p, m.name, budget, use_c, compiled, finite)  # type: ignore[no-untyped-call]
         return out

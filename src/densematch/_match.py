@@ -34,7 +34,6 @@ __all__ = ["DenseMatcher", "MatchOptions", "Matches", "match"]
 _OPTION_NAMES = frozenset(f.name for f in fields(MatchOptions))
 
 
-@dataclass
 class Matches:
     """The result of :func:`match`.
 
@@ -43,27 +42,43 @@ class Matches:
     index : Tensor of int64, shape (*batch, *grid_a[, k])
         Flat index of the match in b's grid; -1 where there is none (a masked-out pixel of a,
         or fewer allowed pixels in b than k).
-    coords : Tensor of int64, shape (*batch, *grid_a[, k], 2), or None
+    coords : Tensor of int64, shape (*batch, *grid_a[, k], 2)
         (row, col) of the match in b's grid, derived with b's own width; -1 where there is none.
-        None for layout="flat".
+        For layout="flat" (rows, no grid) reading it raises an AttributeError that says so:
+        ``getattr(m, "coords", None)`` is None there.
     score : Tensor of float32 (float64 with precision="float64"), shape (*batch, *grid_a[, k])
         Similarity (cosine, dot) or distance (l2, sqeuclidean, l1, linf); NaN where there is none.
     valid : Tensor of bool, shape (*batch, *grid_a[, k])
         True where a match exists and every requested filter (mutual, ratio) passes.
     """
 
-    index: torch.Tensor
-    coords: torch.Tensor | None
-    score: torch.Tensor
-    valid: torch.Tensor
+    __slots__ = ("_coords", "index", "score", "valid")
+
+    def __init__(
+        self, index: torch.Tensor, coords: torch.Tensor | None, score: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        self.index, self._coords, self.score, self.valid = index, coords, score, valid
+
+    @property
+    def coords(self) -> torch.Tensor:
+        if self._coords is None:
+            raise AttributeError(
+                "Matches.coords: these matches come from layout='flat' (rows, no grid), so they have no (row, col); "
+                "use .index, the row of b"
+            )
+        return self._coords
+
+    def _fields(self) -> dict[str, torch.Tensor]:
+        found = {"index": self.index, "coords": self._coords, "score": self.score, "valid": self.valid}
+        return {name: value for name, value in found.items() if value is not None}
 
     def numpy(self) -> dict[str, np.ndarray]:
         """The fields as numpy arrays (``coords`` left out for layout="flat")."""
-        return {
-            f.name: getattr(self, f.name).detach().cpu().numpy()
-            for f in fields(self)
-            if getattr(self, f.name) is not None
-        }
+        return {name: value.detach().cpu().numpy() for name, value in self._fields().items()}
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{name}={tuple(value.shape)}" for name, value in self._fields().items())
+        return f"Matches({shapes})"
 
 
 def match(
@@ -218,7 +233,6 @@ def placed(task: Task, found: Matches) -> Matches:
     options = task.options
     if not options.places:
         return found
-    assert found.coords is not None  # the options are checked against the grids in validate
     dtype = torch.float64 if task.precision.dtype == torch.float64 else compute_dtype(task.ra)
     k = task.k
     index = found.index.reshape(task.nbatch, task.na, k)

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["looped", "read_once", "recording", "refuse_legacy_onnx"]
+__all__ = ["differentiable", "looped", "read_once", "recording", "refuse_legacy_onnx"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,6 +34,62 @@ def looped(op: Callable[..., Any], in_dims: tuple[int | None, ...], args: tuple[
     if isinstance(outs[0], tuple):
         return tuple(torch.stack(parts) for parts in zip(*outs, strict=True)), (0,) * len(outs[0])
     return torch.stack(outs), 0
+
+
+def differentiable(
+    op: Any,
+    backward_op: Any,
+    setup_context: Callable[[Any, tuple[Any, ...], Any], None],
+    gradients: Callable[..., tuple[Any, ...]],
+    what: str,
+) -> type[torch.autograd.Function]:
+    """Register ``op``'s derivative and return the autograd.Function that eager calls use.
+
+    ``gradients(ctx, grads, backward)`` turns the output gradients into the input gradients by
+    calling ``backward`` as ``backward_op`` is called. The op gets it through
+    ``register_autograd`` (for recorded graphs: torch.jit.trace keeps the op with its derivative);
+    the returned Function runs the same op and the same step, and is what torch.func.grad,
+    jacrev and vmap of a gradient accept: the autograd ``register_autograd`` builds has no
+    ``setup_context`` of its own, which they refuse (pytorch/pytorch#168393). The backward is
+    differentiable no further: a second derivative raises one NotImplementedError naming
+    ``what``. Both Functions are vmapped through the ops' own vmap rules."""
+
+    def no_second_order(ctx: Any, *grads: Any) -> tuple[None, ...]:
+        raise NotImplementedError(
+            f"{what} is differentiable once: its backward has no derivative of its own (as torch.cdist's); "
+            "for second-order terms compute it with torch operators"
+        )
+
+    class Backward(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(*args: Any) -> Any:
+            with torch.no_grad():
+                return backward_op(*args)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            pass
+
+        backward = staticmethod(no_second_order)
+
+    class Forward(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(*args: Any) -> Any:
+            with torch.no_grad():  # the op's own autograd stays out: this Function is the derivative
+                return op(*args)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+            return gradients(ctx, grads, Backward.apply)
+
+    Forward.setup_context = staticmethod(setup_context)  # type: ignore[assignment]
+    op.register_autograd(lambda ctx, *grads: gradients(ctx, grads, backward_op), setup_context=setup_context)
+    backward_op.register_autograd(no_second_order, setup_context=lambda ctx, inputs, output: None)
+    return Forward
 
 
 def recording() -> bool:

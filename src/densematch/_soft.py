@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._oprules import differentiable, looped, recording, refuse_legacy_onnx
 from .budget import chunk_rows
 from .checks import check_batch_mask, check_choice, check_features, check_finite, check_pair, check_real, compute_dtype
 from .choices import LayoutName, SoftMode
@@ -120,12 +121,13 @@ def soft_match(
     t = 1.0 if auto else check_real(temperature, "temperature", 0.0, math.inf, low_open=True)
     if layout not in ("hwc", "chw"):
         raise ValueError(f"layout must be 'hwc' or 'chw' (positions need a 2-D grid), got {layout!r}")
-    ra, grid_a, batched = check_features(a, "a", layout)
+    ra, grid_a, batched = check_features(a, "a", layout, finite=False)  # the op checks a, b (b where allowed)
     rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
     check_pair(ra, rb, batched, batched_b)
     masks = check_batch_mask(mask_b, "mask_b", ra.shape[0], grid_b, batched, ra.device)
     if masks is not None:
         masks = masks.reshape(ra.shape[0], -1)
+    refuse_legacy_onnx("soft_match")
     budget = resolve_memory(memory, ra.device)
     dtype = compute_dtype(ra, rb)
     hb, wb = grid_b
@@ -134,17 +136,12 @@ def soft_match(
     # moments about b's centre: small numbers, so that the variance keeps its digits
     centre = ((hb - 1) / 2, (wb - 1) / 2)
     values = torch.stack((rows - centre[0], cols - centre[1], (rows - centre[0]) ** 2 + (cols - centre[1]) ** 2), 1)
-    outs, tops = [], []
     # autocast would run the products in bfloat16 or float16 and move coordinates by up to
     # 0.045 px: the weights are computed in float32 (float64 for float64 inputs) whatever it says
     with torch.autocast(device_type=ra.device.type, enabled=False):
-        for i in range(ra.shape[0]):
-            out, top = _one_item(
-                ra[i], rb[i], None if masks is None else masks[i], values, t, mode, auto, budget, dtype
-            )
-            outs.append(out)
-            tops.append(top)
-    out, top = torch.stack(outs), torch.stack(tops)
+        apply = _moments_op if recording() else _Moments.apply  # as pairwise_distance chooses
+        args = (ra.to(dtype), rb.to(dtype), masks, values, 1.0 / t, mode == "dual_softmax", auto, budget)
+        out, top, *_ = apply(*args)  # type: ignore[no-untyped-call]
 
     coords = out[..., :2] + torch.tensor(centre, dtype=out.dtype, device=out.device)
     variance = (out[..., 2] - out[..., :2].square().sum(-1)).clamp_min(1e-12)
@@ -154,41 +151,217 @@ def soft_match(
     )
 
 
-def _one_item(
-    qa: torch.Tensor,
-    kb: torch.Tensor,
-    mask: torch.Tensor | None,
+# densematch::soft_moments: the soft weights' moments as one PyTorch operator (what
+# torch.compile, torch.export, torch.jit.trace and torch.func see), with its backward an
+# operator of its own. Per batch item: a (Na, C) and b (Nb, C) in the compute dtype, b's rows
+# that mask_b allows, and values (Nb, 3) whose moments are taken. Outputs: the moments
+# (B, Na, 3) in float64, each row's largest weight, and what the backward reuses: the rows'
+# log-sum-exp, the dual softmax's column log-sum-exp (B, Nb; -inf at masked columns; (B, 0)
+# for the plain softmax) and each row's scale (1 / t_i for temperature="auto", else 1).
+@torch.library.custom_op(
+    "densematch::soft_moments",
+    mutates_args=(),
+    schema="(Tensor a, Tensor b, Tensor? mask_b, Tensor values, float scale, bool dual, bool auto, int budget) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _moments_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask_b: torch.Tensor | None,
     values: torch.Tensor,
-    t: float,
-    mode: str,
+    scale: float,
+    dual: bool,
     auto: bool,
     budget: int,
-    dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    check_finite(a, "a")
+    items = []
+    for i in range(a.shape[0]):
+        kept = _allowed(mask_b, i)
+        kb, v = _kept(b[i], kept), _kept(values, kept)
+        if kb.shape[0] == 0:
+            raise ValueError("mask_b must leave at least one pixel of b")
+        check_finite(kb, "b")
+        out, top, lse, col_lse, row_scale = _forward_item(a[i], kb, v, scale, dual, auto, budget)
+        if dual and kept is not None:  # back to b's own columns
+            col_lse = col_lse.new_full((b.shape[1],), -math.inf).index_copy_(0, kept, col_lse)
+        items.append((out, top, lse, col_lse, row_scale))
+    return tuple(torch.stack(parts) for parts in zip(*items, strict=True))
+
+
+@_moments_op.register_fake
+def _moments_fake(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask_b: torch.Tensor | None,
+    values: torch.Tensor,
+    scale: float,
+    dual: bool,
+    auto: bool,
+    budget: int,
+) -> tuple[torch.Tensor, ...]:
+    n, na = a.shape[:2]
+    rows = a.new_empty((n, na))
+    return (
+        a.new_empty((n, na, values.shape[1]), dtype=torch.float64),
+        rows,
+        rows.clone(),
+        a.new_empty((n, b.shape[1] if dual else 0)),
+        rows.clone(),
+    )
+
+
+@torch.library.custom_op(
+    "densematch::soft_moments_backward",
+    mutates_args=(),
+    schema="(Tensor grad, Tensor a, Tensor b, Tensor? mask_b, Tensor values, Tensor moments, Tensor lse, "
+    "Tensor col_lse, Tensor row_scale, float scale, bool dual, int budget) -> (Tensor, Tensor)",
+)
+def _moments_backward_op(
+    grad: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask_b: torch.Tensor | None,
+    values: torch.Tensor,
+    moments: torch.Tensor,
+    lse: torch.Tensor,
+    col_lse: torch.Tensor,
+    row_scale: torch.Tensor,
+    scale: float,
+    dual: bool,
+    budget: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch item: the moments (Na, 3) of ``values`` under each row of a's weights over the
-    rows of b that ``mask`` (Nb,) allows, and each row's largest weight (Na,)."""
-    allowed = None if mask is None else mask.nonzero().squeeze(1)
-    kb = kb if allowed is None else kb.index_select(0, allowed)
-    v = values if allowed is None else values.index_select(0, allowed)
-    if kb.shape[0] == 0:
-        raise ValueError("mask_b must leave at least one pixel of b")
-    check_finite(kb.detach(), "b")
-    q = F.normalize(qa.to(dtype), dim=1)
-    k = F.normalize(kb.to(dtype), dim=1)
+    ga, gb = (
+        torch.empty_like(a, memory_format=torch.contiguous_format),
+        torch.zeros_like(b, memory_format=torch.contiguous_format),
+    )
+    for i in range(a.shape[0]):
+        kept = _allowed(mask_b, i)
+        kb = _kept(b[i], kept)
+        item = (moments[i], lse[i], _kept(col_lse[i], kept) if dual else None, row_scale[i])
+        ga[i], gk = _backward_item(grad[i], a[i], kb, _kept(values, kept), *item, scale, budget)
+        if kept is None:
+            gb[i] = gk
+        else:
+            gb[i].index_copy_(0, kept, gk)
+    return ga, gb
+
+
+@_moments_backward_op.register_fake
+def _moments_backward_fake(
+    grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *rest: Any
+) -> tuple[torch.Tensor, ...]:
+    return torch.empty_like(a, memory_format=torch.contiguous_format), torch.empty_like(
+        b, memory_format=torch.contiguous_format
+    )
+
+
+def _moments_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    a, b, mask_b, values, scale, dual, _auto, budget = inputs
+    moments, top, lse, col_lse, row_scale = output
+    ctx.save_for_backward(a, b, mask_b, values, moments, lse, col_lse, row_scale)
+    ctx.settings = (scale, dual, budget)
+    ctx.mark_non_differentiable(top, lse, col_lse, row_scale)
+
+
+def _moments_gradients(ctx: Any, grads: tuple[torch.Tensor, ...], backward: Any) -> tuple[torch.Tensor | None, ...]:
+    a, b, mask_b, values, moments, lse, col_lse, row_scale = ctx.saved_tensors
+    ga, gb = backward(grads[0], a, b, mask_b, values, moments, lse, col_lse, row_scale, *ctx.settings)
+    need_a, need_b = ctx.needs_input_grad[:2]
+    return (ga if need_a else None), (gb if need_b else None), None, None, None, None, None, None
+
+
+_Moments = differentiable(_moments_op, _moments_backward_op, _moments_setup, _moments_gradients, "soft_match")
+
+
+def _moments_vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> Any:
+    if in_dims[3] is not None:  # values per vmapped item: one call each
+        return looped(_moments_op, in_dims, args)
+    # a, b and mask_b batched or not: the vmapped items fold into the op's own batch
+    size = info.batch_size
+    n = next(t.shape[dim + 1] for t, dim in zip(args[:3], in_dims[:3], strict=False) if dim is not None)
+
+    def fold(t: torch.Tensor | None, dim: int | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
+        return t.flatten(0, 1)
+
+    folded = (fold(t, dim) for t, dim in zip(args[:3], in_dims[:3], strict=True))
+    outs = _moments_op(*folded, *args[3:])
+    return tuple(o.unflatten(0, (size, n)) for o in outs), (0,) * len(outs)
+
+
+def _moments_backward_vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> Any:
+    return looped(_moments_backward_op, in_dims, args)
+
+
+_moments_op.register_vmap(_moments_vmap)
+_moments_backward_op.register_vmap(_moments_backward_vmap)
+
+
+def _allowed(mask_b: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """The indices of item i's allowed rows of b (None: all of them)."""
+    return None if mask_b is None else mask_b[i].nonzero().squeeze(1)
+
+
+def _kept(x: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    return x if kept is None else x.index_select(0, kept)
+
+
+def _forward_item(
+    a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, auto: bool, budget: int
+) -> tuple[torch.Tensor, ...]:
+    """One item's moments (Na, 3), largest weights, log-sum-exps and row scales (see the op)."""
+    q, k = F.normalize(a, dim=1), F.normalize(b, dim=1)
+    row_scale = _auto_scale(q, k, budget) if auto else q.new_ones(q.shape[0])
     if auto:  # each row's own temperature, folded into its query row
-        q = q * _auto_scale(q.detach(), k.detach(), budget)[:, None]
+        q = q * row_scale[:, None]
     # float64 takes the tiles everywhere: torch's fused CPU kernel strayed ~1e-9 from
     # float64's exact moments (tests/test_soft.py's rounding bound)
-    flash = mode == "softmax" and _SDPA and q.dtype != torch.float64
-    wanted = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    fused = _fused(q, k, v, 1.0 / t, budget) if flash and q.device.type != "cpu" else None
-    if fused is not None:
-        return fused
-    if flash and wanted and q.shape[1] < _FUSED_WIDTH:  # on a CPU
-        out, top, _lse = _TilesThenFlash.apply(q, k, v, 1.0 / t, budget)  # type: ignore[no-untyped-call]
-        return out, top
-    out, top, *_lse = _SoftAttention.apply(q, k, v, 1.0 / t, mode == "dual_softmax", budget)  # type: ignore[no-untyped-call]
-    return out, top
+    if not dual and _SDPA and q.dtype != torch.float64 and q.device.type != "cpu":
+        fused = _fused(q, k, v, scale, budget)
+        if fused is not None:
+            return (*fused, q.new_empty(0), row_scale)
+    out, top, lse, col_lse = _attention_forward(q, k, v, scale, dual, budget)
+    return out, top, lse, col_lse, row_scale
+
+
+def _backward_item(
+    grad: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    col_lse: torch.Tensor | None,
+    row_scale: torch.Tensor,
+    scale: float,
+    budget: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One item's gradients for a (Na, C) and its allowed rows of b from the moments' ``grad``."""
+    unit_a, unit_b = F.normalize(a, dim=1), F.normalize(b, dim=1)
+    q = unit_a * row_scale[:, None]
+    # on a CPU the plain softmax of narrow features takes torch's flash backward (float32)
+    flash = col_lse is None and _SDPA and q.dtype != torch.float64 and q.shape[1] < _FUSED_WIDTH
+    if flash and q.device.type == "cpu":
+        dq, dk = _flash_backward(grad, q, unit_b, v, out, lse, scale)
+    else:
+        dq, dk = _attention_backward(grad, q, unit_b, v, out, lse, col_lse, scale, budget)
+    # the automatic temperature is a constant of each row: the gradient passes its scale only
+    return _normalize_grad(a, unit_a, dq * row_scale[:, None]), _normalize_grad(b, unit_b, dk)
+
+
+_NORMALIZE_EPS = 1e-12  # F.normalize's
+
+
+def _normalize_grad(x: torch.Tensor, unit: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient at x of F.normalize(x, dim=1) = x / max(||x||, eps) given ``g`` at its
+    output: (g - u (u . g)) / ||x|| where the norm exceeds eps, g / eps elsewhere."""
+    norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+    over = norm > _NORMALIZE_EPS
+    along = (unit * g).sum(1, keepdim=True)
+    return torch.where(over, (g - unit * along) / norm.clamp_min(_NORMALIZE_EPS), g / _NORMALIZE_EPS)
 
 
 _EXP_FLOOR = -60.0
@@ -199,12 +372,13 @@ _PAIR_BYTES = 80
 
 def _fused(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """On a GPU, the softmax moments through torch's fused attention kernel (never the math
-    kernel, which builds the Na x Nb weights), with features and values padded to one width, or
-    None where no fused kernel takes these inputs. The largest weight is exp(max logit -
-    log-sum-exp), from the kernel's own log-sum-exp and the maxima of one tiled pass of products
-    (no exponentials, no sums)."""
+    kernel, which builds the Na x Nb weights), with features and values padded to one width, its
+    largest weights and log-sum-exps, or None where no fused kernel takes these inputs. The
+    largest weight is exp(max logit - log-sum-exp), from the kernel's own log-sum-exp and the
+    maxima of one tiled pass of products (no exponentials, no sums). The backward runs the tiles
+    (:func:`_attention_backward`) from that log-sum-exp."""
     c = -(-max(q.shape[1], v.shape[1]) // 8) * 8  # a width every fused kernel takes; zero columns change no product
     qp, kp = (F.pad(x, (0, c - x.shape[1])) for x in (q, k))
     vp = F.pad(v.to(q.dtype), (0, c - v.shape[1]))
@@ -215,16 +389,16 @@ def _fused(
     except RuntimeError:
         return None
     ta, tb = _tiles(q.shape[0], k.shape[0], q.shape[1], budget)
-    with torch.no_grad():
-        best = _row_max(q.detach(), k.detach(), scale, ta, tb)
-        top = torch.exp(best - lse[0, 0, : q.shape[0]].to(best.dtype)).clamp_max(1.0)  # two roundings apart
-    return out[0, 0, :, : v.shape[1]].double(), top
+    best = _row_max(q, k, scale, ta, tb)
+    lse_rows = lse[0, 0, : q.shape[0]].to(best.dtype)
+    top = torch.exp(best - lse_rows).clamp_max(1.0)  # two roundings apart
+    return out[0, 0, :, : v.shape[1]].double(), top, lse_rows
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention (1, 1, N, c) and its log-sum-exp per row (1, 1, >= N), differentiable in q, k and
-    v: torch's memory-efficient kernel on a GPU (it takes float32; flash takes half precision
-    only), its flash kernel on a CPU (where the tests reach this path)."""
+    """Attention (1, 1, N, c) and its log-sum-exp per row (1, 1, >= N): torch's
+    memory-efficient kernel on a GPU (it takes float32; flash takes half precision only), its
+    flash kernel on a CPU (where the tests reach this path)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
     else:
@@ -232,43 +406,29 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return out, lse
 
 
-class _TilesThenFlash(torch.autograd.Function):
-    """The plain softmax on a CPU where gradients are wanted of narrow features: the tiles'
-    forward, which finds the largest weight on the way, then torch's flash kernel's own CPU
+def _flash_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain softmax's gradients for q and k on a CPU through torch's flash kernel's own
     backward, handed the tiles' log-sum-exp and moments (features and positions padded to one
     width, as the kernel wants; zero columns change no product)."""
+    c = max(q.shape[1], v.shape[1])
 
-    @staticmethod
-    def forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ta, tb = _tiles(q.shape[0], k.shape[0], q.shape[1], budget)
-        lse, best, out, _ = _online(q, k, v, scale, ta, tb, None)
-        return out, torch.exp(best - lse), lse
+    def wide(x: torch.Tensor) -> torch.Tensor:  # (N, c) in q's dtype, as (1, 1, N, c); no copy of q or k
+        x = x.to(q.dtype)
+        return (x if x.shape[1] == c else F.pad(x, (0, c - x.shape[1]))).contiguous()[None, None]
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        # apart from forward (the log-sum-exp an output of its own), as torch.func wants it
-        q, k, v, scale, _budget = inputs
-        out, top, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        ctx.mark_non_differentiable(top, lse)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, grad_top: torch.Tensor, grad_lse: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        c = max(q.shape[1], v.shape[1])
-
-        def wide(x: torch.Tensor) -> torch.Tensor:  # (N, c) in q's dtype, as (1, 1, N, c); no copy of q or k
-            x = x.to(q.dtype)
-            return (x if x.shape[1] == c else F.pad(x, (0, c - x.shape[1]))).contiguous()[None, None]
-
-        dq, dk, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            wide(grad_out), wide(q), wide(k), wide(v), wide(out), lse.float()[None, None].contiguous(), 0.0, False,
-            scale=ctx.scale,
-        )  # fmt: skip
-        return dq[0, 0, :, : q.shape[1]], dk[0, 0, :, : k.shape[1]], None, None, None
+    dq, dk, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        wide(grad), wide(q), wide(k), wide(v), wide(out), lse.float()[None, None].contiguous(), 0.0, False,
+        scale=scale,
+    )  # fmt: skip
+    return dq[0, 0, :, : q.shape[1]], dk[0, 0, :, : k.shape[1]]
 
 
 def _auto_scale(q: torch.Tensor, k: torch.Tensor, budget: int) -> torch.Tensor:
@@ -314,101 +474,92 @@ def _tiles(na: int, nb: int, c: int, budget: int) -> tuple[int, int]:
     return max(1, min(ta, na)), tb
 
 
-class _SoftAttention(torch.autograd.Function):
-    """out_i = sum_j w_ij v_j with w_ij = softmax_j(l_ij), by tiles; returns the (na, 3)
-    moments in float64 and each row's largest weight.
+def _attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
+) -> tuple[torch.Tensor, ...]:
+    """out_i = sum_j w_ij v_j with w_ij = softmax_j(l_ij), by tiles: the (na, 3) moments in
+    float64, each row's largest weight, its log-sum-exp and (dual) the columns' log-sum-exp.
 
     The plain softmax has logits l_ij = scale q_i . k_j. The dual softmax's weights
     P_ij = softmax_j(s_ij) softmax_i(s_ij) (s = scale q k^T) are renormalised per row, which is
     again a softmax over j, of l_ij = 2 s_ij - c_j with c_j = log sum_i exp(s_ij): taken in the
     log domain, so that a row whose every P_ij underflows (low temperatures) still gets its
     weights, never a fallback to b's centre."""
+    shared, ta, tb = _attention_tiles(q, k, dual, budget)
+    products = None
+    if shared:
+        products = _products(q, k, scale, ta)
+        col_lse = _column_lse(products, ta)
+    elif dual:
+        col_lse = _row_stats(k, q, scale, tb, ta)[0]
+    else:
+        col_lse = None
+    lse, best, out, plain_lse = _online(q, k, v, scale, ta, tb, col_lse, products)
+    del products
+    # the largest weight: exp(best - lse), of P_ij itself in dual mode (which may underflow:
+    # a row whose best match is every other row's best too carries little weight)
+    top = torch.exp(best - (plain_lse if plain_lse is not None else lse))
+    return out, top, lse, (lse.new_empty(0) if col_lse is None else col_lse)
 
-    @staticmethod
-    def forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
-    ) -> tuple[torch.Tensor, ...]:
-        with torch.no_grad():  # under torch.func too, where forward runs with autograd on
-            return _SoftAttention._forward(q, k, v, scale, dual, budget)
 
-    @staticmethod
-    def _forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dual: bool, budget: int
-    ) -> tuple[torch.Tensor, ...]:
-        shared, ta, tb = _attention_tiles(q, k, dual, budget)
-        products = None
-        if shared:
-            products = _products(q, k, scale, ta)
-            col_lse = _column_lse(products, ta)
-        elif dual:
-            col_lse = _row_stats(k, q, scale, tb, ta)[0]
+def _attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    col_lse: torch.Tensor | None,
+    scale: float,
+    budget: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`_attention_forward`'s moments for q and k (``col_lse``: the
+    dual softmax's, None for the plain one), its tiles recomputed as the forward sized them."""
+    dual = col_lse is not None
+    na, nb = q.shape[0], k.shape[0]
+    shared, ta, tb = _attention_tiles(q, k, dual, budget)
+    factor = 2.0 if dual else 1.0
+    # out_i = sum_j w_ij v_j: the gradient reaches l_ij as w_ij g_ij, g_ij = grad_i . (v_j - out_i).
+    # The tiles are computed in the inputs' dtype, as the dense recipe's autograd computes
+    # them (float32 for float32 features: float64 tiles cost twice the time); the per-row
+    # and per-column sums that many tiles add to are kept in float64.
+    dt = q.dtype
+    g_v, v_t = grad_out.to(dt), v.to(dt)
+    d_row = (grad_out.double() * out).sum(1).to(dt)
+
+    products = _products(q, k, scale, ta) if shared else None
+
+    def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if products is None:
+            s = _logits(q[i : i + ta], k[j : j + tb], scale)
         else:
-            col_lse = None
-        lse, best, out, plain_lse = _online(q, k, v, scale, ta, tb, col_lse, products)
-        del products
-        # the largest weight: exp(best - lse), of P_ij itself in dual mode (which may underflow:
-        # a row whose best match is every other row's best too carries little weight)
-        top = torch.exp(best - (plain_lse if plain_lse is not None else lse))
-        return out, top, lse, (lse.new_empty(0) if col_lse is None else col_lse)
+            s = products[i : i + ta, j : j + tb]
+        w = _weights(s, factor, lse[i : i + ta], col_lse, j)
+        return s, w, torch.addmm(d_row[i : i + ta, None], g_v[i : i + ta], v_t[j : j + tb].T, beta=-1)
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        # apart from forward (the log-sum-exps outputs of their own), as torch.func wants it
-        q, k, v, scale, dual, budget = inputs
-        out, top, lse, col_lse = output
-        ctx.save_for_backward(q, k, v, lse, out, *((col_lse,) if dual else ()))
-        ctx.scale, ctx.dual, ctx.budget = scale, dual, budget
-        ctx.mark_non_differentiable(top, lse, col_lse)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, *_no_grads: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, lse, out, *dual_saved = ctx.saved_tensors
-        scale = ctx.scale
-        na, nb = q.shape[0], k.shape[0]
-        shared, ta, tb = _attention_tiles(q, k, ctx.dual, ctx.budget)  # as the forward sized them
-        col_lse = dual_saved[0] if ctx.dual else None
-        factor = 2.0 if ctx.dual else 1.0
-        # out_i = sum_j w_ij v_j: the gradient reaches l_ij as w_ij g_ij, g_ij = grad_i . (v_j - out_i).
-        # The tiles are computed in the inputs' dtype, as the dense recipe's autograd computes
-        # them (float32 for float32 features: float64 tiles cost twice the time); the per-row
-        # and per-column sums that many tiles add to are kept in float64.
-        dt = q.dtype
-        g_v, v_t = grad_out.to(dt), v.to(dt)
-        d_row = (grad_out.double() * out).sum(1).to(dt)
-
-        products = _products(q, k, scale, ta) if shared else None
-
-        def tile(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            if products is None:
-                s = _logits(q[i : i + ta], k[j : j + tb], scale)
-            else:
-                s = products[i : i + ta, j : j + tb]
-            w = _weights(s, factor, lse[i : i + ta], col_lse, j)
-            return s, w, torch.addmm(d_row[i : i + ta, None], g_v[i : i + ta], v_t[j : j + tb].T, beta=-1)
-
-        col_sum = torch.zeros(nb, dtype=torch.float64, device=q.device)
-        if col_lse is not None:  # C_j = sum_i w_ij g_ij: what reaches c_j (negated)
-            for i in range(0, na, ta):
-                for j in range(0, nb, tb):
-                    _, w, g = tile(i, j)
-                    col_sum[j : j + tb] += (w * g).sum(0, dtype=torch.float64)
-        # accumulated in the rows' own dtype: per-input state the size of the inputs, not twice it
-        dq = torch.zeros_like(q)
-        dk = torch.zeros_like(k)
+    col_sum = torch.zeros(nb, dtype=torch.float64, device=q.device)
+    if col_lse is not None:  # C_j = sum_i w_ij g_ij: what reaches c_j (negated)
         for i in range(0, na, ta):
-            qi = q[i : i + ta]
             for j in range(0, nb, tb):
-                kj = k[j : j + tb]
-                s, w, g = tile(i, j)
-                if col_lse is not None:
-                    # l = 2 s - c(s), dc_j / ds_ij = A_ij (the column softmax): ds = 2 w g - A C
-                    col = _exp_(s - col_lse[None, j : j + tb])
-                    ds = 2 * w * g - col * col_sum[None, j : j + tb].to(dt)
-                else:
-                    ds = w.mul_(g)  # w is this tile's own here
-                dq[i : i + ta].addmm_(ds, kj, alpha=scale)
-                dk[j : j + tb].addmm_(ds.T, qi, alpha=scale)
-        return dq, dk, None, None, None, None
+                _, w, g = tile(i, j)
+                col_sum[j : j + tb] += (w * g).sum(0, dtype=torch.float64)
+    # accumulated in the rows' own dtype: per-input state the size of the inputs, not twice it
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    for i in range(0, na, ta):
+        qi = q[i : i + ta]
+        for j in range(0, nb, tb):
+            kj = k[j : j + tb]
+            s, w, g = tile(i, j)
+            if col_lse is not None:
+                # l = 2 s - c(s), dc_j / ds_ij = A_ij (the column softmax): ds = 2 w g - A C
+                col = _exp_(s - col_lse[None, j : j + tb])
+                ds = 2 * w * g - col * col_sum[None, j : j + tb].to(dt)
+            else:
+                ds = w.mul_(g)  # w is this tile's own here
+            dq[i : i + ta].addmm_(ds, kj, alpha=scale)
+            dk[j : j + tb].addmm_(ds.T, qi, alpha=scale)
+    return dq, dk
 
 
 def _attention_tiles(q: torch.Tensor, k: torch.Tensor, dual: bool, budget: int) -> tuple[bool, int, int]:
@@ -431,9 +582,8 @@ def _products_fit(na: int, nb: int, q: torch.Tensor, budget: int) -> bool:
 def _products(q: torch.Tensor, k: torch.Tensor, scale: float, ta: int) -> torch.Tensor:
     """scale q k^T (na, nb), written a row tile at a time (no temporary of its size)."""
     out = torch.empty(q.shape[0], k.shape[0], dtype=q.dtype, device=q.device)
-    with torch.no_grad():  # a constant of both passes (out= takes no autograd, under torch.func either)
-        for i in range(0, q.shape[0], ta):
-            torch.mm(q[i : i + ta] * scale, k.T, out=out[i : i + ta])
+    for i in range(0, q.shape[0], ta):
+        torch.mm(q[i : i + ta] * scale, k.T, out=out[i : i + ta])
     return out
 
 

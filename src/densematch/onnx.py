@@ -1,6 +1,7 @@
 """densematch's operators replaced by plain torch operators, for exporters that do not know them.
 
-``torch.export`` keeps ``densematch::pairwise_distance`` and ``densematch::topk`` as single nodes:
+``torch.export`` keeps ``densematch::pairwise_distance``, ``densematch::topk`` and
+``densematch::soft_moments`` as single nodes:
 the exported program runs them as eager does, on inputs of any size. ONNX has no such
 operators, so :func:`decompose` rewrites them into torch operators that every ONNX runtime has,
 computed whole (no tiles, no C kernels)::
@@ -10,7 +11,7 @@ computed whole (no tiles, no C kernels)::
 
 The whole form holds what the tiles avoid: the (N, F, H, W) distances and, for l1 and linf, the
 (N, HW, F, D) differences; the (Na, Nb) scores of a search and, for l1 and linf, their (Na, Nb,
-C) differences. Values follow the direct forms of :mod:`densematch.metrics` (equal to the
+C) differences; soft_match's (Na, Nb) weights. Values follow the direct forms of :mod:`densematch.metrics` (equal to the
 operators' up to rounding); a search's ties go to ONNX TopK's order, not always the lower index.
 """
 
@@ -20,6 +21,7 @@ import math
 
 import torch
 
+from ._soft import AUTO_SHARPNESS
 from .metrics import get_metric
 
 __all__ = ["decompose"]
@@ -64,6 +66,39 @@ def _whole_topk(
     return value, index
 
 
+def _whole_soft(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask_b: torch.Tensor | None,
+    values: torch.Tensor,
+    scale: float,
+    dual: bool,
+    auto: bool,
+    budget: int,
+) -> tuple[torch.Tensor, ...]:
+    cos = torch.nn.functional.normalize(a, dim=2) @ torch.nn.functional.normalize(b, dim=2).transpose(1, 2)
+    allowed = None if mask_b is None else mask_b[:, None, :]
+    if auto:  # AUTO_SHARPNESS / (best cosine - mean cosine) per row, over the allowed columns
+        best = cos if allowed is None else cos.masked_fill(~allowed, -math.inf)
+        mean = cos.mean(2) if allowed is None else (cos * allowed).sum(2) / allowed.sum(2)
+        lead = best.amax(2) - mean
+        row_scale = torch.where(lead > 0, AUTO_SHARPNESS / lead.clamp_min(torch.finfo(a.dtype).tiny), 1.0)
+    else:
+        row_scale = torch.ones_like(cos[..., 0])
+    logits = cos * (scale * row_scale)[..., None]
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -math.inf)
+    plain_lse = torch.logsumexp(logits, 2)
+    col_lse = torch.logsumexp(logits, 1) if dual else logits.new_empty((a.shape[0], 0))
+    weighted = 2 * logits - col_lse[:, None, :] if dual else logits
+    if dual and allowed is not None:
+        weighted = weighted.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(weighted, 2)
+    moments = torch.exp(weighted - lse[..., None]).double() @ values
+    top = torch.exp(weighted.amax(2) - plain_lse)
+    return moments, top, lse, col_lse, row_scale
+
+
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """``program`` with densematch's operators rewritten into plain torch operators (see the
     module's notes for the memory this costs), for ``torch.onnx.export(..., dynamo=True)``.
@@ -86,4 +121,5 @@ def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
     table = torch.export.default_decompositions()
     table[torch.ops.densematch.pairwise_distance.default] = _whole_distance
     table[torch.ops.densematch.topk.default] = _whole_topk
+    table[torch.ops.densematch.soft_moments.default] = _whole_soft
     return program.run_decompositions(table)

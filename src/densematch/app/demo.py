@@ -64,7 +64,6 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents:
     rows = (np.arange(96) + 8 + 0.5) * 1.05 - 0.5 - 2.0
     cols = (np.arange(96) + 12 + 0.5) * 1.05 - 0.5 - 6.0
     landing = np.stack(np.meshgrid(rows, cols, indexing="ij"), -1)
-    assert r.coords is not None  # a grid layout has coordinates
     valid = r.valid.numpy()
     everywhere = np.ones_like(valid)
     say(f"match: 96x96 against 110x118 patch features (C=49), mutual + ratio 0.9, {seconds * 1e3:.0f} ms")

@@ -85,7 +85,9 @@ class _Values(torch.autograd.Function):
         ra, rb = ra.contiguous(), rb.contiguous()  # channels last for the backward's kernels and gathers
         win: Window = ctx.win
         track = tuple(ctx.needs_input_grad[:3])
-        grads = [torch.zeros_like(t) if need else None for t, need in zip((ra, rb, flow), track, strict=True)]
+        # accumulators made from the incoming gradient, so that under torch.func (jacrev's vmap
+        # over the backward) they are batched as it is and take its slices in place
+        grads = [grad.new_zeros(t.shape) if need else None for t, need in zip((ra, rb, flow), track, strict=True)]
         h, c = win.shape[1], win.shape[3]
         for y0 in range(0, h, ctx.rows):
             y1 = min(h, y0 + ctx.rows)
@@ -102,26 +104,27 @@ class _Values(torch.autograd.Function):
                 if win.linear and read.b is not None and read.a is not None:
                     # a shifted dot product: its gradients directly, with no recomputation
                     if grads[0] is not None:
-                        grads[0][read.a].addcmul_(g[..., None], rb[read.b])
+                        grads[0][read.a] += g[..., None] * rb[read.b]
                     if grads[1] is not None:
-                        grads[1][read.b].addcmul_(g[..., None], ra[read.a])
+                        grads[1][read.b] += g[..., None] * ra[read.a]
                     continue
-                with torch.enable_grad():
-                    v, sources = win.evaluate(read, ra, rb, flow, track)
-                    leaves = [x for x in sources if x is not None and x.requires_grad]
-                    found = iter(torch.autograd.grad(v, leaves, g))
-                _, *parts, fl = sources
-                if grads[0] is not None and read.a is not None:
-                    grads[0][read.a] += next(found)
+                xa, parts, fl = win.sources(read, ra, rb, flow)
+                # the pair's own derivative by torch.func.vjp, which composes with torch.func's
+                # transforms (autograd.grad on fresh leaves does not)
+                primals: tuple[Any, ...] = (xa, parts) if fl is None else (xa, parts, fl)  # vjp takes tensors only
+                pullback = torch.func.vjp(lambda *p, read=read: win.value(read, *p), *primals)[1]
+                found: tuple[Any, ...] = pullback(g)
+                got_a, got_parts, *got_flow = found
+                if grads[0] is not None:
+                    grads[0][read.a] += got_a
                 if grads[1] is not None:
-                    for k in range(len(parts)):
-                        got = next(found)
+                    for k, got in enumerate(got_parts):
                         if read.b is not None:
                             grads[1][read.b] += got
                         else:
                             grads[1].view(-1, c).index_add_(0, read.index[k], got.reshape(-1, c))
-                if grads[2] is not None and fl is not None:
-                    grads[2][:, y0:y1] += next(found)
+                if grads[2] is not None and got_flow:
+                    grads[2][:, y0:y1] += got_flow[0]
         return (*grads, None, None, None, None, None)
 
 
@@ -160,7 +163,7 @@ def band(
     for j, (oy, ox) in enumerate(offsets):
         read = win.read(y0, y1, oy, ox, flow)
         if read.out is not None:
-            vals[:, j][read.out] = win.evaluate(read, ra, rb, flow)[0]
+            vals[:, j][read.out] = win.value(read, *win.sources(read, ra, rb, flow))
             valid[:, j] = read.valid
     return vals, valid
 

@@ -141,39 +141,38 @@ class Window:
         assert valid is not None
         return Read((y0, y1), band, whole, None, index, frac, valid)
 
-    def evaluate(
-        self, read: Read, ra: torch.Tensor, rb: torch.Tensor, flow: torch.Tensor | None, track: Sequence[bool] = ()
-    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Values of the region ``read.out`` and the tensors they came from: the part of a, the
-        candidates read from b (one, or four corners), and the flow's band. ``track`` (for a,
-        b, flow): cut those loose as leaves that require gradients, for the backward."""
+    def sources(
+        self, read: Read, ra: torch.Tensor, rb: torch.Tensor, flow: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """What the values of the region ``read.out`` come from: the part of a, the candidates
+        read from b (one, or four corners) and, for bilinear sampling, the flow's band."""
         assert read.a is not None
         c = ra.shape[3]
-        want = (*track, False, False, False)[:3]
-        xa = leaf(ra[read.a], want[0])
+        xa = ra[read.a]
         if read.b is not None:
-            parts = [leaf(rb[read.b], want[1])]
+            parts = [rb[read.b]]
         else:
             flat = rb.reshape(-1, c)
-            parts = [leaf(F.embedding(q, flat).view(*read.valid.shape, c), want[1]) for q in read.index]
+            parts = [F.embedding(q, flat).view(*read.valid.shape, c) for q in read.index]
         fl = None
         if read.frac is not None:
             assert flow is not None
-            fl = leaf(flow[:, read.rows[0] : read.rows[1]], want[2])
-            wy, wx = read.frac[0] + fl[..., 0], read.frac[1] + fl[..., 1]
-            weights = ((1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx)
-            pairs = list(zip(weights, parts, strict=True))
-            if self.linear:  # a dot product of the blend is the blend of the dot products
-                v = torch.stack([wt * self.pair(xa, part) for wt, part in pairs]).sum(0)
-            else:
-                v = self.pair(xa, torch.stack([wt[..., None] * part for wt, part in pairs]).sum(0))
-        else:
-            v = self.pair(xa, parts[0])
-        return v, [xa, *parts, fl]
+            fl = flow[:, read.rows[0] : read.rows[1]]
+        return xa, parts, fl
 
-
-def leaf(x: torch.Tensor, grad: bool) -> torch.Tensor:
-    return x.detach().requires_grad_() if grad else x
+    def value(
+        self, read: Read, xa: torch.Tensor, parts: Sequence[torch.Tensor], fl: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The values of the region ``read.out`` from its :meth:`sources`."""
+        if fl is None:
+            return self.pair(xa, parts[0])
+        assert read.frac is not None
+        wy, wx = read.frac[0] + fl[..., 0], read.frac[1] + fl[..., 1]
+        weights = ((1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx)
+        pairs = list(zip(weights, parts, strict=True))
+        if self.linear:  # a dot product of the blend is the blend of the dot products
+            return torch.stack([wt * self.pair(xa, part) for wt, part in pairs]).sum(0)
+        return self.pair(xa, torch.stack([wt[..., None] * part for wt, part in pairs]).sum(0))
 
 
 def pair_int(value: Any, name: str, low: int) -> Pair:
