@@ -107,6 +107,27 @@ def test_exported_soft_match_equals_eager_at_other_sizes(options):
     np.testing.assert_allclose(top, want[1].numpy(), rtol=1e-8, atol=1e-12)
 
 
+class Volume(torch.nn.Module):
+    def __init__(self, metric: str) -> None:
+        super().__init__()
+        self.metric = metric
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return densematch.local_cost_volume(a, b, (1, 2), metric=self.metric, layout="chw")
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_exported_local_cost_volume_equals_eager_at_other_sizes(metric):
+    # the windows are one operator: the program is not specialised to the example's grid
+    model = Volume(metric)
+    maps = {0: torch.export.Dim("n"), 2: torch.export.Dim("h", min=2), 3: torch.export.Dim("w", min=2)}
+    example = (torch.randn(2, 8, 6, 7), torch.randn(2, 8, 6, 7))
+    program = torch.export.export(model, example, dynamic_shapes=(maps, maps))
+    x = _photo_maps(3, 17, 23)
+    a, b = x, torch.roll(x, shifts=(1, -2), dims=(2, 3))
+    assert torch.equal(program.module()(a, b), model(a, b))
+
+
 @pytest.mark.parametrize("name", ["match_nn", "match_mnn", "match_snn", "match_smnn"])
 def test_traced_kornia_matchers_equal_eager_at_other_sizes(name):
     fn = getattr(dk, name)

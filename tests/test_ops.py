@@ -68,6 +68,48 @@ def test_soft_moments_ops_pass_opcheck(dual, auto, masked):
     torch.library.opcheck(torch.ops.densematch.soft_moments_backward.default, back)
 
 
+@pytest.mark.parametrize(
+    ("metric", "flow", "masked"),
+    [("cosine", None, False), ("l2", "nearest", True), ("dot", "bilinear", False), ("l1", None, True)],
+)
+def test_local_cost_volume_ops_pass_opcheck(metric, flow, masked):
+    g = torch.Generator().manual_seed(0)
+    a, b = (
+        torch.randn(2, 6, 7, 4, generator=g, requires_grad=True),
+        torch.randn(2, 6, 7, 4, generator=g, requires_grad=True),
+    )
+    moved = None
+    if flow == "nearest":
+        moved = torch.randint(-2, 3, (2, 6, 7, 2), generator=g)
+    elif flow == "bilinear":
+        moved = (2 * torch.rand(2, 6, 7, 2, generator=g) - 1).requires_grad_()
+    mask = (torch.rand(2, 6, 7, generator=g) > 0.3) if masked else None
+    fill = 0.0 if metric in ("cosine", "dot") else float("inf")
+    settings = ([1, 2], [1, 1], flow or "nearest", metric)
+    args = (a, b, moved, mask, mask, *settings, fill, BUDGET, True)
+    torch.library.opcheck(torch.ops.densematch.local_cost_volume.default, args)
+    grad = torch.randn(2, 3, 5, 6, 7, generator=g)
+    back = (
+        grad,
+        a.detach(),
+        b.detach(),
+        None if moved is None else moved.detach(),
+        mask,
+        mask,
+        *settings,
+        BUDGET,
+        True,
+    )
+    # the backward op passes opcheck where it computes every gradient itself (dot products of
+    # shifted windows); distances and gathered reads differentiate each pair by torch.func.vjp
+    # inside the kernel, whose wrapped tensors the checks' dispatch modes cannot read (known gap,
+    # docs/compile.md): there opcheck runs the autograd registration check only
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if metric not in ("cosine", "dot") or flow is not None:
+        tests = ("test_autograd_registration",)
+    torch.library.opcheck(torch.ops.densematch.local_cost_volume_backward.default, back, test_utils=tests)
+
+
 def test_the_op_equals_the_engine_it_wraps():
     a, b = torch.randn(50, 16), torch.randn(70, 16)
     m = get_metric("cosine")
@@ -99,5 +141,6 @@ def test_public_functions_run_through_the_operators():
     assert _ops_called(lambda: densematch.nearest_prototype(x, p, k=2)) == {"topk"}
     assert _ops_called(lambda: densematch.match(a, b, mutual=True)) == {"topk"}
     assert _ops_called(lambda: densematch.soft_match(a, b, mode="dual_softmax")) == {"soft_moments"}
+    assert _ops_called(lambda: densematch.local_cost_volume(a, b, 2)) == {"local_cost_volume"}
     assert _ops_called(lambda: densematch.knn(torch.randn(9, 8), p)) == {"topk"}
     assert _ops_called(lambda: densematch.kornia.match_snn(torch.randn(9, 8), p)) == {"topk"}

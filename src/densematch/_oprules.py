@@ -27,9 +27,11 @@ def read_once(fn: F) -> F:
 def looped(op: Callable[..., Any], in_dims: tuple[int | None, ...], args: tuple[Any, ...]) -> tuple[Any, Any]:
     """A vmap rule that runs ``op`` once per batch item and stacks each output along dimension
     0: for batched arguments no cheaper rule covers."""
-    size = next(a.shape[dim] for a, dim in zip(args, in_dims, strict=True) if dim is not None)
+    # a list argument's in_dims is a list of Nones: only an int marks a batched tensor
+    dims = [dim if isinstance(dim, int) else None for dim in in_dims]
+    size = next(a.shape[dim] for a, dim in zip(args, dims, strict=True) if dim is not None)
     outs = [
-        op(*(a if dim is None else a.select(dim, i) for a, dim in zip(args, in_dims, strict=True))) for i in range(size)
+        op(*(a if dim is None else a.select(dim, i) for a, dim in zip(args, dims, strict=True))) for i in range(size)
     ]
     if isinstance(outs[0], tuple):
         return tuple(torch.stack(parts) for parts in zip(*outs, strict=True)), (0,) * len(outs[0])

@@ -11,14 +11,24 @@ import torch
 from torch import nn
 
 from .._match import Matches
+from .._oprules import recording, refuse_legacy_onnx
 from ..budget import parse_memory
-from ..checks import check_choice, check_int, check_real
+from ..checks import (
+    as_tensor,
+    check_batch_mask,
+    check_choice,
+    check_features,
+    check_int,
+    check_pair,
+    check_real,
+    compute_dtype,
+)
 from ..choices import LayoutName, MetricName, SamplingName
 from ..config import kernel_setting, resolve_memory
 from ..metrics import get_metric
+from .op import volume
 from .topk import topk
-from .volume import band_rows, values
-from .windows import SAMPLINGS, pair_int, prepare
+from .windows import SAMPLINGS, check_flow, pair_int, prepare
 
 __all__ = ["LocalCostVolume", "LocalMatcher", "local_cost_volume", "local_match"]
 
@@ -157,17 +167,35 @@ def local_cost_volume(
     """
     check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
-    win, (ra, rb, moved), batched = prepare(
-        a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=kernel_setting() != "torch"
-    )
+    if layout not in ("hwc", "chw"):
+        raise ValueError(f"layout must be 'hwc' or 'chw' (windows need a 2-D grid), got {layout!r}")
+    ra, grid, batched = check_features(a, "a", layout, finite=False)  # the operator checks what it reads
+    rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
+    if grid != grid_b:
+        raise ValueError(f"a and b must share one grid (windows sit at a's own positions), got {grid} and {grid_b}")
+    check_pair(ra, rb, batched, batched_b)
+    nb = ra.shape[0]
+    masks = [
+        check_batch_mask(mk, name, nb, grid, batched, ra.device)
+        for mk, name in ((mask_a, "mask_a"), (mask_b, "mask_b"))
+    ]
+    moved = check_flow(flow, sampling, nb, grid, batched, ra.device, compute_dtype(ra, rb))
+    radii, dilations = pair_int(radius, "radius", 0), pair_int(dilation, "dilation", 1)
     missing = (0.0 if m.higher_is_better else math.inf) if fill is None else _check_fill(fill)
     budget = resolve_memory(memory, ra.device)
-    nb, h, w, _ = win.shape
-    # offsets that no pixel can reach (win.slots: where the others sit) are missing everywhere
-    slots = None if win.slots is None else (win.slots, win.window[0] * win.window[1])
-    vol = values(win, ra, rb, moved, lambda y0, y1: win.offsets, band_rows(win, ra, budget), missing, slots)
-    shape = (*win.window, h, w)
-    return vol.reshape(nb, *shape) if batched else vol.reshape(shape)
+    refuse_legacy_onnx("local_cost_volume")
+    maps = [_grid_rows(x, layout, batched) for x in (a, b)]
+    settings = (list(radii), list(dilations), sampling, m.name, missing, budget, kernel_setting() != "torch")
+    vol = volume(*maps, moved, *masks, *settings, recorded=recording())
+    return vol if batched else vol[0]
+
+
+def _grid_rows(x: Any, layout: str, batched: bool) -> torch.Tensor:
+    """A map :func:`check_features` accepted, as (B, H, W, C): a view (sizes stay symbolic under
+    torch.export, where flat rows reshaped back into a grid would not)."""
+    x = as_tensor(x, "a")
+    x = x if batched else x.unsqueeze(0)
+    return x.movedim(1, 3) if layout == "chw" else x
 
 
 def _check_fill(fill: Any) -> float:

@@ -82,50 +82,70 @@ class _Values(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         ra, rb, flow = ctx.saved_tensors
-        ra, rb = ra.contiguous(), rb.contiguous()  # channels last for the backward's kernels and gathers
-        win: Window = ctx.win
         track = tuple(ctx.needs_input_grad[:3])
-        # accumulators made from the incoming gradient, so that under torch.func (jacrev's vmap
-        # over the backward) they are batched as it is and take its slices in place
-        grads = [grad.new_zeros(t.shape) if need else None for t, need in zip((ra, rb, flow), track, strict=True)]
-        h, c = win.shape[1], win.shape[3]
-        for y0 in range(0, h, ctx.rows):
-            y1 = min(h, y0 + ctx.rows)
-            offsets = ctx.offsets(y0, y1)
-            g_band = grad[:, :, y0:y1] if ctx.places is None else grad[:, ctx.places, y0:y1]  # (B, m, rows, W)
-            if _dot_grad_in_c(win, ra, flow, offsets):
-                _grad_c(win, ra, rb, flow, y0, y1, offsets, g_band, grads)
-                continue
-            for j, (oy, ox) in enumerate(offsets):
-                read = win.read(y0, y1, oy, ox, flow)
-                if read.out is None:
-                    continue
-                g = g_band[:, j][read.out] * read.valid[read.out]
-                if win.linear and read.b is not None and read.a is not None:
-                    # a shifted dot product: its gradients directly, with no recomputation
-                    if grads[0] is not None:
-                        grads[0][read.a] += g[..., None] * rb[read.b]
-                    if grads[1] is not None:
-                        grads[1][read.b] += g[..., None] * ra[read.a]
-                    continue
-                xa, parts, fl = win.sources(read, ra, rb, flow)
-                # the pair's own derivative by torch.func.vjp, which composes with torch.func's
-                # transforms (autograd.grad on fresh leaves does not)
-                primals: tuple[Any, ...] = (xa, parts) if fl is None else (xa, parts, fl)  # vjp takes tensors only
-                pullback = torch.func.vjp(lambda *p, read=read: win.value(read, *p), *primals)[1]
-                found: tuple[Any, ...] = pullback(g)
-                got_a, got_parts, *got_flow = found
-                if grads[0] is not None:
-                    grads[0][read.a] += got_a
-                if grads[1] is not None:
-                    for k, got in enumerate(got_parts):
-                        if read.b is not None:
-                            grads[1][read.b] += got
-                        else:
-                            grads[1].view(-1, c).index_add_(0, read.index[k], got.reshape(-1, c))
-                if grads[2] is not None and got_flow:
-                    grads[2][:, y0:y1] += got_flow[0]
+        grads = value_grads(ctx.win, ra, rb, flow, ctx.offsets, ctx.rows, ctx.places, grad, track)
         return (*grads, None, None, None, None, None)
+
+
+def value_grads(
+    win: Window,
+    ra: torch.Tensor,
+    rb: torch.Tensor,
+    flow: torch.Tensor | None,
+    offsets: Offsets,
+    rows: int,
+    places: torch.Tensor | None,
+    grad: torch.Tensor,
+    track: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """The gradients for (ra, rb, flow) (None where ``track`` does not ask) of the values
+    :class:`_Values` computed, given theirs (``grad``): each (band, offset) recomputed and
+    differentiated alone."""
+    ra, rb = ra.contiguous(), rb.contiguous()  # channels last for the backward's kernels and gathers
+    # accumulators made from the incoming gradient, so that under torch.func (jacrev's vmap
+    # over the backward) they are batched as it is and take its slices in place
+    grads = [
+        grad.new_zeros(t.shape) if need and t is not None else None
+        for t, need in zip((ra, rb, flow), track, strict=True)
+    ]
+    h, c = win.shape[1], win.shape[3]
+    for y0 in range(0, h, rows):
+        y1 = min(h, y0 + rows)
+        band_offsets = offsets(y0, y1)
+        g_band = grad[:, :, y0:y1] if places is None else grad[:, places, y0:y1]  # (B, m, rows, W)
+        if _dot_grad_in_c(win, ra, flow, band_offsets):
+            _grad_c(win, ra, rb, flow, y0, y1, band_offsets, g_band, grads)
+            continue
+        for j, (oy, ox) in enumerate(band_offsets):
+            read = win.read(y0, y1, oy, ox, flow)
+            if read.out is None:
+                continue
+            g = g_band[:, j][read.out] * read.valid[read.out]
+            if win.linear and read.b is not None and read.a is not None:
+                # a shifted dot product: its gradients directly, with no recomputation
+                if grads[0] is not None:
+                    grads[0][read.a] += g[..., None] * rb[read.b]
+                if grads[1] is not None:
+                    grads[1][read.b] += g[..., None] * ra[read.a]
+                continue
+            xa, parts, fl = win.sources(read, ra, rb, flow)
+            # the pair's own derivative by torch.func.vjp, which composes with torch.func's
+            # transforms (autograd.grad on fresh leaves does not)
+            primals: tuple[Any, ...] = (xa, parts) if fl is None else (xa, parts, fl)  # vjp takes tensors only
+            pullback = torch.func.vjp(lambda *p, read=read: win.value(read, *p), *primals)[1]
+            found: tuple[Any, ...] = pullback(g)
+            got_a, got_parts, *got_flow = found
+            if grads[0] is not None:
+                grads[0][read.a] += got_a
+            if grads[1] is not None:
+                for k, got in enumerate(got_parts):
+                    if read.b is not None:
+                        grads[1][read.b] += got
+                    else:
+                        grads[1].view(-1, c).index_add_(0, read.index[k], got.reshape(-1, c))
+            if grads[2] is not None and got_flow:
+                grads[2][:, y0:y1] += got_flow[0]
+    return grads
 
 
 def values(

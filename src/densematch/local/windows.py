@@ -215,7 +215,7 @@ def prepare(
     for rows, mk, name in ((ra, masks[0], "a"), (rb, masks[1], "b")):
         check_finite(rows.detach(), name, mask=None if mk is None else mk.reshape(nb, -1))
     dtype = compute_dtype(ra, rb)
-    moved = _check_flow(flow, sampling, nb, grid, batched, ra.device, dtype)
+    moved = check_flow(flow, sampling, nb, grid, batched, ra.device, dtype)
     # cosine reads unit rows with a dot product, except where b is interpolated: the cosine of
     # the blended feature, not the blend of unit features
     blended = moved is not None and moved.is_floating_point()
@@ -271,7 +271,7 @@ def _reachable(radius: int, step: int, size: int, moved: torch.Tensor | None, ax
     return range(max(-radius, -((-lo) // step)), min(radius, hi // step) + 1)
 
 
-def _check_flow(
+def check_flow(
     flow: Any, sampling: str, nb: int, grid: tuple[int, ...], batched: bool, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """The flow as (B, H, W, 2): rounded to int64 for nearest sampling, float for bilinear."""
