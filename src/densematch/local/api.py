@@ -15,11 +15,8 @@ from .._oprules import recording, refuse_legacy_onnx
 from ..budget import parse_memory
 from ..checks import (
     as_tensor,
-    check_batch_mask,
     check_choice,
-    check_features,
     check_int,
-    check_pair,
     check_real,
     compute_dtype,
 )
@@ -28,7 +25,7 @@ from ..config import kernel_setting, resolve_memory
 from ..metrics import get_metric
 from .op import volume
 from .topk import topk
-from .windows import SAMPLINGS, check_flow, pair_int, prepare
+from .windows import SAMPLINGS, check_flow, check_maps, pair_int, prepare
 
 __all__ = ["LocalCostVolume", "LocalMatcher", "local_cost_volume", "local_match"]
 
@@ -167,18 +164,8 @@ def local_cost_volume(
     """
     check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
-    if layout not in ("hwc", "chw"):
-        raise ValueError(f"layout must be 'hwc' or 'chw' (windows need a 2-D grid), got {layout!r}")
-    ra, grid, batched = check_features(a, "a", layout, finite=False)  # the operator checks what it reads
-    rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
-    if grid != grid_b:
-        raise ValueError(f"a and b must share one grid (windows sit at a's own positions), got {grid} and {grid_b}")
-    check_pair(ra, rb, batched, batched_b)
+    ra, rb, grid, batched, masks = check_maps(a, b, layout, mask_a, mask_b)  # the operator checks finiteness
     nb = ra.shape[0]
-    masks = [
-        check_batch_mask(mk, name, nb, grid, batched, ra.device)
-        for mk, name in ((mask_a, "mask_a"), (mask_b, "mask_b"))
-    ]
     moved = check_flow(flow, sampling, nb, grid, batched, ra.device, compute_dtype(ra, rb))
     radii, dilations = pair_int(radius, "radius", 0), pair_int(dilation, "dilation", 1)
     missing = (0.0 if m.higher_is_better else math.inf) if fill is None else _check_fill(fill)

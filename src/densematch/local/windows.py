@@ -182,6 +182,25 @@ def pair_int(value: Any, name: str, low: int) -> Pair:
     return check_int(values[0], name, low), check_int(values[1], name, low)
 
 
+def check_maps(
+    a: Any, b: Any, layout: str, mask_a: Any, mask_b: Any
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], bool, list[torch.Tensor | None]]:
+    """a and b as rows (B, N, C) of one 2-D grid (finiteness left to the caller, where the masks
+    allow), the grid, whether they came batched, and the masks as (B, H, W) (None: no mask)."""
+    if layout not in ("hwc", "chw"):
+        raise ValueError(f"layout must be 'hwc' or 'chw' (windows need a 2-D grid), got {layout!r}")
+    ra, grid, batched = check_features(a, "a", layout, finite=False)
+    rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
+    if grid != grid_b:
+        raise ValueError(f"a and b must share one grid (windows sit at a's own positions), got {grid} and {grid_b}")
+    check_pair(ra, rb, batched, batched_b)
+    masks = [
+        check_batch_mask(mk, name, ra.shape[0], grid, batched, ra.device)
+        for mk, name in ((mask_a, "mask_a"), (mask_b, "mask_b"))
+    ]
+    return ra, rb, grid, batched, masks
+
+
 def prepare(
     a: Any,
     b: Any,
@@ -198,20 +217,10 @@ def prepare(
     """The validated call, and its inputs as (B, H, W, C) rows in the compute dtype (unit rows for cosine,
     masked-out pixels zeroed, so they pass no NaN into values or gradients). ``use_c``: whether
     the C kernels may value shifted windows (read from the config by the public call)."""
-    if layout not in ("hwc", "chw"):
-        raise ValueError(f"layout must be 'hwc' or 'chw' (windows need a 2-D grid), got {layout!r}")
-    ra, grid, batched = check_features(a, "a", layout, finite=False)
-    rb, grid_b, batched_b = check_features(b, "b", layout, finite=False)
-    if grid != grid_b:
-        raise ValueError(f"a and b must share one grid (windows sit at a's own positions), got {grid} and {grid_b}")
-    check_pair(ra, rb, batched, batched_b)
+    ra, rb, grid, batched, masks = check_maps(a, b, layout, mask_a, mask_b)
     ry, rx = pair_int(radius, "radius", 0)
     dy, dx = pair_int(dilation, "dilation", 1)
     nb, (h, w) = ra.shape[0], grid
-    masks = [
-        check_batch_mask(mk, name, nb, grid, batched, ra.device)
-        for mk, name in ((mask_a, "mask_a"), (mask_b, "mask_b"))
-    ]
     for rows, mk, name in ((ra, masks[0], "a"), (rb, masks[1], "b")):
         check_finite(rows.detach(), name, mask=None if mk is None else mk.reshape(nb, -1))
     dtype = compute_dtype(ra, rb)
