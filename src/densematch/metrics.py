@@ -75,6 +75,15 @@ def _unit_grad(unit: torch.Tensor, norm: torch.Tensor, g: torch.Tensor, dim: int
     return (g - unit * proj.unsqueeze(dim)) / torch.where(full, norm, _EPS).unsqueeze(dim)
 
 
+def unit_rows_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient at ``x`` (..., C) through :func:`unit_rows` given ``g`` at its output: the
+    part of g across the unit row, over the norm. Exact zero rows (which unit_rows keeps) pass
+    g as it is."""
+    unit, norm = unit_rows(x), row_norms(x)
+    full = norm > 0
+    return torch.where(full, (g - unit * (unit * g).sum(-1, keepdim=True)) / torch.where(full, norm, 1.0), g)
+
+
 @dataclass(frozen=True)
 class Bank:
     """Prototypes prepared once per call of :func:`densematch.pairwise_distance`.
@@ -201,6 +210,24 @@ class Metric:
         -------
         Tensor of shape (...)
             Cosine similarity, dot product, or the distance for the other metrics.
+        """
+        raise NotImplementedError
+
+    def pair_grads(self, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients at ``a`` and ``b`` of :meth:`pair_value` given ``g`` at its value, in
+        closed form (autograd's own subgradients: 0 for a distance at 0, ties of linf sharing
+        evenly), so that a kernel computes them without autograd.
+
+        Parameters
+        ----------
+        a, b : Tensor of shape (..., C)
+            The rows :meth:`pair_value` took (same shape).
+        g : Tensor of shape (...)
+            The gradient at each pair's value.
+
+        Returns
+        -------
+        (Tensor, Tensor) of shape (..., C)
         """
         raise NotImplementedError
 
@@ -338,6 +365,9 @@ class Dot(Metric):
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (a * b).sum(-1)
 
+    def pair_grads(self, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return g[..., None] * b, g[..., None] * a
+
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vecdot(a, b)
 
@@ -371,6 +401,10 @@ class Cosine(Metric):
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (unit_rows(a) * unit_rows(b)).sum(-1)
+
+    def pair_grads(self, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = g[..., None]
+        return unit_rows_grad(a, g * unit_rows(b)), unit_rows_grad(b, g * unit_rows(a))
 
     pair_kind = "cosine"
 
@@ -438,6 +472,11 @@ class Euclidean(Metric):
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(a - b, dim=-1)
+
+    def pair_grads(self, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = a - b
+        ga = d * (2 * g[..., None] if not self.root else self._pair_weights(g, row_norms(d)[..., 0])[..., None])
+        return ga, -ga
 
     pair_kind = "sqdiff"
 
@@ -558,6 +597,14 @@ class Minkowski(Metric):
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(a - b, ord=self.order, dim=-1)
+
+    def pair_grads(self, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = a - b
+        ga = d.sign() * g[..., None]
+        if self.linf:  # the largest magnitudes share the gradient evenly
+            top = d.abs() == d.abs().amax(-1, keepdim=True)
+            ga = ga * top / top.sum(-1, keepdim=True)
+        return ga, -ga
 
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(a - b, self.order, dim=-1).neg()

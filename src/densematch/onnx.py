@@ -1,8 +1,8 @@
 """densematch's operators replaced by plain torch operators, for exporters that do not know them.
 
-``torch.export`` keeps ``densematch::pairwise_distance``, ``densematch::topk`` and
-``densematch::soft_moments`` as single nodes:
-the exported program runs them as eager does, on inputs of any size. ONNX has no such
+``torch.export`` keeps ``densematch::pairwise_distance``, ``densematch::topk``,
+``densematch::soft_moments`` and ``densematch::local_cost_volume`` as single nodes: the exported
+program runs them as eager does, on inputs of any size. ONNX has no such
 operators, so :func:`decompose` rewrites them into torch operators that every ONNX runtime has,
 computed whole (no tiles, no C kernels)::
 
@@ -11,8 +11,10 @@ computed whole (no tiles, no C kernels)::
 
 The whole form holds what the tiles avoid: the (N, F, H, W) distances and, for l1 and linf, the
 (N, HW, F, D) differences; the (Na, Nb) scores of a search and, for l1 and linf, their (Na, Nb,
-C) differences; soft_match's (Na, Nb) weights. Values follow the direct forms of :mod:`densematch.metrics` (equal to the
-operators' up to rounding); a search's ties go to ONNX TopK's order, not always the lower index.
+C) differences; soft_match's (Na, Nb) weights; a local cost volume's candidates, gathered from
+b for every offset at once, (B, window, H, W, C) (four of them for bilinear sampling). Values follow the direct forms of
+:mod:`densematch.metrics` (equal to the operators' up to rounding); a search's ties go to ONNX
+TopK's order, not always the lower index.
 """
 
 from __future__ import annotations
@@ -99,6 +101,70 @@ def _whole_soft(
     return moments, top, lse, col_lse, row_scale
 
 
+def _whole_local(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    flow: torch.Tensor | None,
+    mask_a: torch.Tensor | None,
+    mask_b: torch.Tensor | None,
+    radius: list[int],
+    dilation: list[int],
+    sampling: str,
+    metric: str,
+    fill: float,
+    budget: int,
+    use_c: bool,
+) -> torch.Tensor:
+    m = get_metric(metric)
+    nb, h, w, c = a.shape
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    blended = flow is not None and flow.is_floating_point()
+    ra, rb = (
+        x.to(dtype) if mk is None else torch.where(mk[..., None], x.to(dtype), 0.0)
+        for x, mk in ((a, mask_a), (b, mask_b))
+    )
+    if m.name == "cosine":  # unit rows, as the operator's preparation makes them (b raw under a blend)
+        ra = _unit(ra)
+        rb = rb if blended else _unit(rb)
+    win = (2 * radius[0] + 1, 2 * radius[1] + 1)
+    # every offset at once (P = the window's size): one graph of fixed size whatever the radius
+    oy = (torch.arange(win[0], device=a.device) - radius[0]) * dilation[0]
+    ox = (torch.arange(win[1], device=a.device) - radius[1]) * dilation[1]
+    oy, ox = oy[:, None].expand(win).reshape(1, -1, 1, 1), ox[None, :].expand(win).reshape(1, -1, 1, 1)
+    y = torch.arange(h, device=a.device, dtype=dtype)[None, None, :, None].expand(nb, 1, h, w)
+    x = torch.arange(w, device=a.device, dtype=dtype)[None, None, None, :].expand(nb, 1, h, w)
+    if flow is not None:
+        y, x = y + flow[:, None, :, :, 0].to(dtype), x + flow[:, None, :, :, 1].to(dtype)
+    top, left = y.floor(), x.floor()
+    wy, wx = y - top, x - left
+    corners: list[tuple[int, int, torch.Tensor | None]] = [(0, 0, None)]
+    if blended:
+        corners = [(0, 0, (1 - wy) * (1 - wx)), (0, 1, (1 - wy) * wx), (1, 0, wy * (1 - wx)), (1, 1, wy * wx)]
+    ok = torch.ones((nb, 1, h, w), dtype=torch.bool, device=a.device) if mask_a is None else mask_a[:, None]
+    flat, blend = rb.reshape(nb, h * w, c), None
+    for cy, cx, weight in corners:
+        qy, qx = top.long() + oy + cy, left.long() + ox + cx  # (B, P, H, W)
+        inside = (qy >= 0) & (qy < h) & (qx >= 0) & (qx < w)
+        q = (qy.clamp(0, h - 1) * w + qx.clamp(0, w - 1)).reshape(nb, -1, 1)
+        if mask_b is not None:
+            inside = inside & torch.gather(mask_b.reshape(nb, h * w, 1), 1, q).reshape(inside.shape)
+        read = torch.gather(flat, 1, q.expand(-1, -1, c)).reshape(*inside.shape, c)
+        if weight is not None:  # a corner of weight 0 may be missing
+            inside = inside | (weight == 0)
+            read = weight[..., None] * read
+        ok = ok & inside
+        blend = read if blend is None else blend + read
+    assert blend is not None
+    rows = ra[:, None]
+    value = (rows * blend).sum(-1) if m.name == "cosine" and not blended else m.pair_value(rows, blend)
+    return torch.where(ok, value, fill).reshape(nb, *win, h, w)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x / torch.where(norm > 0, norm, 1.0)
+
+
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """``program`` with densematch's operators rewritten into plain torch operators (see the
     module's notes for the memory this costs), for ``torch.onnx.export(..., dynamo=True)``.
@@ -122,4 +188,5 @@ def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
     table[torch.ops.densematch.pairwise_distance.default] = _whole_distance
     table[torch.ops.densematch.topk.default] = _whole_topk
     table[torch.ops.densematch.soft_moments.default] = _whole_soft
+    table[torch.ops.densematch.local_cost_volume.default] = _whole_local
     return program.run_decompositions(table)

@@ -15,7 +15,7 @@ import torch
 
 from .._oprules import differentiable, looped
 from ..checks import compute_dtype
-from ..metrics import get_metric, row_norms
+from ..metrics import get_metric, unit_rows_grad
 from .volume import band_rows, value_grads, values
 from .windows import Window, prepare
 
@@ -121,13 +121,9 @@ def _volume_backward_op(
 def _through_preparation(g: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, unit: bool) -> torch.Tensor:
     """The gradient at the map ``x`` (B, H, W, C) given ``g`` at the rows :func:`.windows.prepare`
     made of it: in the compute dtype, masked-out pixels zeroed, unit rows for cosine
-    (:func:`densematch.metrics.unit_rows`, whose exact zero rows pass the gradient as it is)."""
+    (:func:`densematch.metrics.unit_rows_grad`)."""
     if unit:
-        rows = x.to(g.dtype) if mask is None else torch.where(mask[..., None], x.to(g.dtype), 0.0)
-        norm = row_norms(rows)
-        full = norm > 0
-        u = rows / torch.where(full, norm, 1.0)
-        g = torch.where(full, (g - u * (u * g).sum(-1, keepdim=True)) / torch.where(full, norm, 1.0), g)
+        g = unit_rows_grad(x.to(g.dtype) if mask is None else torch.where(mask[..., None], x.to(g.dtype), 0.0), g)
     if mask is not None:
         g = torch.where(mask[..., None], g, 0.0)
     return g.to(x.dtype)

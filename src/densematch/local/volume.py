@@ -121,20 +121,7 @@ def value_grads(
             if read.out is None:
                 continue
             g = g_band[:, j][read.out] * read.valid[read.out]
-            if win.linear and read.b is not None and read.a is not None:
-                # a shifted dot product: its gradients directly, with no recomputation
-                if grads[0] is not None:
-                    grads[0][read.a] += g[..., None] * rb[read.b]
-                if grads[1] is not None:
-                    grads[1][read.b] += g[..., None] * ra[read.a]
-                continue
-            xa, parts, fl = win.sources(read, ra, rb, flow)
-            # the pair's own derivative by torch.func.vjp, which composes with torch.func's
-            # transforms (autograd.grad on fresh leaves does not)
-            primals: tuple[Any, ...] = (xa, parts) if fl is None else (xa, parts, fl)  # vjp takes tensors only
-            pullback = torch.func.vjp(lambda *p, read=read: win.value(read, *p), *primals)[1]
-            found: tuple[Any, ...] = pullback(g)
-            got_a, got_parts, *got_flow = found
+            got_a, got_parts, got_flow = win.value_grads(read, *win.sources(read, ra, rb, flow), g)
             if grads[0] is not None:
                 grads[0][read.a] += got_a
             if grads[1] is not None:
@@ -143,8 +130,8 @@ def value_grads(
                         grads[1][read.b] += got
                     else:
                         grads[1].view(-1, c).index_add_(0, read.index[k], got.reshape(-1, c))
-            if grads[2] is not None and got_flow:
-                grads[2][:, y0:y1] += got_flow[0]
+            if grads[2] is not None and got_flow is not None:
+                grads[2][:, y0:y1] += got_flow
     return grads
 
 

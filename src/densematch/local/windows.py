@@ -70,7 +70,7 @@ class Window:
     flow_kind: str | None  # None, "nearest" (int64 flow) or "bilinear"
     mask_a: torch.Tensor | None  # (B, H, W)
     mask_b: torch.Tensor | None  # (B, H, W)
-    pair: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    pairing: Metric  # how a pair is valued: the metric, or dot for cosine of unit rows
     device: torch.device
     linear: bool = False  # the pair's value is a plain dot product (dot, and cosine of unit rows)
     # the C kernel's reduction of a pair where it may run (shifted windows of float rows on a
@@ -164,15 +164,40 @@ class Window:
         self, read: Read, xa: torch.Tensor, parts: Sequence[torch.Tensor], fl: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The values of the region ``read.out`` from its :meth:`sources`."""
+        pair = self.pairing.pair_value
         if fl is None:
-            return self.pair(xa, parts[0])
-        assert read.frac is not None
-        wy, wx = read.frac[0] + fl[..., 0], read.frac[1] + fl[..., 1]
-        weights = ((1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx)
+            return pair(xa, parts[0])
+        _, weights = _corner_weights(read, fl)
         pairs = list(zip(weights, parts, strict=True))
         if self.linear:  # a dot product of the blend is the blend of the dot products
-            return torch.stack([wt * self.pair(xa, part) for wt, part in pairs]).sum(0)
-        return self.pair(xa, torch.stack([wt[..., None] * part for wt, part in pairs]).sum(0))
+            return torch.stack([wt * pair(xa, part) for wt, part in pairs]).sum(0)
+        return pair(xa, torch.stack([wt[..., None] * part for wt, part in pairs]).sum(0))
+
+    def value_grads(
+        self, read: Read, xa: torch.Tensor, parts: Sequence[torch.Tensor], fl: torch.Tensor | None, g: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """The gradients at :meth:`value`'s inputs given ``g`` at its values, in closed form
+        (:meth:`densematch.metrics.Metric.pair_grads` and the blend's own rule), so that they
+        need no autograd: the backward operator runs them under any dispatch mode."""
+        if fl is None:
+            ga, gb = self.pairing.pair_grads(xa, parts[0], g)
+            return ga, [gb], None
+        (wy, wx), weights = _corner_weights(read, fl)
+        # a blend's derivative, the same for a blend of dot products (linear in the corners)
+        blend = torch.stack([wt[..., None] * part for wt, part in zip(weights, parts, strict=True)]).sum(0)
+        ga, g_blend = self.pairing.pair_grads(xa, blend, g)
+        at = [(g_blend * part).sum(-1) for part in parts]  # at each corner's weight
+        g_wy = (at[2] - at[0]) * (1 - wx) + (at[3] - at[1]) * wx
+        g_wx = (at[1] - at[0]) * (1 - wy) + (at[3] - at[2]) * wy
+        return ga, [wt[..., None] * g_blend for wt in weights], torch.stack((g_wy, g_wx), -1)
+
+
+def _corner_weights(read: Read, fl: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """The blend's fractions (row, col) at the band's positions (their own plus the flow) and
+    the four corners' weights (top-left, top-right, bottom-left, bottom-right)."""
+    assert read.frac is not None
+    wy, wx = read.frac[0] + fl[..., 0], read.frac[1] + fl[..., 1]
+    return (wy, wx), ((1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx)
 
 
 def pair_int(value: Any, name: str, low: int) -> Pair:
@@ -245,7 +270,7 @@ def prepare(
     in_place = kernel is not None and moved is None and native.usable(ra.device, dtype)
     if not (in_place and nb and all(native.planar(x[0]) for x in prepared)):
         prepared = [x.contiguous() for x in prepared]
-    pair = get_metric("dot").pair_value if metric.name == "cosine" and not blended else metric.pair_value
+    pairing = get_metric("dot") if metric.name == "cosine" and not blended else metric
     rows_i, cols_j = (_reachable(r, d, size, moved, axis) for r, d, size, axis in ((ry, dy, h, 0), (rx, dx, w, 1)))
     offsets = [(i * dy, j * dx) for i in rows_i for j in cols_j]
     slots = None
@@ -259,7 +284,7 @@ def prepare(
         flow_kind=None if moved is None else sampling,
         mask_a=masks[0],
         mask_b=masks[1],
-        pair=pair,
+        pairing=pairing,
         device=ra.device,
         linear=linear,
     )
