@@ -169,6 +169,50 @@ def test_onnx_local_cost_volume_equals_eager_at_other_sizes(metric, sampling):
     np.testing.assert_allclose(got[~missing], want[~missing], rtol=1e-12, atol=1e-12)
 
 
+class LocalBest(torch.nn.Module):
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.options = options
+
+    def forward(self, a, b, flow) -> tuple[torch.Tensor, ...]:
+        m = densematch.local_match(a, b, (2, 1), flow=flow, layout="chw", **self.options)
+        return m.index, m.score, m.valid, m.coords
+
+
+def _same_matches(got, want) -> bool:
+    return all(torch.equal(x.nan_to_num(-7.0), y.nan_to_num(-7.0)) for x, y in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("options", [{"metric": "cosine"}, {"metric": "l2", "k": 3, "sampling": "bilinear"}])
+def test_exported_and_traced_local_match_equal_eager_at_other_sizes(options):
+    # densematch::local_topk: one node, so neither the program nor the trace is fixed to the
+    # example's grid (a trace of the band loop once was); its scores' gradient goes through the
+    # cost volume's backward operator and equals eager's recomputed pairs
+    model = LocalBest(**options)
+    n, h, w = torch.export.Dim("n"), torch.export.Dim("h", min=2), torch.export.Dim("w", min=2)
+    dims = ({0: n, 2: h, 3: w}, {0: n, 2: h, 3: w}, {0: n, 1: h, 2: w})
+    example = (torch.randn(2, 8, 6, 7), torch.randn(2, 8, 6, 7), torch.randn(2, 6, 7, 2))
+    program = torch.export.export(model, example, dynamic_shapes=dims)
+    traced = torch.jit.trace(model, (example[0].requires_grad_(), *example[1:]))
+    x = _photo_maps(3, 17, 23)
+    a, b = x, torch.roll(x, shifts=(1, -2), dims=(2, 3))
+    flow = 1.5 * torch.randn(3, 17, 23, 2, generator=torch.Generator().manual_seed(0))
+    want = model(a, b, flow)
+    assert _same_matches(program.module()(a, b, flow), want)
+    leaves = a.clone().requires_grad_(), a.clone().requires_grad_()
+    got = traced(leaves[0], b, flow)
+    assert _same_matches(got, want)
+    grads = [
+        torch.autograd.grad(out[1].nan_to_num(0.0).sum(), x)[0]
+        for out, x in ((got, leaves[0]), (model(leaves[1], b, flow), leaves[1]))
+    ]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    # onnxruntime: the same best values in the same order (their offsets may differ at near-ties)
+    _index, score, valid, _coords = _onnx_run(program, a, b, flow)
+    np.testing.assert_array_equal(valid, want[2].numpy())
+    np.testing.assert_allclose(score[valid], want[1].numpy()[valid], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["match_nn", "match_mnn", "match_snn", "match_smnn"])
 def test_traced_kornia_matchers_equal_eager_at_other_sizes(name):
     fn = getattr(dk, name)

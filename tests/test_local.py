@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import densematch
 from densematch import LocalCostVolume, LocalMatcher, local_cost_volume, local_match
 from densematch.kernels import native
+from densematch.metrics import get_metric
 
 from ._reference import METRICS, assert_same_up_to_ties, reference_scores, reported, tolerance
 from .conftest import patch_features
@@ -190,6 +191,29 @@ def _volume_and_topk_equal_the_reference(h, w, c, radius, dilation, metric, inte
     assert torch.allclose(
         vol.reshape(count, h, w).double(), ref, atol=tolerance(a, b, metric), rtol=1e-5, equal_nan=True
     )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    metric=st.sampled_from(METRICS),
+    c=st.integers(1, 6),
+    integer=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_pair_grads_equal_autograd(metric, c, integer, seed):
+    # the backward operator's closed forms against autograd of the value itself, float64; small
+    # integers give equal rows (l2 at 0), zero rows (cosine) and linf's tied largest differences
+    g = torch.Generator().manual_seed(seed)
+    a, b = (torch.randn(7, c, generator=g, dtype=torch.float64) for _ in range(2))
+    if integer:
+        a, b = a.round().clamp(-1, 1), b.round().clamp(-1, 1)
+    up = torch.randn(7, generator=g, dtype=torch.float64)
+    m = get_metric(metric)
+    leaves = a.clone().requires_grad_(), b.clone().requires_grad_()
+    want = torch.autograd.grad((m.pair_value(*leaves) * up).sum(), leaves)
+    got = m.pair_grads(a, b, up)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
 def test_exact_ties_go_to_the_lowest_offset():

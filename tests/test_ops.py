@@ -96,6 +96,8 @@ def test_local_cost_volume_ops_pass_opcheck(metric, flow, masked):
     settings = ([1, 2], [1, 1], flow or "nearest", metric)
     args = (a, b, moved, mask, mask, *settings, fill, BUDGET, True)
     torch.library.opcheck(torch.ops.densematch.local_cost_volume.default, args)
+    picks = (a, b, moved, mask, mask, *settings, 3, BUDGET, True)
+    torch.library.opcheck(torch.ops.densematch.local_topk.default, picks)
     grad = torch.randn(2, 3, 5, 6, 7, generator=g)
     back = (
         grad,

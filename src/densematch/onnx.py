@@ -1,9 +1,9 @@
 """densematch's operators replaced by plain torch operators, for exporters that do not know them.
 
 ``torch.export`` keeps ``densematch::pairwise_distance``, ``densematch::topk``,
-``densematch::soft_moments`` and ``densematch::local_cost_volume`` as single nodes: the exported
-program runs them as eager does, on inputs of any size. ONNX has no such
-operators, so :func:`decompose` rewrites them into torch operators that every ONNX runtime has,
+``densematch::soft_moments``, ``densematch::local_cost_volume`` and ``densematch::local_topk`` as
+single nodes: the exported program runs them as eager does, on inputs of any size. ONNX has no
+such operators, so :func:`decompose` rewrites them into torch operators that every ONNX runtime has,
 computed whole (no tiles, no C kernels)::
 
     program = torch.export.export(model, (x,), dynamic_shapes=...)
@@ -160,6 +160,33 @@ def _whole_local(
     return torch.where(ok, value, fill).reshape(nb, *win, h, w)
 
 
+def _whole_local_topk(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    flow: torch.Tensor | None,
+    mask_a: torch.Tensor | None,
+    mask_b: torch.Tensor | None,
+    radius: list[int],
+    dilation: list[int],
+    sampling: str,
+    metric: str,
+    k: int,
+    budget: int,
+    use_c: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = get_metric(metric)
+    settings = (radius, dilation, sampling, metric, math.nan, budget, use_c)
+    vol = _whole_local(a, b, flow, mask_a, mask_b, *settings).flatten(1, 2)  # (B, P, H, W), NaN: missing
+    ranked = (vol if m.higher_is_better else -vol).nan_to_num(-math.inf, math.inf, -math.inf)
+    _top, slot = ranked.topk(k, dim=1)
+    value = vol.gather(1, slot)
+    found = value.isnan().logical_not()
+    value = torch.where(found, value, 0.0)
+    cols = 2 * radius[1] + 1
+    offsets = torch.stack(((slot // cols - radius[0]) * dilation[0], (slot % cols - radius[1]) * dilation[1]), -1)
+    return value.permute(0, 2, 3, 1), offsets.permute(0, 2, 3, 1, 4), found.permute(0, 2, 3, 1)
+
+
 def _unit(x: torch.Tensor) -> torch.Tensor:
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     return x / torch.where(norm > 0, norm, 1.0)
@@ -189,4 +216,5 @@ def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
     table[torch.ops.densematch.topk.default] = _whole_topk
     table[torch.ops.densematch.soft_moments.default] = _whole_soft
     table[torch.ops.densematch.local_cost_volume.default] = _whole_local
+    table[torch.ops.densematch.local_topk.default] = _whole_local_topk
     return program.run_decompositions(table)

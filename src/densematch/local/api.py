@@ -23,8 +23,8 @@ from ..checks import (
 from ..choices import LayoutName, MetricName, SamplingName
 from ..config import kernel_setting, resolve_memory
 from ..metrics import get_metric
-from .op import volume
-from .topk import topk
+from .op import best, volume
+from .topk import matches, topk
 from .windows import SAMPLINGS, check_flow, check_maps, pair_int, prepare
 
 __all__ = ["LocalCostVolume", "LocalMatcher", "local_cost_volume", "local_match"]
@@ -108,8 +108,20 @@ def local_match(
     """
     check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
+    use_c = kernel_setting() != "torch"
+    if recording():  # one operator: a graph holds no plan of bands and offsets for one size
+        ra, rb, grid, batched, masks = check_maps(a, b, layout, mask_a, mask_b)
+        moved = check_flow(flow, sampling, ra.shape[0], grid, batched, ra.device, compute_dtype(ra, rb))
+        radii, dilations = pair_int(radius, "radius", 0), pair_int(dilation, "dilation", 1)
+        k = check_int(k, "k", 1, (2 * radii[0] + 1) * (2 * radii[1] + 1))
+        budget = resolve_memory(memory, ra.device)
+        fa, fb = (_grid_rows(x, layout, batched) for x in (a, b))
+        offsets, score, valid = best(
+            fa, fb, moved, masks[0], masks[1], list(radii), list(dilations), sampling, m.name, k, budget, use_c
+        )
+        return matches(offsets, score, valid, moved, k, batched)
     win, (ra, rb, moved), batched = prepare(
-        a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=kernel_setting() != "torch"
+        a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=use_c
     )
     k = check_int(k, "k", 1, win.window[0] * win.window[1])
     return topk(win, ra, rb, moved, k, m, resolve_memory(memory, ra.device), batched)

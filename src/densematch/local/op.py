@@ -1,6 +1,7 @@
-"""densematch::local_cost_volume: the windows' values as one PyTorch operator, with its backward
-an operator of its own, so that torch.compile, torch.export and torch.jit.trace see one node of
-known shape (its fake kernel) at any size, instead of the Python that plans bands and offsets.
+"""densematch::local_cost_volume (the windows' values, with its backward an operator of its own)
+and densematch::local_topk (the best k of each window), so that torch.compile, torch.export and
+torch.jit.trace see one node of known shape (its fake kernel) at any size, instead of the Python
+that plans bands and offsets.
 
 The operator takes what the public call validated: a and b as (B, H, W, C), the flow as (B, H,
 W, 2) (int64 for nearest sampling, float for bilinear), masks as (B, H, W), and the settings as
@@ -16,10 +17,11 @@ import torch
 from .._oprules import differentiable, looped
 from ..checks import compute_dtype
 from ..metrics import get_metric, unit_rows_grad
+from .topk import rank
 from .volume import band_rows, value_grads, values
 from .windows import Window, prepare
 
-__all__ = ["volume"]
+__all__ = ["best", "volume"]
 
 
 def _planned(
@@ -159,3 +161,90 @@ def volume(*args: Any, recorded: bool) -> torch.Tensor:
     """The operator (a recorded graph's) or its autograd.Function (eager's, torch.func's)."""
     out: torch.Tensor = (_volume_op if recorded else _Volume.apply)(*args)  # type: ignore[no-untyped-call]
     return out
+
+
+@torch.library.custom_op(
+    "densematch::local_topk",
+    mutates_args=(),
+    schema="(Tensor a, Tensor b, Tensor? flow, Tensor? mask_a, Tensor? mask_b, int[] radius, int[] dilation, "
+    "str sampling, str metric, int k, int budget, bool use_c) -> (Tensor, Tensor, Tensor)",
+)
+def _topk_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    flow: torch.Tensor | None,
+    mask_a: torch.Tensor | None,
+    mask_b: torch.Tensor | None,
+    radius: list[int],
+    dilation: list[int],
+    sampling: str,
+    metric: str,
+    k: int,
+    budget: int,
+    use_c: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, H, W, k) values of each pixel's k best candidates, their (B, H, W, k, 2) offsets and
+    validity; slots without a candidate are 0, (0, 0), False (the public call marks them). The
+    values come first (opcheck sums the outputs into the first one's dtype)."""
+    win, (ra, rb, moved) = _planned(a, b, flow, mask_a, mask_b, radius, dilation, sampling, metric, use_c)
+    nb, h, w, _ = win.shape
+    chosen, score, valid, _rows = rank(win, ra, rb, moved, k, get_metric(metric), budget)
+    table = torch.tensor(win.offsets, dtype=torch.int64, device=a.device).reshape(-1, 2)
+    offsets = a.new_zeros((nb, h, w, k, 2), dtype=torch.int64)
+    offsets[:, :, :, : chosen.shape[3]] = table[chosen]
+    full = score.new_zeros((nb, h, w, k))
+    full[..., : chosen.shape[3]] = score.masked_fill(~valid, 0.0)  # whichever kernel valued the pair
+    found = torch.zeros((nb, h, w, k), dtype=torch.bool, device=a.device)
+    found[..., : chosen.shape[3]] = valid
+    return full, offsets, found
+
+
+@_topk_op.register_fake
+def _topk_fake(
+    a: torch.Tensor, b: torch.Tensor, flow: Any, mask_a: Any, mask_b: Any, radius: list[int], dilation: list[int],
+    sampling: str, metric: str, k: int, *rest: Any,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    nb, h, w, _ = a.shape
+    dtype = compute_dtype(a, b)
+    return (
+        a.new_empty((nb, h, w, k), dtype=dtype),
+        a.new_empty((nb, h, w, k, 2), dtype=torch.int64),
+        a.new_empty((nb, h, w, k), dtype=torch.bool),
+    )
+
+
+def _topk_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    a, b, flow, mask_a, mask_b, radius, dilation, sampling, metric, _k, budget, use_c = inputs
+    _score, offsets, valid = output
+    ctx.save_for_backward(a, b, flow, mask_a, mask_b, offsets, valid)
+    ctx.settings = (radius, dilation, sampling, metric, budget, use_c)
+
+
+def _topk_gradients(ctx: Any, g_score: torch.Tensor, _offsets: Any, _valid: Any) -> tuple[torch.Tensor | None, ...]:
+    """The chosen values' gradients through the cost volume's backward operator: ``g_score``
+    placed at each pick's slot of a (B, window, H, W) gradient, zero elsewhere."""
+    a, b, flow, mask_a, mask_b, offsets, valid = ctx.saved_tensors
+    radius, dilation = ctx.settings[:2]
+    nb, h, w, _ = valid.shape
+    slot = (
+        (offsets[..., 0] // dilation[0] + radius[0]) * (2 * radius[1] + 1) + offsets[..., 1] // dilation[1] + radius[1]
+    )
+    g = torch.where(valid, g_score, 0.0).to(compute_dtype(a, b))
+    window = (2 * radius[0] + 1) * (2 * radius[1] + 1)
+    g_volume = g.new_zeros((nb, window, h * w)).scatter_add_(1, slot.flatten(1, 2).mT, g.flatten(1, 2).mT)
+    ga, gb, gf = torch.ops.densematch.local_cost_volume_backward(
+        g_volume.reshape(nb, window, h, w), a, b, flow, mask_a, mask_b, *ctx.settings
+    )
+    need = ctx.needs_input_grad
+    return (ga if need[0] else None), (gb if need[1] else None), (gf if need[2] else None), *(None,) * 9
+
+
+_topk_op.register_autograd(_topk_gradients, setup_context=_topk_setup)
+_topk_op.register_vmap(lambda info, in_dims, *args: looped(_topk_op, in_dims, args))
+
+
+def best(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_topk_op`'s (B, H, W, k, 2) offsets, their values (differentiable in a, b and a
+    bilinear flow, through the cost volume's backward operator) and validity."""
+    score, offsets, valid = torch.ops.densematch.local_topk(*args)
+    return offsets, score, valid

@@ -12,25 +12,19 @@ from ..metrics import Metric
 from .volume import band, band_rows, values
 from .windows import Window
 
-__all__ = ["topk"]
+__all__ = ["matches", "rank", "topk"]
 
 
-def topk(
-    win: Window,
-    ra: torch.Tensor,
-    rb: torch.Tensor,
-    flow: torch.Tensor | None,
-    k: int,
-    metric: Metric,
-    budget: int,
-    batched: bool,
-) -> Matches:
-    """The k best candidates of every pixel, ranked without gradients, ties to the lower
-    offset; their values recomputed through :class:`_Values` where the inputs need gradients."""
+def rank(
+    win: Window, ra: torch.Tensor, rb: torch.Tensor, flow: torch.Tensor | None, k: int, metric: Metric, budget: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(B, H, W, k') indices into ``win.offsets`` of every pixel's k' = min(k, reachable
+    offsets) best candidates, best first, ties to the lower offset; their values (no gradient)
+    and validity; and the band height used."""
     nb, h, w, _ = win.shape
     rows = band_rows(win, ra, budget)
     dev = ra.device
-    k_all, k = k, min(k, len(win.offsets))  # slots past the reachable offsets stay empty
+    k = min(k, len(win.offsets))  # slots past the reachable offsets stay empty
     best = torch.empty((nb, h, w, k), dtype=torch.int64, device=dev)
     score = torch.empty((nb, h, w, k), dtype=ra.dtype, device=dev)
     valid = torch.empty((nb, h, w, k), dtype=torch.bool, device=dev)
@@ -47,14 +41,45 @@ def topk(
             best[:, y0:y1] = order.permute(0, 2, 3, 1)
             score[:, y0:y1] = v.gather(1, order).permute(0, 2, 3, 1)
             valid[:, y0:y1] = ok.gather(1, order).permute(0, 2, 3, 1)
-    offsets = torch.tensor(win.offsets, dtype=torch.int64, device=dev).reshape(-1, 2)[best]  # (B, H, W, k, 2)
+    return best, score, valid, rows
+
+
+def topk(
+    win: Window,
+    ra: torch.Tensor,
+    rb: torch.Tensor,
+    flow: torch.Tensor | None,
+    k: int,
+    metric: Metric,
+    budget: int,
+    batched: bool,
+) -> Matches:
+    """The k best candidates of every pixel, ranked without gradients, ties to the lower
+    offset; their values recomputed through :class:`_Values` where the inputs need gradients."""
+    best, score, valid, rows = rank(win, ra, rb, flow, k, metric, budget)
+    offsets = torch.tensor(win.offsets, dtype=torch.int64, device=ra.device).reshape(-1, 2)[best]  # (B, H, W, k, 2)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (ra, rb, flow)):
 
         def picks(y0: int, y1: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-            return [(offsets[:, y0:y1, :, j, 0], offsets[:, y0:y1, :, j, 1]) for j in range(k)]
+            return [(offsets[:, y0:y1, :, j, 0], offsets[:, y0:y1, :, j, 1]) for j in range(best.shape[3])]
 
         # each pixel's own picks are gathered, from channels-last rows
         score = values(win, ra.contiguous(), rb.contiguous(), flow, picks, rows, math.nan).permute(0, 2, 3, 1)
+    return matches(offsets, score, valid, flow, k, batched)
+
+
+def matches(
+    offsets: torch.Tensor,
+    score: torch.Tensor,
+    valid: torch.Tensor,
+    flow: torch.Tensor | None,
+    k: int,
+    batched: bool,
+) -> Matches:
+    """The :class:`Matches` of (B, H, W, k', 2) chosen offsets with their values and validity
+    (k' <= k: the slots past k' are empty)."""
+    nb, h, w, found = valid.shape
+    dev = valid.device
     centre = torch.stack(torch.meshgrid(torch.arange(h, device=dev), torch.arange(w, device=dev), indexing="ij"), -1)
     coords = centre[None, :, :, None] + offsets
     if flow is not None:
@@ -63,13 +88,12 @@ def topk(
     index = torch.where(valid, near[..., 0] * w + near[..., 1], -1)
     score = torch.where(valid, score, math.nan)
     coords = torch.where(valid[..., None], coords, math.nan if coords.is_floating_point() else -1)
-    if k_all > k:
-        extra = k_all - k
+    if k > found:
+        extra = k - found
         index = F.pad(index, (0, extra), value=-1)
         score = F.pad(score, (0, extra), value=math.nan)
         valid = F.pad(valid, (0, extra), value=False)
         coords = F.pad(coords, (0, 0, 0, extra), value=math.nan if coords.is_floating_point() else -1)
-        k = k_all
     shape = (*((nb,) if batched else ()), h, w, *((k,) if k > 1 else ()))
     return Matches(
         index=index.reshape(shape),
