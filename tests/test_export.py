@@ -146,11 +146,11 @@ class MovedVolume(torch.nn.Module):
         )  # fmt: skip
 
 
-@pytest.mark.parametrize(("metric", "sampling"), [("cosine", "nearest"), ("l2", "bilinear")])
-def test_onnx_local_cost_volume_equals_eager_at_other_sizes(metric, sampling):
+def test_onnx_local_cost_volume_equals_eager_at_other_sizes():
     # decomposed into gathers of every offset: onnxruntime gives eager's values, and the missing
-    # candidates (outside b, masked out, a masked pixel of a) in the same places
-    model = MovedVolume(metric, sampling)
+    # candidates (outside b, masked out, a masked pixel of a) in the same places (the local_match
+    # test below runs the decomposition's other branch: cosine of unit rows, a rounded flow)
+    model = MovedVolume("l2", "bilinear")
     grid = {0: torch.export.Dim("h", min=2), 1: torch.export.Dim("w", min=2)}
     example = (
         torch.randn(6, 7, 8).double(), torch.randn(6, 7, 8).double(), torch.randn(6, 7, 2).double(),
@@ -207,6 +207,8 @@ def test_exported_and_traced_local_match_equal_eager_at_other_sizes(options):
         for out, x in ((got, leaves[0]), (model(leaves[1], b, flow), leaves[1]))
     ]
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    if options.get("sampling") == "bilinear":
+        return  # the ONNX form of a bilinear window: the cost volume's test above
     # onnxruntime: the same best values in the same order (their offsets may differ at near-ties)
     _index, score, valid, _coords = _onnx_run(program, a, b, flow)
     np.testing.assert_array_equal(valid, want[2].numpy())
