@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent(
         got["match"] = list(densematch.match(a, b, mutual=True, k=2).index.shape)
         got["soft_match"] = list(densematch.soft_match(a, b).coords.shape)
         got["local_cost_volume"] = list(densematch.local_cost_volume(x, x, radius=1).shape)
+        got["local_match"] = list(densematch.local_match(a, b, radius=2, k=3).coords.shape)
         try:  # Lowe's test keeps a number of matches known only from the data: torch says so
             densematch.kornia.match_snn(torch.randn(7, 8), p)
             got["match_snn"] = "ran"
@@ -53,6 +54,7 @@ def test_fake_tensors_get_shapes_and_never_crash_the_process():
         assert got[metric] == [2, 4, 5, 6], got
     assert got["nearest"] == [2, 2, 5, 6] and got["knn"] == [7, 3] and got["match"] == [5, 6, 2]
     assert got["soft_match"] == [5, 6, 2] and got["local_cost_volume"] == [2, 3, 3, 8, 5]
+    assert got["local_match"] == [5, 6, 3, 2]
     assert got["match_snn"] == "DynamicOutputShapeException"
 
 

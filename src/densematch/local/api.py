@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from .._match import Matches
 from .._oprules import recording, refuse_legacy_onnx
@@ -109,7 +110,7 @@ def local_match(
     check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
     use_c = kernel_setting() != "torch"
-    if recording():  # one operator: a graph holds no plan of bands and offsets for one size
+    if recording() or is_fake(as_tensor(a, "a")):  # one operator: a graph holds no plan of bands for one size
         ra, rb, grid, batched, masks = check_maps(a, b, layout, mask_a, mask_b)
         moved = check_flow(flow, sampling, ra.shape[0], grid, batched, ra.device, compute_dtype(ra, rb))
         radii, dilations = pair_int(radius, "radius", 0), pair_int(dilation, "dilation", 1)
