@@ -53,3 +53,16 @@ def test_every_name_the_docs_give_resolves_and_imports():
     from densematch import app, synthetic
 
     assert synthetic is app.synthetic and Pair is app.batch.Pair and run is app.batch.run
+
+
+def test_the_choosing_guide_is_linked_from_the_readme_and_every_public_function():
+    import densematch
+
+    assert "docs/choosing.md" in (ROOT / "README.md").read_text()
+    public = ["match", "local_match", "local_cost_volume", "soft_match", "pairwise_distance", "nearest_prototype"]
+    for name in [*public, "knn", "align"]:
+        assert "docs/choosing.md" in getattr(densematch, name).__doc__, name
+    # every section of BENCHMARKS.md the guide quotes a figure from exists under that name
+    quoted = [" ".join(q.split()) for q in re.findall(r'\("([^"]+)"', (ROOT / "docs" / "choosing.md").read_text())]
+    headings = "\n".join(line for line in (ROOT / "BENCHMARKS.md").read_text().splitlines() if line.startswith("#"))
+    assert quoted and all(q in headings for q in quoted), [q for q in quoted if q not in headings]

@@ -329,6 +329,8 @@ def pairwise_distance(
 ) -> torch.Tensor:
     """Distance from every pixel of `x` to every prototype, without the broadcast.
 
+    Which options fit which job, and what each costs: docs/choosing.md.
+
     Parameters
     ----------
     x : Tensor or ndarray of shape (N, D, H, W)
@@ -395,6 +397,8 @@ def nearest_prototype(
     precision: PrecisionName = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` nearest prototypes of every pixel, without building the (N, F, H, W) tensor.
+
+    Which options fit which job, and what each costs: docs/choosing.md.
 
     Parameters
     ----------

@@ -67,6 +67,8 @@ def knn(
     """The k nearest rows of ``bank`` of every row of ``queries``, exactly, without the N x M
     distance matrix.
 
+    Which options fit which job, and what each costs: docs/choosing.md.
+
     Parameters
     ----------
     queries : Tensor or ndarray of shape (N, D)

@@ -105,6 +105,8 @@ def match(
     Exact for any `memory`: equal to brute force under `precision` accumulation. The N x N
     similarity matrix is never built; `a` and `b` are tiled and a running top-k is merged.
 
+    Which options fit which job, and what each costs: docs/choosing.md.
+
     Parameters
     ----------
     a, b : Tensor or ndarray

@@ -73,6 +73,8 @@ def soft_match(
     """Soft matches: for every pixel i of ``a``, weights p_ij over the pixels j of ``b`` from
     their cosine similarities s_ij, and the expected position sum_j p_ij (row_j, col_j).
 
+    Which options fit which job, and what each costs: docs/choosing.md.
+
     Parameters
     ----------
     a, b : Tensor or ndarray

@@ -215,6 +215,8 @@ def align(
 ) -> Alignment:
     """Find the stretch and shift that fit `template` into `image`, globally, to sub-pixel precision.
 
+    Which options fit which job, and what each costs: docs/choosing.md.
+
     Parameters
     ----------
     template : Tensor or ndarray of shape (h, w), (B, h, w) or (B, C, h, w)

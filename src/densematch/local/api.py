@@ -51,6 +51,8 @@ def local_match(
     i in -ry..ry, j in -rx..rx, where (fy, fx) is the flow at (y, x) and (dy, dx) the dilation.
     Positions outside b (or masked out) are no candidates.
 
+    Which options fit which job, and what each costs: docs/choosing.md.
+
     Parameters
     ----------
     a, b : Tensor or ndarray
@@ -146,6 +148,8 @@ def local_cost_volume(
     """The cost volume of every pixel of ``a`` against the pixels of ``b`` in a window around its
     own position (moved by a flow), every value computed directly and differentiable: the
     windows as in :func:`local_match`, every candidate kept.
+
+    Which options fit which job, and what each costs: docs/choosing.md.
 
     Parameters
     ----------
