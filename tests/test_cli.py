@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from densematch import warp
+from densematch.app.summary import summary_line
 
 from ._reference import assert_same_up_to_ties
 
@@ -539,3 +540,65 @@ def test_demo_creates_its_folder_but_not_missing_parents_unless_asked(tmp_path, 
     monkeypatch.setattr(demo, "_sample", stop)  # the folder is all this test needs
     code, _, err = in_process("demo", "--out", str(target), "--parents")
     assert code == 1 and "stopped after the folder" in err and target.is_dir()
+
+
+def _page_data(path) -> dict:
+    text = path.read_text()
+    return json.loads(text.split('<script type="application/json" id="data">', 1)[1].split("</script>", 1)[0])
+
+
+def test_one_summary_gives_every_output_its_figures(images, tmp_path):
+    # issue 42: the command said 24.5% valid, the picture 72% and 76% invalid, the page 71.5%;
+    # now each reads one summary, counted over A's pixels by their best candidate
+    from PIL import Image
+
+    from densematch.app.tasks import match_pair
+
+    mask = np.ones((80, 80), np.uint8) * 255
+    mask[:, :10] = 0  # a strip of A masked out: its own reason
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    args = [str(images / "a.png"), str(images / "b.png"), "--features", "patch", "--k", "3", "--mutual"]
+    args += ["--mask-a", str(tmp_path / "mask.png")]
+    code, out, _ = in_process("match", *args, "--json", "--html", str(tmp_path / "m.html"))
+    assert code == 0
+    summary = json.loads(out)["summary"]
+    assert summary["counts"] == "pixels of A, by their best candidate" and summary["pixels"] == 6400
+    invalid = summary["invalid"]
+    assert invalid["masked"] == 800 and set(invalid) == {"masked", "no candidate", "mutual"}
+    assert summary["valid"] + sum(invalid.values()) == summary["pixels"]
+    line = summary_line(summary)
+    assert f"{summary['valid_fraction']:.1%}" in line and "candidates" in line
+    code, out, _ = in_process("match", *args)
+    assert code == 0 and line in out
+    assert line in _page_data(tmp_path / "m.html")["notes"][0]["text"]
+    # the picture: its title and its caption, from the same summary
+    r = match_pair(args[0], args[1], features="patch", k=3, mutual=True, mask_a=args[-1], viz=True)
+    texts = [ax.get_title() for ax in r.figure.axes] + [t.get_text() for t in r.figure.texts]
+    assert any(f"({summary['valid_fraction']:.0%} valid)" in t for t in texts)
+    caption = next(t for t in texts if "invalid (black)" in t)
+    assert caption.startswith(f"{1 - summary['valid_fraction']:.0%} of A's pixels invalid")
+    assert "masked out in A" in caption and "mutual check" in caption and "ratio" not in caption
+
+
+def test_the_summary_splits_two_filters_by_their_own_verdicts(images):
+    # with mutual and ratio both on, each invalid pixel is counted under each filter it fails,
+    # from the reverse pass and the ratio of its best two, searched here independently
+    import densematch
+    from densematch.app.features import dense_features
+    from densematch.app.io import load_image
+    from densematch.metrics import get_metric
+
+    code, out, _ = in_process("match", str(images / "a.png"), str(images / "b.png"), "--features", "patch",
+                              "--mutual", "--ratio", "0.9", "--json")  # fmt: skip
+    assert code == 0
+    summary = json.loads(out)["summary"]
+    fa, fb = (dense_features(load_image(images / n, grey=True), "patch") for n in ("a.png", "b.png"))
+    best = densematch.match(fa, fb)
+    back = densematch.match(fb, fa).index.reshape(-1)
+    here = torch.arange(best.index.numel()).reshape(best.index.shape)
+    fails_mutual = back[best.index] != here
+    d = get_metric("cosine").ratio_distance(densematch.match(fa, fb, k=2).score)  # what Lowe's test compares
+    fails_ratio = ~(d[..., 0] <= 0.9 * d[..., 1])
+    assert summary["invalid"]["mutual"] == int(fails_mutual.sum())
+    assert summary["invalid"]["ratio"] == int(fails_ratio.sum())
+    assert summary["valid"] == int((~fails_mutual & ~fails_ratio).sum())

@@ -30,6 +30,7 @@ from ..precision import PRECISIONS, RANKINGS
 from ..progress import say
 from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, PAGE_OUTPUTS, check_output, is_image, save_arrays
+from .summary import summary_line
 from .tasks import PairResult, align_pairs, distance_pair, match_pair, poor_fit
 
 EXPECTED = (ValueError, TypeError, OSError, ImportError, RuntimeError)
@@ -124,12 +125,14 @@ def cmd_match(args: argparse.Namespace) -> int:
     if args.viz:
         _write_picture(r, args.viz)
     _write_page(r, args.html)
-    if not args.quiet:
+    if args.json:
+        print(json.dumps({**r.result, "seconds": seconds}))
+    elif not args.quiet:
         (h, w, c), (hb, wb, _) = r.result["shape_a"], r.result["shape_b"]
         mean = r.result["mean_score"]
         print(
             f"matched {h}x{w} against {hb}x{wb} (C={c}, {args.metric}, k={args.k}) in {seconds:.2f} s; "
-            f"valid {r.result['valid']:.1%}; mean score {float('nan') if mean is None else mean:.4f}"
+            f"{summary_line(r.result['summary'])}; mean score {float('nan') if mean is None else mean:.4f}"
         )
         for path in (args.output, args.viz, args.html):
             if path:
@@ -434,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("a", metavar="A", help="features (.npy/.pt, shape (H, W, C)) or an image (needs --features)")
     m.add_argument("b", metavar="B", help="the same for the second map")
     m.add_argument("-o", "--output", metavar="OUT.npz", help="write coords, score, valid and index here")
+    m.add_argument("--json", action="store_true", help="print one JSON object: the shapes, the summary, the time")
     _match_options(m)
     m.add_argument("--viz", metavar="OUT.png", help="write a picture of the matches")
     m.add_argument("--html", metavar="PAGE.html", help=_HTML_HELP)

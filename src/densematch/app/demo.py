@@ -49,6 +49,7 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents:
             f"--out {str(out)!r}: its folder {str(out.parent)!r} does not exist; create it, or pass --parents"
         )
     out.mkdir(parents=parents, exist_ok=True)
+    from .summary import match_summary
     from .view import align_page, distance_page, match_page, write_page
     from .viz import align_figure, distance_figure, invalid_note, match_figure, save_figure
 
@@ -73,14 +74,17 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents:
         + f"; the {valid.mean():.0%} valid ones "
         + " / ".join(f"{v:.2f}" for v in pck(r.coords.numpy(), landing, valid))
     )
-    note = invalid_note(float(valid.mean()), 0.9, True)
-    save_figure(match_figure(a_img, b_img, r.coords.numpy(), r.score.numpy(), valid, "cosine", note), out / "match.png")
-    # the page explains each pixel's verdict: the reverse pass and the ratio of its best two
+    # the picture and the page explain each pixel's verdict, from one summary: the reverse pass
+    # and the ratio of its best two
     reverse, ratio_value = verdicts(fa, fb, MatchOptions(mutual=True, ratio=0.9))
+    summary = match_summary(r.numpy(), mutual=True, ratio=0.9, reverse=reverse, ratio_value=ratio_value)
+    note = invalid_note(summary)
+    save_figure(match_figure(a_img, b_img, r.coords.numpy(), r.score.numpy(), valid, "cosine", note), out / "match.png")
     write_page(
         out / "match.html",
         match_page(a_img, b_img, r.numpy(), metric="cosine", mutual=True, ratio=0.9, reverse=reverse,
-                   ratio_value=ratio_value, title="demo: camera against a zoomed, shifted view of itself"),
+                   ratio_value=ratio_value, summary=summary,
+                   title="demo: camera against a zoomed, shifted view of itself"),
     )  # fmt: skip
 
     # 2. alignment: a template cut from a stretched photo, resampled by scikit-image (bicubic,

@@ -27,6 +27,7 @@ from ..config import resolve_memory
 from ..options import MatchOptions
 from .features import FEATURES, dense_features
 from .io import atomic_write, is_image, load_any, load_array, load_image
+from .summary import match_summary
 
 __all__ = [
     "PairResult",
@@ -270,11 +271,20 @@ def match_pair(
         return None
     out = r.numpy()
     valid = out["valid"]
+    # what explains each pixel's verdict, where the page shows it or two filters share the blame
+    explained = page or (options.mutual and options.ratio is not None)
+    cpu_masks = {name: m.cpu() for name, m in masks.items()}
+    reverse, ratio_value = verdicts(fa.cpu(), fb.cpu(), options, cpu_masks) if explained else (None, None)
+    allowed = cpu_masks["mask_a"].numpy() if "mask_a" in cpu_masks else None
+    summary = match_summary(
+        out, mutual=options.mutual, ratio=options.ratio, mask_a=allowed, reverse=reverse, ratio_value=ratio_value
+    )
     result = {
         "shape_a": list(fa.shape),
         "shape_b": list(fb.shape),
-        "valid": float(valid.mean()),
+        "valid": summary["valid_fraction"],
         "mean_score": float(np.nanmean(out["score"][valid])) if valid.any() else None,
+        "summary": summary,
     }
     figure = None
     if viz:
@@ -285,9 +295,12 @@ def match_pair(
             index, score, shown = index[..., 0], score[..., 0], shown[..., 0]
         # b's grid positions (coords may be refined or in image pixels)
         coords = np.stack((index // fb.shape[1], index % fb.shape[1]), -1)
-        note = invalid_note(float(valid.mean()), options.ratio, options.mutual)
-        figure = match_figure(_preview(fa, ia), _preview(fb, ib), coords, score, shown, options.metric, note)
-    html = _match_page(fa, fb, ia, ib, out, options, masks, f"{a} against {b}") if page else None
+        figure = match_figure(
+            _preview(fa, ia), _preview(fb, ib), coords, score, shown, options.metric, invalid_note(summary)
+        )
+    html = None
+    if page:
+        html = _match_page(fa, fb, ia, ib, out, options, (reverse, ratio_value), summary, f"{a} against {b}")
     return PairResult(result, out, figure, html)
 
 
@@ -320,15 +333,16 @@ def _match_page(
     ib: np.ndarray | None,
     out: dict[str, np.ndarray],
     options: MatchOptions,
-    masks: dict[str, torch.Tensor],
+    explained: tuple[np.ndarray | None, np.ndarray | None],
+    summary: dict[str, Any],
     title: str,
 ) -> str:
-    """The match's page: the images (or the features in false colour), and what explains each
-    pixel's verdict (:func:`verdicts`)."""
+    """The match's page: the images (or the features in false colour), what explains each
+    pixel's verdict (:func:`verdicts`) and the match's summary."""
     from .view import at_grid, false_colour, match_page
 
     fa, fb = fa.cpu(), fb.cpu()
-    reverse, ratio_value = verdicts(fa, fb, options, {name: m.cpu() for name, m in masks.items()})
+    reverse, ratio_value = explained
     if ia is not None and ib is not None:
         pa, pb = at_grid(ia, tuple(fa.shape[:2])), at_grid(ib, tuple(fb.shape[:2]))
     else:
@@ -338,7 +352,7 @@ def _match_page(
         arrays["coords"] = np.stack((out["index"] // fb.shape[1], out["index"] % fb.shape[1]), -1)
     return match_page(
         pa, pb, arrays, metric=options.metric, mutual=options.mutual, ratio=options.ratio,
-        reverse=reverse, ratio_value=ratio_value, title=title,
+        reverse=reverse, ratio_value=ratio_value, summary=summary, title=title,
     )  # fmt: skip
 
 

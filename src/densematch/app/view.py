@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .io import save_with
+from .summary import match_summary, summary_line
 from .viz import alignment_difference
 
 __all__ = [
@@ -149,6 +150,7 @@ def match_page(
     ratio: float | None = None,
     reverse: np.ndarray | None = None,
     ratio_value: np.ndarray | None = None,
+    summary: dict[str, Any] | None = None,
     title: str = "densematch match",
 ) -> str:
     """The page of one match.
@@ -165,6 +167,9 @@ def match_page(
         b's best pixel in a (flat index), the reverse pass: shown from B's side, and mutual's why.
     ratio_value : ndarray of shape (h, w), optional
         Each pixel's best over second-best distance, what the ratio test compared.
+    summary : dict, optional
+        The match's :func:`.summary.match_summary`, whose figures the page states (made here
+        from ``arrays`` and the verdicts when not given).
     """
     index, score, valid = arrays["index"], arrays["score"], arrays["valid"]
     if index.ndim == 2:
@@ -183,12 +188,14 @@ def match_page(
     lo, hi = _range(score[..., 0][shown]) if shown.any() else (0.0, 1.0)
     veil = np.zeros((h, w, 4), np.uint8)
     veil[~shown] = (40, 40, 40, 170)
+    if summary is None:
+        summary = match_summary(arrays, mutual=mutual, ratio=ratio, reverse=reverse, ratio_value=ratio_value)
     notes = [
         {
             "text": f"{h}x{w} against {hb}x{wb}, {metric}, k={k}"
             + (", mutual" if mutual else "")
             + (f", ratio {ratio}" if ratio is not None else "")
-            + f"; {float(valid[..., 0].mean()):.1%} valid. "
+            + f"; {summary_line(summary)}. "
             "Move over A (or focus it and use the arrow keys); click or Enter pins a pixel."
         }
     ]

@@ -59,22 +59,27 @@ def _invalid_key(ax: Any) -> None:
     ax.legend(handles=[Patch(color="black", label="invalid")], loc="lower right", fontsize=7, framealpha=0.8)
 
 
-def invalid_note(valid: float, ratio: float | None, mutual: bool) -> str | None:
-    """Why a match picture shows many invalid pixels, for the filters that were on."""
-    if valid >= 0.9 or (ratio is None and not mutual):
+def invalid_note(summary: dict[str, Any]) -> str | None:
+    """Why a match picture shows many invalid pixels, from its :func:`.summary.match_summary`:
+    each reason that counts a pixel, most first."""
+    if summary["valid_fraction"] >= 0.9 or not summary["pixels"]:
         return None
-    why = []
-    if ratio is not None:
-        why.append(
-            f"the ratio test (ratio {ratio}) fails where a pixel's runner-up, usually the neighbour of its best "
-            "match, scores almost as well (d1/d2 near 1): smooth or regular texture"
-        )
-    if mutual:
-        why.append(
-            "the mutual check fails where the two directions round differently: when one map is a zoom of "
-            "the other, along regular lines"
-        )
-    return f"{1 - valid:.0%} invalid (black): " + "; ".join(why) + "."
+    explain = {
+        "masked": "masked out in A",
+        "no candidate": "no pixel of B they may match",
+        "mutual": "the mutual check: not each other's best (parts of A that B does not show, or where the two "
+        "directions round differently)",
+        "ratio": "the ratio test: a runner-up, usually the best match's neighbour, scores almost as well (smooth "
+        "or regular texture)",
+        "mutual or ratio": "the mutual check or the ratio test",
+    }
+    counted = sorted(((n, why) for why, n in summary["invalid"].items() if n), reverse=True)
+    parts = [f"{n / summary['pixels']:.0%} {explain[why]}" for n, why in counted]
+    return (
+        f"{1 - summary['valid_fraction']:.0%} of A's pixels invalid (black), by their best match: "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def match_figure(
