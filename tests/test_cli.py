@@ -234,11 +234,12 @@ def test_every_bench_row_can_say_why_densematch_is_behind():
     [
         (("match", "missing.npy", "{d}/fb.npy"), "A 'missing.npy' does not exist"),
         (("match", "{d}/a.png", "{d}/b.png"), "is an image: pass --features"),
-        (("match", "{d}/fa.npy", "{d}/fc.npy"), "same number of channels, got 8 and 5"),
+        (("match", "{d}/fa.npy", "{d}/fc.npy"), "no layout gives one channel count"),
+        (("match", "{d}/fa.npy", "{d}/fc.npy", "--layout", "hwc"), "same number of channels, got 8 and 5"),
         (("match", "{d}/fa.npy", "{d}/fb.npy", "--k", "0"), "k must be >= 1, got 0"),
         (("match", "{d}/fa.npy", "{d}/fb.npy", "--metric", "l3"), "invalid choice: 'l3'"),
         (("match", "{d}/fa.npy", "{d}/fb.npy", "--precision", "half"), "invalid choice: 'half'"),
-        (("match", "{d}/p.npy", "{d}/fb.npy"), "must hold features of shape (H, W, C)"),
+        (("match", "{d}/p.npy", "{d}/fb.npy"), "must hold one feature map, (H, W, C) or (C, H, W)"),
         (("match", "{d}/fa.npy", "{d}/bad.npy"), "could not be read as an array"),
         (("match", "{d}/fa.npy", "{d}/zip.npy"), "it is a zip archive (.npz?)"),
         (("match", "{d}/fa.npy", "{d}/huge.npy"), "header declares shape (20000, 20000, 64)"),
@@ -267,11 +268,11 @@ def test_errors_are_one_line_without_traceback(images, args, pattern, tmp_path):
 
 
 def test_the_real_command_reports_an_error_in_one_line(images):
-    out = run("match", str(images / "fa.npy"), str(images / "fc.npy"))
+    out = run("match", str(images / "fa.npy"), str(images / "fc.npy"), "--layout", "hwc")
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip() == (
-        "densematch match: error: A and B must have the same number of channels, got 8 and 5; "
-        "feature files are read as (H, W, C): pass --layout chw for (C, H, W) files"
+        "densematch match: error: A and B must have the same number of channels, got 8 and 5 "
+        "(feature files read as hwc; --layout chooses)"
     )
 
 
@@ -508,8 +509,9 @@ def test_feature_files_in_chw_with_a_batch_of_one_and_masks(images, tmp_path):
     mask_b = np.zeros(fb.shape[:2], np.uint8)
     mask_b[2:9, 3:11] = 255
     np.save(tmp_path / "mask_b.npy", mask_b)
+    # read as (H, W, C) they would hold 14 and 9 channels: only (C, H, W) fits, so no flag is needed
     code, _, err = in_process("match", str(tmp_path / "a.pt"), str(tmp_path / "b.npy"), "-o", str(tmp_path / "x.npz"))
-    assert code == 1 and "--layout chw" in err and len(err.strip().splitlines()) == 1
+    assert code == 0 and err == ""
     code, _, err = in_process(
         "match", str(tmp_path / "a.pt"), str(tmp_path / "b.npy"), "--layout", "chw",
         "--mask-b", str(tmp_path / "mask_b.npy"), "-o", str(tmp_path / "m.npz"), "--quiet",
@@ -518,6 +520,7 @@ def test_feature_files_in_chw_with_a_batch_of_one_and_masks(images, tmp_path):
     want = densematch.match(fa, fb, mask_b=mask_b > 0)
     z = np.load(tmp_path / "m.npz")
     assert np.array_equal(z["index"], want.index.numpy())
+    assert np.array_equal(np.load(tmp_path / "x.npz")["index"], densematch.match(fa, fb).index.numpy())
     rows, cols = z["index"] // fb.shape[1], z["index"] % fb.shape[1]
     assert mask_b[rows, cols].all()
     code, _, err = in_process(
@@ -602,3 +605,40 @@ def test_the_summary_splits_two_filters_by_their_own_verdicts(images):
     assert summary["invalid"]["mutual"] == int(fails_mutual.sum())
     assert summary["invalid"]["ratio"] == int(fails_ratio.sum())
     assert summary["valid"] == int((~fails_mutual & ~fails_ratio).sum())
+
+
+def test_a_layout_is_never_misread_silently(tmp_path):
+    # issue 42: a (C, H, W) pair of equal shapes was read as (H, W, C) with exit 0; now the default
+    # warns, naming both readings, --layout auto refuses, and a mask or a channel count that
+    # fits one reading alone settles it
+    import densematch
+
+    rng = np.random.default_rng(1)
+    a, b = (rng.normal(size=(6, 20, 20)).astype(np.float32) for _ in range(2))  # (C, H, W)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    pair = (str(tmp_path / "a.npy"), str(tmp_path / "b.npy"))
+    code, _, err = in_process("match", *pair)
+    assert code == 0 and err.count("\n") == 1 and "warning: read as (H, W, C), where both layouts fit" in err
+    assert "a 6x20 map of 20 channels, or as (C, H, W), a 20x20 map of 6" in err and "--layout hwc or chw" in err
+    code, _, err = in_process("match", *pair, "--layout", "auto")
+    assert code == 1 and err.count("\n") == 1 and "--layout auto cannot tell" in err
+    mask = np.ones((20, 20), np.uint8)
+    np.save(tmp_path / "mask.npy", mask)
+    code, _, err = in_process("match", *pair, "--layout", "auto", "--mask-a", str(tmp_path / "mask.npy"),
+                              "-o", str(tmp_path / "m.npz"))  # fmt: skip
+    assert code == 0 and err == ""  # a 20x20 mask: only (C, H, W) gives A that grid
+    want = densematch.match(a, b, layout="chw")
+    assert np.array_equal(np.load(tmp_path / "m.npz")["index"], want.index.numpy())
+    # distance reads by the prototypes' depth: (H, W, D) and (D, H, W) files give one answer
+    p = rng.normal(size=(4, 6)).astype(np.float32)
+    np.save(tmp_path / "p.npy", p)
+    np.save(tmp_path / "hwc.npy", np.ascontiguousarray(a[:, :, :15].transpose(1, 2, 0)))  # (20, 15, 6)
+    np.save(tmp_path / "chw.npy", a[:, :, :15])
+    for name in ("hwc", "chw"):
+        code, _, err = in_process("distance", str(tmp_path / f"{name}.npy"), str(tmp_path / "p.npy"),
+                                  "-o", str(tmp_path / f"d-{name}.npy"))  # fmt: skip
+        assert code == 0 and err == "", err
+    assert np.array_equal(np.load(tmp_path / "d-hwc.npy"), np.load(tmp_path / "d-chw.npy"))
+    code, _, err = in_process("distance", str(tmp_path / "hwc.npy"), str(tmp_path / "p.npy"), "--layout", "chw")
+    assert (code == 1 and "channels" in err.lower()) or "6" in err

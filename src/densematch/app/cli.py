@@ -30,6 +30,7 @@ from ..precision import PRECISIONS, RANKINGS
 from ..progress import say
 from .features import FEATURES
 from .io import ARRAY_OUTPUTS, FIGURE_OUTPUTS, PAGE_OUTPUTS, check_output, is_image, save_arrays
+from .layouts import FILE_LAYOUTS
 from .summary import summary_line
 from .tasks import PairResult, align_pairs, distance_pair, match_pair, poor_fit
 
@@ -90,6 +91,7 @@ def task_options(task: str, args: argparse.Namespace) -> dict[str, Any]:
             "--k and --precision apply only with --nearest: without it, every prototype's distance is written"
         )
     return {
+        "layout": args.layout,
         "metric": args.metric,
         "nearest": args.nearest,
         "k": 1 if args.k is None else args.k,
@@ -299,12 +301,7 @@ def _match_options(m: argparse.ArgumentParser) -> None:
     m.add_argument("--precision", default=_MATCH.precision, choices=PRECISIONS, help=_PRECISION_HELP)
     m.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the search runs")
     m.add_argument("--features", choices=FEATURES, help="describe image inputs: patch (7x7 patches), color, dsift")
-    m.add_argument(
-        "--layout",
-        default=_MATCH.layout,
-        choices=("hwc", "chw"),
-        help="how feature files hold a map: (H, W, C) or (C, H, W), either with a leading batch of one",
-    )
+    _layout_option(m, "(H, W, C) or (C, H, W), either with a leading batch of one")
     m.add_argument("--mask-a", metavar="MASK", help="grey image or 2-D .npy the size of A's map: nonzero may match")
     m.add_argument("--mask-b", metavar="MASK", help="the same for B: pixels of B that may be chosen")
     m.add_argument("--refine", choices=REFINES, help="sub-pixel positions: parabola, soft, features (the most precise)")
@@ -336,7 +333,18 @@ def _align_options(a: argparse.ArgumentParser) -> None:
     a.add_argument("--memory", default=None, help=_MEMORY_HELP)
 
 
+def _layout_option(p: argparse.ArgumentParser, shapes: str) -> None:
+    p.add_argument(
+        "--layout",
+        default=None,
+        choices=FILE_LAYOUTS,
+        help=f"how feature files hold their maps: {shapes}; auto: the one reading under which the inputs agree, "
+        "refused where both do (default: as auto, but where both fit, hwc with a warning)",
+    )
+
+
 def _distance_options(d: argparse.ArgumentParser) -> None:
+    _layout_option(d, "hwc (N, H, W, D) or (H, W, D), chw (N, D, H, W) or (D, H, W)")
     d.add_argument("--metric", default="l2", choices=tuple(METRICS), help="the distance")
     d.add_argument("--nearest", action="store_true", help="only the nearest prototype(s), never the full tensor")
     d.add_argument("--k", type=int, default=None, help="with --nearest: how many (default: 1)")

@@ -27,6 +27,7 @@ from ..config import resolve_memory
 from ..options import MatchOptions
 from .features import FEATURES, dense_features
 from .io import atomic_write, is_image, load_any, load_array, load_image
+from .layouts import FILE_LAYOUTS, resolve_layout
 from .summary import match_summary
 
 __all__ = [
@@ -186,12 +187,9 @@ def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, page: 
     return PairResult(answer, figure=figure, page=html)
 
 
-def _features(
-    path: str, features: str | None, what: str, layout: str = "hwc"
-) -> tuple[torch.Tensor, np.ndarray | None]:
-    """(H, W, C) features, and the picture to show (the image, or None for a feature file).
-    Feature files hold (H, W, C) (``layout="hwc"``) or (C, H, W) (``"chw"``, as a network's
-    output), either with a leading batch of one."""
+def _features(path: str, features: str | None, what: str) -> tuple[torch.Tensor | np.ndarray, np.ndarray | None]:
+    """The (H, W, C) features of an image (and the image, to show), or a feature file's 3-D
+    array as it lies (a leading batch of one dropped; :func:`_as_maps` reads it) and None."""
     if is_image(path):
         if features is None:
             raise ValueError(f"{what} {path!r} is an image: pass --features ({'|'.join(FEATURES)}) to describe it")
@@ -200,15 +198,34 @@ def _features(
     arr = load_array(path, what)
     if arr.ndim == 4 and arr.shape[0] == 1:
         arr = arr[0]
-    shape = "(H, W, C)" if layout == "hwc" else "(C, H, W)"
     if arr.ndim != 3:
         raise ValueError(
-            f"{what} {path!r} must hold features of shape {shape} (or with a leading batch of one; "
-            f"--layout chooses hwc or chw), got {arr.shape}"
+            f"{what} {path!r} must hold one feature map, (H, W, C) or (C, H, W) (or with a leading batch of one), "
+            f"got {arr.shape}"
         )
-    if layout == "chw":
-        arr = arr.transpose(1, 2, 0)
-    return torch.from_numpy(np.ascontiguousarray(arr)), None
+    return arr, None
+
+
+def _as_maps(
+    found: list[tuple[str, torch.Tensor | np.ndarray]], layout: str, grids: Sequence[tuple[str, Sequence[int], int]]
+) -> list[torch.Tensor]:
+    """Every map of ``found`` ((name, map) pairs) as (H, W, C): the feature files in the one
+    layout :func:`.layouts.resolve_layout` gives them, with ``grids`` (name, 2-D shape, index of
+    its map in ``found``); images' features are (H, W, C) already."""
+    at = {i: j for j, i in enumerate(i for i, (_, x) in enumerate(found) if isinstance(x, np.ndarray))}
+    if at:
+        files = [(found[i][0], tuple(found[i][1].shape)) for i in at]
+        # an image's features fix the channel count the files must have
+        images = [x for _, x in found if not isinstance(x, np.ndarray)]
+        channels = images[0].shape[2] if images else None
+        placed = [(name, shape, at[i]) for name, shape, i in grids if i in at]
+        layout = resolve_layout(layout, files, grids=placed, channels=channels)
+    maps = []
+    for _, x in found:
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(np.ascontiguousarray(x.transpose(1, 2, 0) if layout == "chw" else x))
+        maps.append(x)
+    return maps
 
 
 def _preview(feat: torch.Tensor, img: np.ndarray | None) -> np.ndarray:
@@ -246,27 +263,35 @@ def match_pair(
     the HTML page, with what explains each pixel's verdict: the reverse pass for ``mutual`` and
     each pixel's ratio of its best two distances for ``ratio`` (two more local searches).
     """
+    layout = settings.pop("layout", "hwc")
+    if layout is not None and layout not in FILE_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(FILE_LAYOUTS)}, got {layout!r}")
     options = MatchOptions(**settings)
-    layout = options.layout
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():  # before any file is read
         raise ValueError("--device cuda: no CUDA device is available here")
-    fa, ia = _features(a, features, "A", layout)
-    fb, ib = _features(b, features, "B", layout)
+    (raw_a, ia), (raw_b, ib) = _features(a, features, "A"), _features(b, features, "B")
+    read_masks = {
+        name: grey_input(path, f"--{name.replace('_', '-')}")
+        for name, path in (("mask_a", mask_a), ("mask_b", mask_b))
+        if path is not None
+    }
+    grids = [(f"--{n.replace('_', '-')}", m.shape, int(n == "mask_b")) for n, m in read_masks.items()]
+    fa, fb = _as_maps([(f"A {a!r}", raw_a), (f"B {b!r}", raw_b)], layout, grids)
     if fa.shape[-1] != fb.shape[-1]:
-        hint = "; feature files are read as (H, W, C): pass --layout chw for (C, H, W) files" if layout == "hwc" else ""
+        hint = f" (feature files read as {layout}; --layout chooses)" if ia is None or ib is None else ""
         raise ValueError(f"A and B must have the same number of channels, got {fa.shape[-1]} and {fb.shape[-1]}{hint}")
     masks = {}
     for name, path, f in (("mask_a", mask_a, fa), ("mask_b", mask_b, fb)):
         if path is not None:
-            m = grey_input(path, f"--{name.replace('_', '-')}")
+            m = read_masks[name]
             if m.shape != tuple(f.shape[:2]):
                 raise ValueError(
                     f"--{name.replace('_', '-')} {path!r} must have its map's size {tuple(f.shape[:2])}, got {m.shape}"
                 )
             masks[name] = torch.from_numpy(m != 0).to(dev)
     # the maps are (H, W, C) once read, whatever layout their files had
-    r = search(fa.to(dev), fb.to(dev), replace(options, layout="hwc"), **masks)
+    r = search(fa.to(dev), fb.to(dev), options, **masks)
     if r is None:
         return None
     out = r.numpy()
@@ -369,10 +394,13 @@ def distance_pair(
     to: str | None = None,
     keep: bool = True,
     page: bool = False,
+    layout: str | None = "chw",
 ) -> PairResult:
     """Distances from every pixel of the (N, D, H, W) or (D, H, W) array at ``features`` to the
     (F, D) prototypes at ``prototypes``: all of them (array "distance", (N, F, H, W)), or with
-    ``nearest`` the k nearest (arrays "distance" and "index", (N, k, H, W)).
+    ``nearest`` the k nearest (arrays "distance" and "index", (N, k, H, W)). ``layout`` says how
+    the file holds each map, as :func:`.layouts.resolve_layout` reads it ("hwc": (N, H, W, D) or
+    (H, W, D)).
 
     Without ``nearest``, given ``to`` (an .npy path), or with ``keep=False`` (the summary alone),
     the distances are computed in slices that fit ``memory``, written there or only summed,
@@ -383,7 +411,13 @@ def distance_pair(
     if x.ndim == 3:
         x = x[None]
     if x.ndim != 4:
-        raise ValueError(f"FEATURES must have shape (N, D, H, W) or (D, H, W), got {x.shape}")
+        raise ValueError(
+            f"FEATURES must hold maps, (N, D, H, W) or (D, H, W) (or (N, H, W, D), (H, W, D)), got {x.shape}"
+        )
+    if p.ndim == 2:
+        layout = resolve_layout(layout, [(f"FEATURES {features!r}", x.shape[1:])], channels=p.shape[1])
+    if layout == "hwc":
+        x = x.transpose(0, 3, 1, 2)
     xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
     found = search(xt, pt, metric, k=k, memory=memory, precision=precision) if nearest else None
     html = None
