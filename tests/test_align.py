@@ -241,6 +241,19 @@ def test_a_template_that_cannot_fit_gets_the_bound_that_works():
         align(torch.rand(160, 160), torch.rand(100, 100))
 
 
+def test_colour_images_are_taken_as_colour_or_told_how():
+    # issue 42: an RGB (H, W, 3) pair was read as a batch of H images 3 pixels wide, and refused
+    # with "the same batch and channels, got (100,) and (125,)"
+    from skimage import data
+
+    img = torch.from_numpy(data.astronaut()[::4, ::4][:125, :125].astype(np.float32) / 255)
+    tpl = warp(img.permute(2, 0, 1)[None], 1.05, 0.95, 4.0, 6.5, (100, 100))[0].permute(1, 2, 0)
+    with pytest.raises(ValueError, match=r"colour images go as \(1, C, h, w\): pass x.permute\(2, 0, 1\)\[None\]"):
+        align(tpl, img)
+    r = align(tpl.permute(2, 0, 1)[None], img.permute(2, 0, 1)[None])  # as the message says
+    assert abs(r.scale_h[0] - 1.05) < 0.005 and abs(r.shift_x[0] - 6.5) < 0.5
+
+
 class TestSearch:
     """The pyramid: an exhaustive grid at the coarse level, refinement level by level, in C on a CPU."""
 

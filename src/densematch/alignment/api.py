@@ -154,6 +154,13 @@ def checked_images(
         raise ValueError(
             f"image must have the template's layout ({t.ndim} dims, as {tuple(t.shape)}), got {tuple(x.shape)}"
         )
+    if t.ndim == 3 and t.shape[-1] == x.shape[-1] in (3, 4):
+        # (h, w, 3) would be read as a batch of h templates 3 pixels wide: say how colour is given
+        raise ValueError(
+            f"template {tuple(t.shape)} and image {tuple(x.shape)} read as batches of {t.shape[-1]}-pixel-wide "
+            "images (B, h, w); colour images go as (1, C, h, w): pass x.permute(2, 0, 1)[None] (torch) or "
+            "np.moveaxis(x, -1, 0)[None] (numpy), or grey images; a batch of narrow templates as (B, 1, h, w)"
+        )
     if t.shape[: t.ndim - 2] != x.shape[: x.ndim - 2]:
         raise ValueError(
             f"template and image must have the same batch and channels, got {tuple(t.shape[:-2])} "
