@@ -113,16 +113,12 @@ def local_match(
     m = get_metric(metric)
     use_c = kernel_setting() != "torch"
     if recording() or is_fake(as_tensor(a, "a")):  # one operator: a graph holds no plan of bands for one size
-        ra, rb, grid, batched, masks = check_maps(a, b, layout, mask_a, mask_b)
-        moved = check_flow(flow, sampling, ra.shape[0], grid, batched, ra.device, compute_dtype(ra, rb))
-        radii, dilations = pair_int(radius, "radius", 0), pair_int(dilation, "dilation", 1)
-        k = check_int(k, "k", 1, (2 * radii[0] + 1) * (2 * radii[1] + 1))
-        budget = resolve_memory(memory, ra.device)
-        fa, fb = (_grid_rows(x, layout, batched) for x in (a, b))
-        offsets, score, valid = best(
-            fa, fb, moved, masks[0], masks[1], list(radii), list(dilations), sampling, m.name, k, budget, use_c
+        tensors, (radii, dilations), budget, batched = _operator_inputs(
+            a, b, radius, dilation, flow, sampling, layout, mask_a, mask_b, memory, "local_match"
         )
-        return matches(offsets, score, valid, moved, k, batched)
+        k = check_int(k, "k", 1, (2 * radii[0] + 1) * (2 * radii[1] + 1))
+        offsets, score, valid = best(*tensors, list(radii), list(dilations), sampling, m.name, k, budget, use_c)
+        return matches(offsets, score, valid, tensors[2], k, batched)
     win, (ra, rb, moved), batched = prepare(
         a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=use_c
     )
@@ -181,17 +177,38 @@ def local_cost_volume(
     """
     check_choice(sampling, "sampling", SAMPLINGS)
     m = get_metric(metric)
-    ra, rb, grid, batched, masks = check_maps(a, b, layout, mask_a, mask_b)  # the operator checks finiteness
-    nb = ra.shape[0]
-    moved = check_flow(flow, sampling, nb, grid, batched, ra.device, compute_dtype(ra, rb))
-    radii, dilations = pair_int(radius, "radius", 0), pair_int(dilation, "dilation", 1)
+    tensors, (radii, dilations), budget, batched = _operator_inputs(
+        a, b, radius, dilation, flow, sampling, layout, mask_a, mask_b, memory, "local_cost_volume"
+    )
     missing = (0.0 if m.higher_is_better else math.inf) if fill is None else _check_fill(fill)
-    budget = resolve_memory(memory, ra.device)
-    refuse_legacy_onnx("local_cost_volume")
-    maps = [_grid_rows(x, layout, batched) for x in (a, b)]
     settings = (list(radii), list(dilations), sampling, m.name, missing, budget, kernel_setting() != "torch")
-    vol = volume(*maps, moved, *masks, *settings, recorded=recording())
+    vol = volume(*tensors, *settings, recorded=recording())
     return vol if batched else vol[0]
+
+
+def _operator_inputs(
+    a: Any,
+    b: Any,
+    radius: Any,
+    dilation: Any,
+    flow: Any,
+    sampling: str,
+    layout: str,
+    mask_a: Any,
+    mask_b: Any,
+    memory: int | str | None,
+    what: str,
+) -> tuple[tuple[Any, ...], tuple[tuple[int, int], tuple[int, int]], int, bool]:
+    """What the local operators take, checked at the public boundary: (a, b as (B, H, W, C),
+    the flow, mask_a, mask_b), the radii and dilations, the budget, and whether the call came
+    batched (finiteness is the operator's own check, where the masks allow)."""
+    ra, rb, grid, batched, masks = check_maps(a, b, layout, mask_a, mask_b)
+    moved = check_flow(flow, sampling, ra.shape[0], grid, batched, ra.device, compute_dtype(ra, rb))
+    radii, dilations = pair_int(radius, "radius", 0), pair_int(dilation, "dilation", 1)
+    budget = resolve_memory(memory, ra.device)
+    refuse_legacy_onnx(what)
+    fa, fb = (_grid_rows(x, layout, batched) for x in (a, b))
+    return (fa, fb, moved, masks[0], masks[1]), (radii, dilations), budget, batched
 
 
 def _grid_rows(x: Any, layout: str, batched: bool) -> torch.Tensor:
