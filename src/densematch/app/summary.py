@@ -10,13 +10,16 @@ import numpy as np
 
 __all__ = ["REASONS", "match_summary", "summary_line"]
 
-# why a pixel's best candidate is not valid; a pixel failing both filters counts under both
+# why a pixel's best candidate is not valid, as the picture's caption explains each; a pixel
+# failing both filters counts under both
 REASONS = {
     "masked": "masked out in A",
-    "no candidate": "no pixel of B it may match",
-    "mutual": "not each other's best",
-    "ratio": "its runner-up scores almost as well",
-    "mutual or ratio": "failed the mutual check or the ratio test (which, not computed)",
+    "no candidate": "no pixel of B they may match",
+    "mutual": "the mutual check: not each other's best (parts of A that B does not show, or where the two "
+    "directions round differently)",
+    "ratio": "the ratio test: a runner-up, usually the best match's neighbour, scores almost as well (smooth "
+    "or regular texture)",
+    "mutual or ratio": "the mutual check or the ratio test",
 }
 
 

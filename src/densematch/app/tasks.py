@@ -22,6 +22,7 @@ from .._match import Matches
 from .._match import run as run_match
 from ..alignment import align
 from ..budget import chunk_rows
+from ..checks import check_choice
 from ..choices import MetricName, PrecisionName
 from ..config import resolve_memory
 from ..options import MatchOptions
@@ -264,8 +265,8 @@ def match_pair(
     each pixel's ratio of its best two distances for ``ratio`` (two more local searches).
     """
     layout = settings.pop("layout", "hwc")
-    if layout is not None and layout not in FILE_LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(FILE_LAYOUTS)}, got {layout!r}")
+    if layout is not None:
+        check_choice(layout, "layout", FILE_LAYOUTS)
     options = MatchOptions(**settings)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():  # before any file is read

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from .io import FIGURE_OUTPUTS, check_output, save_with
+from .summary import REASONS
 
 __all__ = [
     "align_figure",
@@ -61,20 +62,11 @@ def _invalid_key(ax: Any) -> None:
 
 def invalid_note(summary: dict[str, Any]) -> str | None:
     """Why a match picture shows many invalid pixels, from its :func:`.summary.match_summary`:
-    each reason that counts a pixel, most first."""
+    each reason that counts a pixel, most first, as :data:`.summary.REASONS` explains it."""
     if summary["valid_fraction"] >= 0.9 or not summary["pixels"]:
         return None
-    explain = {
-        "masked": "masked out in A",
-        "no candidate": "no pixel of B they may match",
-        "mutual": "the mutual check: not each other's best (parts of A that B does not show, or where the two "
-        "directions round differently)",
-        "ratio": "the ratio test: a runner-up, usually the best match's neighbour, scores almost as well (smooth "
-        "or regular texture)",
-        "mutual or ratio": "the mutual check or the ratio test",
-    }
     counted = sorted(((n, why) for why, n in summary["invalid"].items() if n), reverse=True)
-    parts = [f"{n / summary['pixels']:.0%} {explain[why]}" for n, why in counted]
+    parts = [f"{n / summary['pixels']:.0%} {REASONS[why]}" for n, why in counted]
     return (
         f"{1 - summary['valid_fraction']:.0%} of A's pixels invalid (black), by their best match: "
         + "; ".join(parts)
