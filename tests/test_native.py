@@ -369,8 +369,22 @@ class TestBuild:
         assert done.returncode == 0, done.stderr
         assert path.read_bytes() == whole  # rebuilt in place
 
+    @pytest.fixture(scope="class")
+    def shipped_package(self, tmp_path_factory):
+        """A copy of the densematch package with every level's library built in (the package
+        build, compiled once for the tests that load it), as the environment a process needs to
+        import it: PYTHONPATH, an unused cache and no compiler."""
+        from densematch.kernels import build
+
+        root = tmp_path_factory.mktemp("shipped")
+        package = root / "densematch"
+        shutil.copytree(Path(densematch.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        built = build.build_all(package / "kernels")
+        assert [p.name for p in built] == [build.library_name(level) for level in build.levels()]
+        return {"PYTHONPATH": str(root), "DENSEMATCH_CACHE": str(root / "cache"), "CC": "false"}
+
     @needs_library
-    def test_every_level_this_cpu_runs_computes_the_same_bits(self, tmp_path):
+    def test_every_level_this_cpu_runs_computes_the_same_bits(self, shipped_package):
         # -ffp-contract=off and the kernels' fixed vector width: an AVX-512 machine and an AVX2 one
         # (or one without FMA) give the same distances, gradients and pair values, to the last bit
         from densematch.kernels import build
@@ -429,15 +443,15 @@ class TestBuild:
             "        h.update(t.numpy().tobytes())\n"
             "print(native.status()['level'], h.hexdigest())\n"
         )
-        # the levels side by side
-        # this CPU's own level loads the build this process uses (its cache); the other compiles
+        # the levels side by side: this CPU's own level loads the run-time build this process
+        # uses (its cache, tuned for this CPU), the others the package build's libraries
         own = {**os.environ}
         running = {
             level: subprocess.Popen(
                 [sys.executable, "-c", code],
                 env={**own, "DENSEMATCH_NATIVE_LEVEL": level}
                 if level == build.level()
-                else {**own, "DENSEMATCH_CACHE": str(tmp_path / level), "DENSEMATCH_NATIVE_LEVEL": level},
+                else {**own, **shipped_package, "DENSEMATCH_NATIVE_LEVEL": level},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -454,37 +468,27 @@ class TestBuild:
         assert len(set(digests.values())) == 1, digests
 
     @needs_library
-    def test_the_package_ships_one_library_per_level_and_loads_it(self, tmp_path):
+    def test_the_package_ships_one_library_per_level_and_loads_it(self, shipped_package):
         from densematch.kernels import build
 
-        built = build.build_all(tmp_path)
-        assert [p.name for p in built] == [build.library_name(level) for level in build.levels()]
-        kernels = tmp_path / "densematch" / "kernels"
-        kernels.mkdir(parents=True)
-        source = Path(native.__file__).parent
-        for name in ("__init__.py", "native.py", "build.py", "native.c", "align.c"):
-            shutil.copy(source / name, kernels / name)
-        for name in ("threads.py", "_oprules.py"):  # what native.py imports, and what they import
-            shutil.copy(source.parent / name, kernels.parent / name)
-        for path in built:
-            shutil.copy(path, kernels / path.name)
-            shutil.copy(path.with_suffix(".sha256"), kernels / path.with_suffix(".sha256").name)
-        # the copied kernels package, loaded on its own: the shipped library is the one used,
-        # and no compiler is needed for it
-        env = {**os.environ, "CC": "false", "DENSEMATCH_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
-        package = str(tmp_path / "densematch")
+        # the copied package, loaded on its own: the shipped library is the one used, and no
+        # compiler is needed for it
+        package = Path(shipped_package["PYTHONPATH"]) / "densematch"
+        kernels = package / "kernels"
+        assert sorted(p.name for p in kernels.glob("_native-*")) == sorted(
+            [build.library_name(level) for level in build.levels()]
+            + [Path(build.library_name(level)).with_suffix(".sha256").name for level in build.levels()]
+        )
         code = (
-            "import sys, types\n"
-            "sys.modules['densematch'] = types.ModuleType('densematch')\n"
-            f"sys.modules['densematch'].__path__ = [{package!r}]\n"
             "from densematch.kernels import native\n"
             "assert native.library() is not None\n"
             "print(native.status()['built'], native.status()['library'])\n"
         )
+        env = {**os.environ, **shipped_package}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("with the package") and str(kernels) in done.stdout
-        assert not (tmp_path / "cache").exists()
+        assert not Path(shipped_package["DENSEMATCH_CACHE"]).exists()
 
     def test_without_a_compiler_a_warning_says_so_once(self, tmp_path):
         env = {**os.environ, "DENSEMATCH_CACHE": str(tmp_path), "CC": "false"}

@@ -2,6 +2,9 @@
 operator checks (schema, fake kernel, autograd registration, AOT dispatch), and the public
 functions call them, so that a recorded graph holds one node per operation."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -119,8 +122,27 @@ def test_the_op_equals_the_engine_it_wraps():
     m = get_metric("cosine")
     prec = Precision("exact", half=torch.bfloat16)
     want = engine.topk(a, b, metric=m, k=4, budget=BUDGET, precision=prec, rows_b=torch.arange(10, 60))
-    got = engine.search(a, b, metric=m, k=4, budget=BUDGET, precision=prec, rows_b=torch.arange(10, 60))
+    args = ("cosine", 4, BUDGET, "exact", torch.float32, "bfloat16", True, "auto", None, None, torch.arange(10, 60), 0)
+    got = torch.ops.densematch.topk(a, b, *args)  # through the dispatcher, as a recorded graph runs it
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_plain_eager_calls_skip_the_dispatcher_and_torch_dynamo():
+    # an operator's first call through the dispatcher imports torch._dynamo (2-3 s on 2 cores):
+    # every public function's first eager call paid it before, and a plain call needs none of it
+    code = (
+        "import sys, torch, densematch\n"
+        "a, b, p = torch.randn(1, 8, 6, 7), torch.randn(1, 8, 6, 7), torch.randn(5, 8, requires_grad=True)\n"
+        "densematch.match(a, b, mutual=True); densematch.nearest_prototype(a, p)\n"
+        "densematch.pairwise_distance(a, p).sum().backward()\n"
+        "densematch.soft_match(a, b.requires_grad_(), mode='dual_softmax').coords.sum().backward()\n"
+        "densematch.local_cost_volume(a, b, 2).sum().backward()\n"
+        "densematch.align(torch.rand(10, 10), torch.rand(16, 16))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def _ops_called(fn) -> set[str]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import checks, engine
-from ._oprules import differentiable, looped, recording, refuse_legacy_onnx
+from ._oprules import differentiable, looped, operator, recording, refuse_legacy_onnx
 from .budget import chunk_rows
 from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
 from .choices import MetricName, PrecisionName
@@ -221,9 +221,8 @@ def _tiles(n: int, hw: int, cols: int) -> list[tuple[int, int]]:
 # densematch::pairwise_distance: the distances as one PyTorch operator, so that torch.compile,
 # torch.export, torch.jit.trace and torch.func see one node with a known output (its fake
 # kernel) instead of Python that tiles and calls C. Settings arrive as arguments.
-@torch.library.custom_op(
+@operator(
     "densematch::pairwise_distance",
-    mutates_args=(),
     schema="(Tensor x, Tensor prototypes, str metric, int budget, bool use_c, bool compiled, "
     "bool check_finite) -> Tensor",
 )
@@ -247,9 +246,8 @@ def _distance_fake(
     return x.new_empty((n, f, h, w))
 
 
-@torch.library.custom_op(
+@operator(
     "densematch::pairwise_distance_backward",
-    mutates_args=(),
     schema="(Tensor grad, Tensor x, Tensor prototypes, Tensor result, str metric, int budget, bool use_c, "
     "bool need_x) -> (Tensor, Tensor)",
 )

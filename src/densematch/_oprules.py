@@ -4,13 +4,53 @@ reads settings once per graph."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-__all__ = ["differentiable", "looped", "read_once", "recording", "refuse_legacy_onnx"]
+__all__ = ["call", "differentiable", "looped", "operator", "read_once", "recording", "refuse_legacy_onnx"]
+
+if TYPE_CHECKING:
+    from torch._library.custom_ops import CustomOpDef
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# each operator's own Python function, which plain eager calls run directly (:func:`call`)
+_FUNCTIONS: dict[Any, Callable[..., Any]] = {}
+
+
+def operator(name: str, schema: str) -> Callable[[Callable[..., Any]], CustomOpDef]:
+    """``torch.library.custom_op(name, schema=schema)`` (no argument mutated), with the
+    decorated function kept for :func:`call`."""
+
+    def register(fn: Callable[..., Any]) -> CustomOpDef:
+        op = torch.library.custom_op(name, mutates_args=(), schema=schema)(fn)
+        _FUNCTIONS[op] = fn
+        return op
+
+    return register
+
+
+def plain(args: tuple[Any, ...]) -> bool:
+    """Whether a call on ``args`` is plain eager: no graph recorded, no dispatch mode (such as
+    FakeTensorMode), no torch.func transform, and every tensor a torch.Tensor itself (no
+    subclass, no functorch wrapper)."""
+    if recording() or is_in_torch_dispatch_mode() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(
+        type(a) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(a)
+        for a in args
+        if isinstance(a, torch.Tensor)
+    )
+
+
+def call(op: Any, *args: Any) -> Any:
+    """``op(*args)``; a plain eager call (:func:`plain`) runs the operator's function itself:
+    the dispatcher would add nothing there, and an operator's first call imports torch._dynamo
+    (2-3 s on a 2-core CPU)."""
+    fn = _FUNCTIONS.get(op)
+    return fn(*args) if fn is not None and plain(args) else op(*args)
 
 
 def read_once(fn: F) -> F:
@@ -68,7 +108,7 @@ def differentiable(
         @staticmethod
         def forward(*args: Any) -> Any:
             with torch.no_grad():
-                return backward_op(*args)
+                return call(backward_op, *args)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -82,7 +122,7 @@ def differentiable(
         @staticmethod
         def forward(*args: Any) -> Any:
             with torch.no_grad():  # the op's own autograd stays out: this Function is the derivative
-                return op(*args)
+                return call(op, *args)
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:

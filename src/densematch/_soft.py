@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._oprules import differentiable, looped, recording, refuse_legacy_onnx
+from ._oprules import differentiable, looped, operator, recording, refuse_legacy_onnx
 from .budget import chunk_rows
 from .checks import check_batch_mask, check_choice, check_features, check_finite, check_pair, check_real, compute_dtype
 from .choices import LayoutName, SoftMode
@@ -160,9 +160,8 @@ def soft_match(
 # (B, Na, 3) in float64, each row's largest weight, and what the backward reuses: the rows'
 # log-sum-exp, the dual softmax's column log-sum-exp (B, Nb; -inf at masked columns; (B, 0)
 # for the plain softmax) and each row's scale (1 / t_i for temperature="auto", else 1).
-@torch.library.custom_op(
+@operator(
     "densematch::soft_moments",
-    mutates_args=(),
     schema="(Tensor a, Tensor b, Tensor? mask_b, Tensor values, float scale, bool dual, bool auto, int budget) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
@@ -213,9 +212,8 @@ def _moments_fake(
     )
 
 
-@torch.library.custom_op(
+@operator(
     "densematch::soft_moments_backward",
-    mutates_args=(),
     schema="(Tensor grad, Tensor a, Tensor b, Tensor? mask_b, Tensor values, Tensor moments, Tensor lse, "
     "Tensor col_lse, Tensor row_scale, float scale, bool dual, int budget) -> (Tensor, Tensor)",
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._oprules import looped, refuse_legacy_onnx
+from .._oprules import call, looped, operator, refuse_legacy_onnx
 from ..metrics import Metric
 from ..precision import HALF_DTYPES, Precision
 from .driver import topk
@@ -21,9 +21,8 @@ __all__ = ["search"]
 _HALF_NAMES = {dtype: name for name, dtype in HALF_DTYPES.items()}
 
 
-@torch.library.custom_op(
+@operator(
     "densematch::topk",
-    mutates_args=(),
     schema="(Tensor a, Tensor b, str metric, int k, int budget, str precision, ScalarType dtype, str half, "
     "bool certify, str backend, int? candidates, Tensor? rows_a, Tensor? rows_b, int reserved) -> (Tensor, Tensor)",
 )
@@ -94,20 +93,5 @@ def search(
     detached (the search has no derivative)."""
     refuse_legacy_onnx("densematch's top-k search")
     half = "" if precision.half is None else _HALF_NAMES[precision.half]
-    value, index = torch.ops.densematch.topk(
-        a.detach(),
-        b.detach(),
-        metric.name,
-        k,
-        budget,
-        precision.name,
-        precision.dtype,
-        half,
-        precision.certify,
-        precision.backend,
-        precision.candidates,
-        rows_a,
-        rows_b,
-        reserved,
-    )
-    return value, index
+    args = (a.detach(), b.detach(), metric.name, k, budget, precision.name, precision.dtype, half, precision.certify)
+    return call(_topk_op, *args, precision.backend, precision.candidates, rows_a, rows_b, reserved)

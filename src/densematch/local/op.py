@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._oprules import differentiable, looped
+from .._oprules import differentiable, looped, operator
 from ..checks import compute_dtype
 from ..metrics import get_metric, unit_rows_grad
 from .topk import rank
@@ -49,9 +49,8 @@ def _slots(win: Window) -> tuple[list[int], int] | None:
     return None if win.slots is None else (win.slots, win.window[0] * win.window[1])
 
 
-@torch.library.custom_op(
+@operator(
     "densematch::local_cost_volume",
-    mutates_args=(),
     schema="(Tensor a, Tensor b, Tensor? flow, Tensor? mask_a, Tensor? mask_b, int[] radius, int[] dilation, "
     "str sampling, str metric, float fill, int budget, bool use_c) -> Tensor",
 )
@@ -83,9 +82,8 @@ def _volume_fake(
     return a.new_empty((nb, 2 * radius[0] + 1, 2 * radius[1] + 1, h, w), dtype=compute_dtype(a, b))
 
 
-@torch.library.custom_op(
+@operator(
     "densematch::local_cost_volume_backward",
-    mutates_args=(),
     schema="(Tensor grad, Tensor a, Tensor b, Tensor? flow, Tensor? mask_a, Tensor? mask_b, int[] radius, "
     "int[] dilation, str sampling, str metric, int budget, bool use_c) -> (Tensor, Tensor, Tensor)",
 )
@@ -163,9 +161,8 @@ def volume(*args: Any, recorded: bool) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op(
+@operator(
     "densematch::local_topk",
-    mutates_args=(),
     schema="(Tensor a, Tensor b, Tensor? flow, Tensor? mask_a, Tensor? mask_b, int[] radius, int[] dilation, "
     "str sampling, str metric, int k, int budget, bool use_c) -> (Tensor, Tensor, Tensor)",
 )
