@@ -199,6 +199,35 @@ def test_align_page_blend_slider_changes_the_canvas(tmp_path, open_page, run):
     assert problems == []
 
 
+def test_align_landscape_has_scale_ticks_and_a_hover_readout(tmp_path, open_page):
+    from densematch.app.view import align_page, write_page
+
+    g = np.random.default_rng(0)
+    sh, sw = np.linspace(0.8, 1.25, 10), np.geomspace(0.7, 1.4, 13)
+    land = g.random((10, 13)).astype(np.float32)
+    tpl = g.random((30, 40)).astype(np.float32)
+    answer = {"scale_h": float(sh[3]), "scale_w": float(sw[8]), "shift_y": 1.5, "shift_x": 2.0, "error": 0.01}
+    write_page(tmp_path / "a.html", align_page(tpl, tpl, land, sh, sw, answer, "l1"))
+    page, problems = open_page(tmp_path / "a.html")
+    rows = [float(t) for t in page.locator(".row-tick").all_inner_texts()]
+    cols = [float(t) for t in page.locator(".col-tick").all_inner_texts()]
+    assert rows[0] == pytest.approx(0.8, abs=1e-3) and rows[-1] == pytest.approx(1.25, abs=1e-3) and len(rows) == 5
+    assert cols[0] == pytest.approx(0.7, abs=1e-3) and cols[-1] == pytest.approx(1.4, abs=1e-3) and len(cols) == 5
+    assert set(rows) <= {round(v, 3) for v in sh} and set(cols) <= {round(v, 3) for v in sw}
+    # each tick sits beside its cell: tick j's centre over column j's centre
+    centre = page.evaluate(
+        """() => { const t = document.querySelectorAll('.col-tick'), c = document.querySelector('#landscape');
+        const r = t[t.length - 1].getBoundingClientRect(), b = c.getBoundingClientRect();
+        return [(r.left + r.right) / 2 - b.left - c.clientLeft, c.clientWidth / 13]; }"""
+    )
+    assert centre[0] == pytest.approx(12.5 * centre[1], abs=2)
+    for r, c in ((0, 0), (7, 5), (9, 12)):
+        hover(page, "#landscape", r, c, 10, 13)
+        said = page.locator("#landscape-value").inner_text()
+        assert said == f"scale_h {sh[r]:.4f}, scale_w {sw[c]:.4f}: error {land[r, c]:.6f}"
+    assert problems == []
+
+
 def test_distance_page_lists_each_pixel_s_nearest_prototypes(tmp_path, open_page, run):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 6, 20, 24, generator=g)
@@ -216,6 +245,60 @@ def test_distance_page_lists_each_pixel_s_nearest_prototypes(tmp_path, open_page
         rows = page.locator("#candidates tr.candidate").all()
         listed = [int(row.locator("td").nth(1).inner_text().split()[-1]) for row in rows]
         assert listed == saved["index"][0, :, r, c].tolist()
+    assert problems == []
+
+
+def heat_colour(page, r: int, c: int) -> list[int]:
+    """The heat map's colour at the centre of map pixel (r, c), read from its canvas."""
+    return page.evaluate(
+        f"""() => {{ const c = document.querySelector('#heat'), z = c.width / 24;
+        return Array.from(c.getContext('2d').getImageData(Math.floor(({c} + 0.5) * z),
+          Math.floor(({r} + 0.5) * z), 1, 1).data.slice(0, 3)); }}"""
+    )
+
+
+def test_distance_page_heat_maps_the_nearest_and_each_chosen_prototype(tmp_path, open_page, run):
+    from matplotlib import colormaps
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 6, 20, 24, generator=g)
+    protos = x[0, :, ::5, ::6].reshape(6, -1).T.contiguous()  # prototype 4 * i + j is pixel (5 i, 6 j)
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "p.npy", protos.numpy())
+    out = run("distance", str(tmp_path / "x.npy"), str(tmp_path / "p.npy"), "--html", str(tmp_path / "d.html"))
+    assert out.returncode == 0, out.stderr
+    full = torch.cdist(x[0].flatten(1).T.double(), protos.double()).T.reshape(16, 20, 24).numpy()
+    nearest = full.min(0)
+    lo, hi = 0.0, float(full.max())  # the pixels of the prototypes are at 0 from them
+    page, problems = open_page(tmp_path / "d.html")
+    assert page.locator("#heat-choice option").count() == 17  # the nearest, then each prototype
+
+    def expect(values: np.ndarray, r: int, c: int) -> list[int]:
+        level = int(np.clip(round((values[r, c] - lo) / (hi - lo) * 255), 0, 255))
+        return list(colormaps["viridis"](level, bytes=True)[:3])
+
+    def near(got: list[int], want: list[int]) -> bool:  # a level either side: float32 against float64
+        return max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 12
+
+    for r, c in ((3, 4), (11, 17)):
+        assert near(heat_colour(page, r, c), expect(nearest, r, c))
+    before = pixels(page, "#heat")
+    page.select_option("#heat-choice", "9")  # prototype 9: pixel (10, 6)
+    page.wait_for_selector("body[data-heat='9']")
+    assert pixels(page, "#heat") != before
+    for r, c in ((10, 6), (3, 4), (11, 17)):
+        assert near(heat_colour(page, r, c), expect(full[9], r, c))
+    hover(page, "#heat", 10, 6, 20, 24)
+    said = page.locator("#heat-value").inner_text()
+    assert said.startswith("heat map, distance to prototype 9: ") and float(said.split(": ")[1]) == pytest.approx(
+        0, abs=1e-3
+    )
+    hover(page, "#heat", 19, 0, 20, 24)  # far from prototype 9 (pixel (10, 6)): not among its 3 nearest
+    said = page.locator("#heat-value").inner_text()
+    value = float(said.split(": ")[1].split()[0])
+    assert "heat map level, within" in said and abs(value - full[9, 19, 0]) <= (hi - lo) / 255
+    bar = page.locator("figure:has(#heat) .barlabels span").all_inner_texts()
+    assert float(bar[0]) == pytest.approx(lo, abs=1e-3) and float(bar[2]) == pytest.approx(hi, abs=1e-3)
     assert problems == []
 
 

@@ -122,7 +122,9 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents:
     d3, i3 = nearest_prototype(x, protos, "l2", k=3)
     write_page(
         out / "distance.html",
-        distance_page(coins, i3[0].numpy(), d3[0].numpy(), "l2", 12, title="demo: coins against 12 patch prototypes"),
+        distance_page(
+            coins, i3[0].numpy(), d3[0].numpy(), "l2", 12, "demo: coins against 12 patch prototypes", full[0].numpy()
+        ),
     )
     say(f"pictures: {out / 'match.png'}, {out / 'align.png'}, {out / 'distance.png'}")
     say(f"pages: {out / 'match.html'}, {out / 'align.html'}, {out / 'distance.html'} (open them in a browser)")

@@ -423,7 +423,7 @@ def distance_pair(
     found = search(xt, pt, metric, k=k, memory=memory, precision=precision) if nearest else None
     html = None
     if page:
-        from .view import distance_page, false_colour
+        from .view import HEAT_VALUES, distance_page, false_colour
 
         shown = max(k, min(3, pt.shape[0])) if nearest else min(3, pt.shape[0])
         if found is not None and k >= shown:  # the command's own nearest, when it lists enough
@@ -432,8 +432,11 @@ def distance_pair(
             d1, i1 = nearest_prototype(xt[:1], pt, metric, k=shown, memory=memory, precision=precision)
         (picture,) = false_colour(x[0].transpose(1, 2, 0))
         items = f" (the first of {x.shape[0]} maps)" if x.shape[0] > 1 else ""
+        every = None  # each prototype's heat map, where the page can carry them
+        if pt.shape[0] * x.shape[2] * x.shape[3] <= HEAT_VALUES:
+            every = pairwise_distance(xt[:1], pt, metric, memory=memory)[0].numpy()
         html = distance_page(
-            picture, i1[0].numpy(), d1[0].numpy(), metric, pt.shape[0], title=f"{features} against {prototypes}{items}"
+            picture, i1[0].numpy(), d1[0].numpy(), metric, pt.shape[0], f"{features} against {prototypes}{items}", every
         )
     if found is not None:
         d, i = found

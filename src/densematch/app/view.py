@@ -273,13 +273,19 @@ def align_page(
             "png": _png(_colour(landscape, "viridis", l_lo, l_hi)),
             "h": landscape.shape[0],
             "w": landscape.shape[1],
-            "rows": [float(scales_h[0]), float(scales_h[-1])],
-            "cols": [float(scales_w[0]), float(scales_w[-1])],
+            "rows": [float(v) for v in scales_h],
+            "cols": [float(v) for v in scales_w],
+            "values": _array(landscape, "float32"),
             "answer": [where(answer["scale_h"], scales_h), where(answer["scale_w"], scales_w)],
         },
         "landscape_bar": _bar("viridis", l_lo, l_hi, "1 - NCC" if objective == "ncc" else "squared error"),
     }
     return _render(data)
+
+
+# the most values (prototypes x pixels) of a page's heat maps of every prototype's distance:
+# one byte each on the page, 4 MiB, more than a page should carry beyond the pictures
+HEAT_VALUES = 1 << 22
 
 
 def distance_page(
@@ -289,26 +295,56 @@ def distance_page(
     metric: str,
     n_prototypes: int,
     title: str = "densematch distance",
+    every: np.ndarray | None = None,
 ) -> str:
     """The page of one map's nearest prototypes: its picture (H, W[, 3]), and ``index`` and
-    ``distance`` of shape (k, H, W), the k nearest of ``n_prototypes``, nearest first."""
+    ``distance`` of shape (k, H, W), the k nearest of ``n_prototypes``, nearest first.
+
+    A heat map shows the distance to the nearest prototype, or, given ``every`` (the (F, H, W)
+    distance to each prototype, at most :data:`HEAT_VALUES` values), to the prototype chosen on
+    the page. One colour scale covers every choice (its bar beside the map); the heat maps
+    travel as 256 levels of that scale, the nearest distances in float32."""
+    if every is not None and (every.ndim != 3 or every.shape[1:] != index.shape[1:] or every.size > HEAT_VALUES):
+        raise ValueError(
+            f"every must be the (F, H, W) distances to each prototype, H, W = {index.shape[1:]}, with at most "
+            f"{HEAT_VALUES} values; got shape {every.shape}: pass None for the nearest prototype's heat map alone"
+        )
     colors = prototype_colors(n_prototypes)
     rgb = np.array([[int(c[i : i + 2], 16) for i in (1, 3, 5)] for c in colors], dtype=np.uint8)
+    maps = distance[:1] if every is None else np.concatenate([distance[:1], every])
+    lo, hi = _range(maps)
+    levels = np.clip(np.nan_to_num((maps - lo) / (hi - lo if hi > lo else 1.0) * 255, nan=0.0), 0, 255)
+    from matplotlib import colormaps
+
+    notes = [
+        {
+            "text": f"{picture.shape[0]}x{picture.shape[1]} pixels against {n_prototypes} prototypes "
+            f"({metric}); move over a map for each pixel's {index.shape[0]} nearest."
+        }
+    ]
+    if every is None and n_prototypes > 1:
+        notes.append({"text": "heat map of the nearest prototype's distance only (every prototype's was not kept)"})
     data = {
         "kind": "distance",
         "title": title,
-        "notes": [
-            {
-                "text": f"{picture.shape[0]}x{picture.shape[1]} pixels against {n_prototypes} prototypes "
-                f"({metric}); move over a map for each pixel's {index.shape[0]} nearest."
-            }
-        ],
+        "notes": notes,
         "metric": metric,
         "k": int(index.shape[0]),
         "image": {"png": _png(picture), "h": picture.shape[0], "w": picture.shape[1]},
         "nearest": _png(rgb[index[0]]),
         "colors": colors,
-        "arrays": {"index": _array(index, "int32"), "distance": _array(distance, "float32")},
+        "heat": {
+            "every": every is not None,
+            "lo": lo,
+            "hi": hi,
+            "lut": _array(colormaps["viridis"](np.arange(256), bytes=True)[:, :3], "uint8"),
+            "bar": _bar("viridis", lo, hi, f"distance ({metric})"),
+        },
+        "arrays": {
+            "index": _array(index, "int32"),
+            "distance": _array(distance, "float32"),
+            "heat": _array(levels.round(), "uint8"),
+        },
     }
     return _render(data)
 
