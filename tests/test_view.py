@@ -169,6 +169,116 @@ def test_match_page_marks_the_known_position_and_lists_the_npz_candidates(shifte
     assert problems == []
 
 
+def map_point(page, canvas: str, row: float, col: float) -> tuple[float, float]:
+    """Where the centre of map pixel (row, col) is on the screen, under the canvas' zoom and pan."""
+    return page.evaluate(
+        f"""() => {{ const v = window.densematch.views['{canvas}'], c = v.canvas, r = c.getBoundingClientRect();
+        const [x, y] = v.at({row}, {col});
+        return [r.left + c.clientLeft + x * c.clientWidth / c.width,
+                r.top + c.clientTop + y * c.clientHeight / c.height]; }}"""
+    )
+
+
+@pytest.fixture
+def match_page_open(shifted_photos, open_page, run):
+    d = shifted_photos
+    out = run("match", f"{d}/a.png", f"{d}/b.png", "--features", "patch", "--k", "3", "-o", f"{d}/z.npz",
+              "--html", f"{d}/z.html")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    page, problems = open_page(d / "z.html")
+    return page, problems, np.load(d / "z.npz")
+
+
+def test_match_page_zooms_and_pans_with_crisp_pixels_and_one_state(match_page_open):
+    page, problems, saved = match_page_open
+    state = "() => ({...window.densematch.state, zoom: window.densematch.views.a.scale})"
+    page.mouse.move(*map_point(page, "a", 30, 30))
+    for _ in range(4):
+        page.mouse.wheel(0, -100)
+    page.wait_for_function("() => window.densematch.views.a.scale > 2")
+    # zoomed about the pointer: the pixel under it stays under it
+    page.mouse.move(*map_point(page, "a", 30, 30))
+    assert page.evaluate(state)["pixel"] == [30, 30]
+    for r, c in ((28, 33), (31, 27)):  # other pixels, at the zoomed positions
+        page.mouse.move(*map_point(page, "a", r, c))
+        assert page.locator("#a-pixel").inner_text().startswith(f"A pixel ({r}, {c})")
+        listed = [int(row.locator("td").nth(2).inner_text()) for row in page.locator("#candidates tr.candidate").all()]
+        assert listed == saved["index"][r, c].tolist()
+    # crisp: every canvas pixel inside one map pixel (away from its grid lines and marks) is one colour
+    cell = page.evaluate(
+        """() => { const v = window.densematch.views.a, [x, y] = v.at(24, 36), h = v.cell / 2 - 2;
+        const d = v.ctx.getImageData(Math.ceil(x - h), Math.ceil(y - h), Math.floor(2 * h), Math.floor(2 * h)).data;
+        const seen = new Set(); for (let i = 0; i < d.length; i += 4) seen.add(d.slice(i, i + 3).join());
+        return [seen.size, v.cell]; }"""
+    )
+    assert cell[1] >= 16 and cell[0] == 1
+    # a drag pans, and the click that ends it pins nothing
+    before = page.evaluate("() => [window.densematch.views.a.oy, window.densematch.views.a.ox]")
+    x, y = map_point(page, "a", 30, 30)
+    page.mouse.move(x, y)
+    page.mouse.down()
+    page.mouse.move(x - 80, y - 40, steps=4)
+    page.mouse.up()
+    after = page.evaluate("() => [window.densematch.views.a.oy, window.densematch.views.a.ox]")
+    assert after[0] > before[0] and after[1] > before[1]
+    assert page.evaluate(state)["pinned"] is False
+    # the keys: 0 zooms back, + in again; arrows move the cursor, and the cursor survives a toggle
+    page.mouse.move(*map_point(page, "a", 5, 5))
+    page.locator("#a").focus()
+    page.keyboard.press("0")
+    assert page.evaluate(state)["zoom"] == 1
+    page.keyboard.press("+")
+    assert page.evaluate(state)["zoom"] > 1
+    page.keyboard.press("ArrowRight")
+    moved = page.evaluate(state)["pixel"]
+    page.locator("#toggle-pullback").check()  # the pointer leaves A for the box: the keys' pixel stays
+    assert page.evaluate(state)["pixel"] == moved
+    assert page.locator("#a-pixel").inner_text().startswith(f"A pixel ({moved[0]}, {moved[1]})")
+    assert problems == []
+
+
+def test_match_page_draws_the_best_candidate_on_top_and_lenses_show_pixels(match_page_open):
+    page, problems, saved = match_page_open
+    coords = saved["coords"]
+    # a pixel whose second candidate touches its best: the rings overlap
+    gap = np.abs(coords[:, :, 1] - coords[:, :, 0]).max(-1)
+    r, c = map(int, np.argwhere((gap <= 1) & (saved["index"][..., 1] >= 0))[0])
+    page.mouse.move(*map_point(page, "a", r, c))
+    by, bx = coords[r, c, 0].tolist()
+    ring = page.evaluate(
+        f"""() => {{ const v = window.densematch.views.b, [x, y] = v.at({by}, {bx}), s = v.ring() + 1, out = [];
+        for (let t = 0; t < 48; t++) {{
+          const a = 2 * Math.PI * t / 48;
+          const px = Math.round(x + s * Math.cos(a) - 0.5), py = Math.round(y + s * Math.sin(a) - 0.5);
+          out.push(Array.from(v.ctx.getImageData(px, py, 1, 1).data.slice(0, 3)));
+        }}
+        return out; }}"""
+    )
+    magenta = [p for p in ring if abs(p[0] - 224) < 40 and p[1] < 70 and abs(p[2] - 127) < 50]
+    yellow = [p for p in ring if p[0] > 150 and p[1] > 150 and p[2] < 150]  # the other candidates' rings
+    assert len(magenta) >= 24 and yellow == [], ring  # the best's ring whole: the others drawn under it
+    # the lenses: the pictures' own pixels, magnified, with no ring or label in them
+    for lens, side, (y, x) in (("lens-a", "a", (r, c)), ("lens-b", "b", (int(by), int(bx)))):
+        diff = page.evaluate(
+            f"""() => {{ const v = window.densematch.views['{side}'], lens = document.getElementById('{lens}');
+            const want = document.createElement('canvas'); want.width = lens.width; want.height = lens.height;
+            const w = want.getContext('2d'); w.imageSmoothingEnabled = false; w.fillStyle = '#fff';
+            w.fillRect(0, 0, want.width, want.height);
+            w.drawImage(v.plain, {x} - 6, {y} - 6, 13, 13, 0, 0, want.width, want.height);
+            const a = lens.getContext('2d').getImageData(0, 0, lens.width, lens.height).data;
+            const b = w.getImageData(0, 0, want.width, want.height).data, cell = lens.width / 13;
+            let bad = 0;
+            for (let i = 0; i < a.length; i += 4) {{
+              const px = (i / 4) % lens.width, py = Math.floor(i / 4 / lens.width);
+              const inSquare = Math.abs(px - 6.5 * cell) < cell / 2 + 3 && Math.abs(py - 6.5 * cell) < cell / 2 + 3;
+              if (!inSquare && (a[i] !== b[i] || a[i + 1] !== b[i + 1] || a[i + 2] !== b[i + 2])) bad++;
+            }}
+            return bad; }}"""
+        )
+        assert diff == 0, (lens, diff)
+    assert problems == []
+
+
 def test_align_page_blend_slider_changes_the_canvas(tmp_path, open_page, run):
     from PIL import Image
     from skimage import data
