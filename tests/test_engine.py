@@ -95,6 +95,18 @@ def test_plan_respects_budget_and_names_minimum():
         engine.plan_tiles(10_000, 20_000, 64, 1, 1000, metric=m, device=torch.device("cpu"))
 
 
+def test_a_small_budget_takes_the_largest_tile_not_a_one_column_one():
+    # what each query row holds beside the tile (pool, re-scoring) left room for 30 rows whatever
+    # the reference tile, which halved down to one column: 86,400 tiles for 1600 x 1600
+    m = get_metric("l2")
+    plan = engine.plan_tiles(1600, 1600, 25, 3, 300 * 1024, metric=m, device=torch.device("cpu"))
+    assert plan.bytes <= 300 * 1024
+    assert math.ceil(1600 / plan.tile_a) * math.ceil(1600 / plan.tile_b) <= 1000, plan  # 78,400 before
+    # where 64 query rows fit, the reference tile still halves until they do
+    roomy = engine.plan_tiles(1600, 1600, 25, 3, 16 * 2**20, metric=m, device=torch.device("cpu"))
+    assert roomy.tile_a >= 64
+
+
 @pytest.mark.parametrize("budget", [40_000, 200_000, 2**20, 2**30])
 def test_any_budget_gives_the_same_answer(budget):
     g = torch.Generator().manual_seed(5)

@@ -234,6 +234,14 @@ def test_match_page_zooms_and_pans_with_crisp_pixels_and_one_state(match_page_op
     page.locator("#toggle-pullback").check()  # the pointer leaves A for the box: the keys' pixel stays
     assert page.evaluate(state)["pixel"] == moved
     assert page.locator("#a-pixel").inner_text().startswith(f"A pixel ({moved[0]}, {moved[1]})")
+    # a toggle's redraw, finishing while the pointer is over B, draws B's pixel, not A's last one
+    page.mouse.move(*map_point(page, "b", 24, 38))
+    page.evaluate(
+        "() => { const box = document.getElementById('toggle-pullback'); box.checked = false;"
+        " box.dispatchEvent(new Event('change')); }"
+    )
+    page.wait_for_function("() => document.body.dataset.pixel === 'b:24,38'")
+    assert page.locator("#b-pixel").inner_text() == "B pixel (24, 38)" and page.locator("#a-pixel").count() == 0
     assert problems == []
 
 

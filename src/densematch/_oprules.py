@@ -9,7 +9,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-__all__ = ["call", "differentiable", "looped", "operator", "read_once", "recording", "refuse_legacy_onnx"]
+__all__ = [
+    "call",
+    "differentiable",
+    "looped",
+    "operator",
+    "plain",
+    "read_once",
+    "recording",
+    "refuse_legacy_onnx",
+    "transformed",
+]
 
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
@@ -32,11 +42,16 @@ def operator(name: str, schema: str) -> Callable[[Callable[..., Any]], CustomOpD
     return register
 
 
+def transformed() -> bool:
+    """Whether this thread's calls are transformed: a graph recorded (:func:`recording`), a torch
+    dispatch mode (such as FakeTensorMode) or a torch.func transform."""
+    return recording() or is_in_torch_dispatch_mode() or torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def plain(args: tuple[Any, ...]) -> bool:
-    """Whether a call on ``args`` is plain eager: no graph recorded, no dispatch mode (such as
-    FakeTensorMode), no torch.func transform, and every tensor a torch.Tensor itself (no
-    subclass, no functorch wrapper)."""
-    if recording() or is_in_torch_dispatch_mode() or torch._C._functorch.peek_interpreter_stack() is not None:
+    """Whether a call on ``args`` is plain eager: not :func:`transformed`, and every tensor a
+    torch.Tensor itself (no subclass, no functorch wrapper)."""
+    if transformed():
         return False
     return all(
         type(a) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(a)

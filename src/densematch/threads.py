@@ -21,9 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from ._oprules import recording
+from ._oprules import transformed
 
 __all__ = ["THREADED", "own_thread", "scratch", "share_out", "share_size", "workers_for"]
 
@@ -41,7 +40,7 @@ def traced() -> bool:
     torch.compile's tracing, or torch.jit.trace's (which records only torch operators called on
     this thread), or a torch.func transform (whose wrapped tensors have no storage of their own).
     Neither C kernels nor worker threads may run then."""
-    return is_in_torch_dispatch_mode() or recording() or torch._C._functorch.peek_interpreter_stack() is not None
+    return transformed()
 
 
 def workers_for(device: torch.device) -> int:

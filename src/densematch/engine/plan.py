@@ -107,11 +107,18 @@ def fit_tiles(
 
     whole_b = working_set(d, 0, 0, True) <= budget // 2 and fit(cap_b, True) >= min(d.na, 64)
     tb = cap_b
+    widest = (0, 0)  # the (ta, tb) of the largest tile tried
     while True:
         ta = fit(tb, whole_b)
+        widest = max(widest, (ta, tb), key=lambda t: t[0] * t[1])
         if fixed_b or tb <= narrowest_b or ta >= min(cap_a, 64):
             break
         tb = max(1, tb // 2)
+    if ta < min(cap_a, 64) and widest[0] >= 1:
+        # narrower reference tiles never freed room for 64 query rows (what each query row holds
+        # beside the tile took it: its pool, its re-scoring): the largest tile tried, not
+        # a 30 x 1 one (86,400 tiles of a 1600 x 1600 search under 300 KiB)
+        ta, tb = widest
     if ta < 1:  # raises: not even one query row fits beside this reference tile
         chunk_rows(total, working_set(d, 1, tb, whole_b) + reserved, f"one tile of tile_b={tb}")
     return TilePlan(int(ta), int(tb), whole_b, working_set(d, int(ta), tb, whole_b))
