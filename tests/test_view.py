@@ -162,6 +162,7 @@ def test_match_page_marks_the_known_position_and_lists_the_npz_candidates(shifte
     # toggles redraw A: the pull-back of B onto A's grid
     before = pixels(page, "#a")
     page.locator("#toggle-pullback").check()
+    page.wait_for_selector("body[data-layers*='pullback']")  # the redraw is asynchronous (images decode)
     assert pixels(page, "#a") != before
     # from B's side: the reverse pass (mutual) names B's best in A
     hover(page, "#b", 24, 38, 80, 80)
@@ -232,6 +233,7 @@ def test_match_page_zooms_and_pans_with_crisp_pixels_and_one_state(match_page_op
     page.keyboard.press("ArrowRight")
     moved = page.evaluate(state)["pixel"]
     page.locator("#toggle-pullback").check()  # the pointer leaves A for the box: the keys' pixel stays
+    page.wait_for_selector("body[data-layers*='pullback']")
     assert page.evaluate(state)["pixel"] == moved
     assert page.locator("#a-pixel").inner_text().startswith(f"A pixel ({moved[0]}, {moved[1]})")
     # a toggle's redraw, finishing while the pointer is over B, draws B's pixel, not A's last one
@@ -240,7 +242,9 @@ def test_match_page_zooms_and_pans_with_crisp_pixels_and_one_state(match_page_op
         "() => { const box = document.getElementById('toggle-pullback'); box.checked = false;"
         " box.dispatchEvent(new Event('change')); }"
     )
-    page.wait_for_function("() => document.body.dataset.pixel === 'b:24,38'")
+    page.wait_for_function(
+        "() => document.body.dataset.pixel === 'b:24,38' && !document.body.dataset.layers.includes('pullback')"
+    )
     assert page.locator("#b-pixel").inner_text() == "B pixel (24, 38)" and page.locator("#a-pixel").count() == 0
     assert problems == []
 
