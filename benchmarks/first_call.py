@@ -2,7 +2,7 @@
 or more densematch source trees side by side (each call in its own process, the trees alternated
 round by round).
 
-Run: python benchmarks/first_call.py SRC [SRC ...] [--labels A,B] [--rounds 5] [--name NAME]
+Run: python benchmarks/first_call.py SRC [SRC ...] [--labels A,B] [--rounds 5]
 
 SRC is a src/ folder: this checkout's, or an earlier revision's (``git worktree add DIR REV``,
 then DIR/src). Each process imports torch, then densematch (timed), then calls one function twice
@@ -15,10 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import alternate_trees, report
 
 CALLS = {
     "match": "densematch.match(a, b, mutual=True)",
@@ -28,60 +29,52 @@ CALLS = {
     "local_cost_volume": "densematch.local_cost_volume(a, b, 3)",
 }
 
-PROGRAM = """
-import json, sys, time
-import torch
-t = time.perf_counter()
-import densematch
-imported = time.perf_counter() - t
-g = torch.Generator().manual_seed(0)
-a, b = torch.randn(1, 32, 48, 48, generator=g), torch.randn(1, 32, 48, 48, generator=g)
-p = torch.randn(16, 32, generator=g, requires_grad=True)
-times = []
-for _ in range(2):
-    t = time.perf_counter()
-    {call}
-    times.append(time.perf_counter() - t)
-print(json.dumps({{"import_s": imported, "first_s": times[0], "second_s": times[1],
-                  "dynamo": "torch._dynamo" in sys.modules}}))
-"""
 
+def child(src: str, function: str) -> None:
+    sys.path.insert(0, src)
+    import torch
 
-def one(src: str, call: str) -> dict[str, float | bool]:
-    env = {**os.environ, "PYTHONPATH": src}
-    out = subprocess.run(
-        [sys.executable, "-c", PROGRAM.format(call=call)], env=env, capture_output=True, text=True, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    started = time.perf_counter()
+    import densematch
+
+    imported = time.perf_counter() - started
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1, 32, 48, 48, generator=g), torch.randn(1, 32, 48, 48, generator=g)
+    p = torch.randn(16, 32, generator=g, requires_grad=True)
+    scope = {"densematch": densematch, "a": a, "b": b, "p": p}
+    times = []
+    for _ in range(2):
+        started = time.perf_counter()
+        exec(CALLS[function], scope)
+        times.append(time.perf_counter() - started)
+    dynamo = "torch._dynamo" in sys.modules
+    print(json.dumps({"import_s": imported, "first_s": times[0], "second_s": times[1], "dynamo": dynamo}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("trees", nargs="+")
+    p.add_argument("srcs", nargs="+")
     p.add_argument("--labels")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--name", default="first-call")
+    p.add_argument("--function", choices=sorted(CALLS), help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    labels = args.labels.split(",") if args.labels else args.trees
-    runs: dict[tuple[str, str], list[dict[str, float | bool]]] = {}
-    for _ in range(args.rounds):
-        for name, call in CALLS.items():
-            for label, src in zip(labels, args.trees, strict=True):
-                runs.setdefault((label, name), []).append(one(os.path.abspath(src), call))
+    if args.child:
+        child(args.srcs[0], args.function)
+        return
     rows = []
-    print(f"{'tree':>10} {'function':>30} {'import s':>9} {'first s':>8} {'second s':>9} {'first-second':>13} dynamo")
-    for (label, name), got in runs.items():
-        med = {key: statistics.median(float(r[key]) for r in got) for key in ("import_s", "first_s", "second_s")}
-        extra = statistics.median(float(r["first_s"]) - float(r["second_s"]) for r in got)
-        dynamo = all(bool(r["dynamo"]) for r in got)
-        rows.append({"tree": label, "function": name, **med, "first_minus_second_s": extra, "dynamo": dynamo})
-        print(
-            f"{label:>10} {name:>30} {med['import_s']:9.2f} {med['first_s']:8.3f} {med['second_s']:9.3f} "
-            f"{extra:13.3f} {dynamo}"
-        )
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"{args.name}.json"), "w") as fh:
-        json.dump({"rounds": args.rounds, "rows": rows}, fh, indent=1)
+    for name in CALLS:
+        runs = alternate_trees(__file__, args.srcs, args.labels, args.rounds, ["--function", name])
+        for tree, got in runs.items():
+            med = {key: statistics.median(r[key] for r in got) for key in ("import_s", "first_s", "second_s")}
+            rows.append({
+                "tree": tree,
+                "function": name,
+                **{key: round(value, 3) for key, value in med.items()},
+                "first_minus_second_s": round(statistics.median(r["first_s"] - r["second_s"] for r in got), 3),
+                "dynamo": all(r["dynamo"] for r in got),
+            })  # fmt: skip
+    report("first-call", rows)
 
 
 if __name__ == "__main__":

@@ -14,52 +14,49 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import alternate_trees, report
+
 CASES = [(40, 25, "300KiB"), (40, 25, "1MiB"), (40, 25, "16MiB"), (96, 64, "1MiB"), (96, 64, "4MiB"), (96, 64, "64MiB")]
 
-PROGRAM = """
-import json, time, torch
-torch.set_num_threads(1)
-import densematch
-out = []
-for side, c, memory in {cases!r}:
-    f = torch.randn(side, side, c, generator=torch.Generator().manual_seed(0))
-    densematch.match(f[:8, :8], f[:8, :8], metric="l2", k=3, memory=memory)  # warm-up
-    t = time.perf_counter()
-    densematch.match(f, f.flip(0), metric="l2", k=3, memory=memory)
-    out.append(time.perf_counter() - t)
-print(json.dumps(out))
-"""
+
+def child(src: str) -> None:
+    sys.path.insert(0, src)
+    import torch
+
+    import densematch
+
+    torch.set_num_threads(1)
+    out = []
+    for side, c, memory in CASES:
+        f = torch.randn(side, side, c, generator=torch.Generator().manual_seed(0))
+        densematch.match(f[:8, :8], f[:8, :8], metric="l2", k=3, memory=memory)  # warm-up
+        started = time.perf_counter()
+        densematch.match(f, f.flip(0), metric="l2", k=3, memory=memory)
+        out.append(time.perf_counter() - started)
+    print(json.dumps(out))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("trees", nargs="+")
+    p.add_argument("srcs", nargs="+")
     p.add_argument("--labels")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--name", default="small-budgets")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    labels = args.labels.split(",") if args.labels else args.trees
-    times: dict[str, list[list[float]]] = {label: [] for label in labels}
-    for _ in range(args.rounds):
-        for label, src in zip(labels, args.trees, strict=True):
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
-            done = subprocess.run(
-                [sys.executable, "-c", PROGRAM.format(cases=CASES)], env=env, capture_output=True, text=True, check=True
-            )
-            times[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    rows = []
-    print(f"{'case':>24} " + " ".join(f"{label + ' s':>12}" for label in labels))
-    for n, (side, c, memory) in enumerate(CASES):
-        med = {label: statistics.median(r[n] for r in times[label]) for label in labels}
-        rows.append({"side": side, "c": c, "memory": memory, **{f"{label}_s": v for label, v in med.items()}})
-        print(f"{f'{side}x{side}x{c} {memory}':>24} " + " ".join(f"{med[label]:12.3f}" for label in labels))
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"{args.name}.json"), "w") as fh:
-        json.dump({"rounds": args.rounds, "rows": rows}, fh, indent=1)
+    if args.child:
+        child(args.srcs[0])
+        return
+    runs = alternate_trees(__file__, args.srcs, args.labels, args.rounds)
+    rows = [
+        {"case": f"{side}x{side}x{c}", "memory": memory}
+        | {f"{tree} s": round(statistics.median(r[n] for r in got), 3) for tree, got in runs.items()}
+        for n, (side, c, memory) in enumerate(CASES)
+    ]
+    report("small-budgets", rows)
 
 
 if __name__ == "__main__":

@@ -421,6 +421,8 @@ def distance_pair(
         x = x.transpose(0, 3, 1, 2)
     xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
     found = search(xt, pt, metric, k=k, memory=memory, precision=precision) if nearest else None
+    # every distance, held whole: the command's own output (and the page's heat maps)
+    whole = pairwise_distance(xt, pt, metric, memory=memory) if not nearest and to is None and keep else None
     html = None
     if page:
         from .view import HEAT_VALUES, distance_page, false_colour
@@ -434,7 +436,8 @@ def distance_pair(
         items = f" (the first of {x.shape[0]} maps)" if x.shape[0] > 1 else ""
         every = None  # each prototype's heat map, where the page can carry them
         if pt.shape[0] * x.shape[2] * x.shape[3] <= HEAT_VALUES:
-            every = pairwise_distance(xt[:1], pt, metric, memory=memory)[0].numpy()
+            first = whole[0] if whole is not None else pairwise_distance(xt[:1], pt, metric, memory=memory)[0]
+            every = first.numpy()
         html = distance_page(
             picture, i1[0].numpy(), d1[0].numpy(), metric, pt.shape[0], f"{features} against {prototypes}{items}", every
         )
@@ -449,7 +452,8 @@ def distance_pair(
         shape, mean = _distance_slices(xt, pt, metric, memory, None)
         return PairResult({"shape": list(shape), "mean_distance": mean}, page=html)
     else:
-        d = pairwise_distance(xt, pt, metric, memory=memory)
+        assert whole is not None
+        d = whole
         arrays = {"distance": d.numpy()}
     return PairResult({"shape": list(d.shape), "mean_distance": float(d.float().mean())}, arrays, page=html)
 
