@@ -220,6 +220,23 @@ def test_same_scene_features(same_scene, path, metric, k):
     assert_topk_exact(a, b, r.index, metric, k)
 
 
+@pytest.mark.parametrize("path", TORCH_PATHS)
+@pytest.mark.parametrize(("metric", "k"), [("cosine", 1), ("l2", 8)])
+def test_same_scene_under_a_budget_too_small_for_64_query_rows(same_scene, monkeypatch, path, metric, k):
+    # the planner's largest-tile rule (engine/plan.py): each query row's pool and re-scoring
+    # leave no room for 64 rows beside any reference tile, so the widest tile tried is taken
+    from densematch.engine import driver
+
+    plans = []
+    real = driver.fit_tiles
+    monkeypatch.setattr(driver, "fit_tiles", lambda *args, **kw: plans.append(real(*args, **kw)) or plans[-1])
+    fa, fb = same_scene
+    a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
+    r = flat_match(a, b, metric, k, path, memory="256KiB")
+    assert plans and all(p.tile_a < 64 and p.tile_b > 1 for p in plans), plans
+    assert_topk_exact(a, b, r.index, metric, k)
+
+
 @pytest.mark.parametrize(
     ("kernel", "metric", "k"),
     [(kernel, metric, k) for kernel in ("auto", "torch") for metric, k in (("cosine", 1), ("cosine", 8), ("l2", 1))]
