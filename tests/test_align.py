@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from densematch import align, config_context, warp
+from densematch import shift_landscape as densematch_shift_landscape
 from densematch.alignment.refine import refine
 from densematch.alignment.search import _best_shifts, pick_candidates
 from densematch.app.synthetic import PHOTOS, SIZES, alignment_cases, reference_warp
@@ -446,3 +447,81 @@ class TestSearch:
         for row, (v, at) in enumerate(found):
             low = [(float(x), i) for i, x in enumerate(values[row].tolist()) if minima[row, i] and x < float("inf")]
             assert [(a, i) for a, i in zip(v, at, strict=True) if a < float("inf")] == sorted(low)[:k]
+
+
+class TestLandscapes:
+    """The error over the scales (Alignment.landscape, with each scale pair's best shift) and over
+    the shifts (shift_landscape), against a float64 warp at every shift."""
+
+    @staticmethod
+    def brute(tpl, img, sh, sw, objective, weights=None):
+        """(n_y, n_x) float64: squared error or 1 - NCC of ``tpl`` against ``img`` warped at each integer shift."""
+        t, x = tpl.double(), img.double()
+        h, w = t.shape
+        ny, nx = math.floor(x.shape[0] * sh - h + 1e-6) + 1, math.floor(x.shape[1] * sw - w + 1e-6) + 1
+        wt = torch.ones_like(t) if weights is None else weights.double()
+        out = torch.empty(ny, nx, dtype=torch.float64)
+        for y in range(ny):
+            for xx in range(nx):
+                s = warp(x, sh, sw, float(y), float(xx), (h, w))
+                if objective == "ncc":
+                    mt, ms = (wt * t).sum() / wt.sum(), (wt * s).sum() / wt.sum()
+                    cov = (wt * (t - mt) * (s - ms)).sum()
+                    out[y, xx] = 1 - cov / ((wt * (t - mt) ** 2).sum() * (wt * (s - ms) ** 2).sum()).sqrt()
+                else:
+                    out[y, xx] = (wt * (t - s) ** 2).sum() / wt.sum()
+        return out
+
+    @pytest.mark.parametrize("objective", ["l1", "ncc"])
+    @pytest.mark.parametrize("weighted", [False, True])
+    def test_shift_landscape_is_the_error_at_every_shift(self, camera_small, objective, weighted):
+        img = torch.from_numpy(camera_small[:44, :50]).float() * 3 + 100  # a level the search takes off
+        tpl = warp(img, 1.04, 0.95, 3.0, 2.0, (30, 34))
+        weights = torch.rand(30, 34, generator=torch.Generator().manual_seed(1)) + 0.1 if weighted else None
+        got = densematch_shift_landscape(tpl, img, 1.04, 0.95, objective=objective, template_mask=weights)
+        ref = self.brute(tpl, img, 1.04, 0.95, objective, weights)
+        assert got.shape == ref.shape
+        scale = 1.0 if objective == "ncc" else float(ref.max())
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-4 * scale)
+        assert divmod(int(got.argmin()), got.shape[1]) == (3, 2)
+
+    def test_landscape_shifts_are_each_scale_pairs_best(self, camera_small):
+        img = torch.from_numpy(camera_small[:40, :44]).float()
+        tpl = warp(img, 1.05, 0.96, 2.6, 1.3, (30, 32))  # 30 rows: the search runs at full resolution
+        a = align(tpl, img, scale_h=(0.95, 1.1), scale_w=(0.9, 1.05))
+        assert a.landscape_shifts.shape == (1, a.scales_h.numel(), a.scales_w.numel(), 2)
+        for r in range(0, a.scales_h.numel(), 3):
+            for c in range(0, a.scales_w.numel(), 3):
+                sh, sw = float(a.scales_h[r]), float(a.scales_w[c])
+                errors = densematch_shift_landscape(tpl, img, sh, sw, objective="l2")
+                y, x = (int(v) for v in a.landscape_shifts[0, r, c])
+                # the best shift's error is the landscape's; a near-tie may pick another shift
+                assert float(errors[y, x]) == pytest.approx(float(a.landscape[0, r, c]), rel=1e-4, abs=1e-7)
+                assert float(errors[y, x]) <= float(errors.min()) * (1 + 1e-4) + 1e-7
+
+    def test_landscape_shifts_are_in_the_images_pixels_on_a_coarse_level(self):
+        from densematch.alignment.api import _levels
+
+        case = next(alignment_cases(1, seed=5, kinds=("photo",), sizes=(SIZES[0],), noise=(0.0,)))
+        factor = _levels(case.template[None, None], torch.ones(1, 1, *case.template.shape))[0]
+        assert factor > 1  # 100 x 100: the grid runs on a coarser level
+        a = align(case.template, case.image)
+        shifts = a.landscape_shifts[0]
+        finite = shifts[torch.isfinite(shifts)]
+        assert finite.numel() > 0 and torch.equal(finite % factor, torch.zeros_like(finite))
+        r = int((a.scales_h - a.scale_h).abs().argmin())
+        c = int((a.scales_w - a.scale_w).abs().argmin())
+        # the coarse level's best shift at the answer's scales, in the image's pixels
+        y, x = shifts[r, c].tolist()
+        assert abs(y - a.shift_y) <= 2 * factor and abs(x - a.shift_x) <= 2 * factor
+
+    def test_shift_landscape_refuses_bad_input(self):
+        img, tpl = torch.rand(40, 40), torch.rand(30, 30)
+        with pytest.raises(ValueError, match="scale_h"):
+            densematch_shift_landscape(tpl, img, 0.0, 1.0)
+        with pytest.raises(TypeError, match="scale_w"):
+            densematch_shift_landscape(tpl, img, 1.0, "1")
+        with pytest.raises(ValueError, match="does not fit"):
+            densematch_shift_landscape(tpl, img, 0.5, 1.0)
+        with pytest.raises(ValueError, match="objective"):
+            densematch_shift_landscape(tpl, img, 1.0, 1.0, objective="l3")

@@ -2,6 +2,7 @@
 Playwright by its path, offline. Everything a test checks is read back from the page."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from densematch import warp
+from densematch import align, shift_landscape, warp
 from densematch.app.cli import main
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
@@ -291,7 +292,7 @@ def test_match_page_draws_the_best_candidate_on_top_and_lenses_show_pixels(match
     assert problems == []
 
 
-def test_align_page_blend_slider_changes_the_canvas(tmp_path, open_page, run):
+def test_align_page_blend_slider_shift_panel_and_readouts(tmp_path, open_page, run):
     from PIL import Image
     from skimage import data
 
@@ -318,6 +319,27 @@ def test_align_page_blend_slider_changes_the_canvas(tmp_path, open_page, run):
     assert len({before, after, pixels(page, "#blend")}) == 3
     params = dict(line.split("\t") for line in page.locator("#params").inner_text().splitlines()[1:])
     assert float(params["scale_h"]) == pytest.approx(1.07, abs=0.005)
+    # the landscape tells each scale pair's best shift; the shift panel, the error at every shift
+    # at the answer's scales, with ticks in shift
+    a = align(tpl, img)
+    n_h, n_w = a.landscape.shape[1:]
+    for r, c in ((0, 0), (n_h // 2, n_w // 3)):
+        hover(page, "#landscape", r, c, n_h, n_w)
+        y, x = (int(v) for v in a.landscape_shifts[0, r, c])
+        assert page.locator("#landscape-value").inner_text().endswith(f", best shift ({y}, {x})")
+    around = shift_landscape(tpl, img, a.scale_h, a.scale_w).numpy()
+    n_y, n_x = around.shape
+    assert (n_y, n_x) == (math.floor(125 * a.scale_h) - 100 + 1, math.floor(125 * a.scale_w) - 100 + 1)
+    shift_ticks = page.locator("#shifts").locator("xpath=..").locator(".col-tick").all_inner_texts()
+    assert [float(t) for t in shift_ticks][:: len(shift_ticks) - 1] == [0, n_x - 1]
+    for r, c in ((0, 0), (7, 4), (n_y - 1, n_x - 1)):
+        hover(page, "#shifts", r, c, n_y, n_x)
+        said = page.locator("#shifts-value").inner_text()
+        head, value = said.split(": error ")
+        assert head == f"shift_y {r}, shift_x {c}"
+        assert float(value) == pytest.approx(float(around[r, c]), rel=1e-3, abs=1e-6)
+    low = np.unravel_index(around.argmin(), around.shape)
+    assert abs(low[0] - a.shift_y) < 1 and abs(low[1] - a.shift_x) < 1
     assert problems == []
 
 

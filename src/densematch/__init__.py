@@ -12,7 +12,7 @@ from ._info import show_config
 from ._knn import KNNIndex, knn
 from ._match import DenseMatcher, Matches, match
 from ._soft import SoftMatches, soft_match
-from .alignment import Alignment, Certificate, align, certify_alignment, warp
+from .alignment import Alignment, Certificate, align, certify_alignment, shift_landscape, warp
 from .budget import parse_memory
 from .config import config_context, get_config
 from .local import LocalCostVolume, LocalMatcher, local_cost_volume, local_match
@@ -43,6 +43,7 @@ __all__ = [
     "nearest_prototype",
     "pairwise_distance",
     "parse_memory",
+    "shift_landscape",
     "show_config",
     "soft_match",
     "warp",

@@ -35,10 +35,10 @@ from ..choices import ObjectiveName
 from ..config import kernel_setting, resolve_memory
 from ..threads import share_out, share_size, workers_for
 from .refine import objective_at, refine
-from .search import downsample, grid_search, scale_grid
+from .search import downsample, grid_search, scale_grid, shift_errors
 from .warp import as_image, warp_batch
 
-__all__ = ["OBJECTIVES", "Alignment", "align"]
+__all__ = ["OBJECTIVES", "Alignment", "align", "shift_landscape"]
 
 OBJECTIVES = ("l1", "l2", "ncc")
 _COARSE_SIDE = 20  # the grid's template side, at least: coarser levels lose the photographs' detail
@@ -79,6 +79,9 @@ class Alignment:
     landscape : Tensor of shape (B, n_h, n_w)
         The grid search's best error for each (scale_h, scale_w) of the grid (squared error,
         or 1 - NCC), at the search resolution: the error landscape, for pictures.
+    landscape_shifts : Tensor of shape (B, n_h, n_w, 2)
+        The best integer shift (shift_y, shift_x) of each scale pair of the landscape, in the
+        image's pixels (the search resolution's, times its factor); NaN where none is valid.
     scales_h, scales_w : Tensor of shape (n_h,) and (n_w,)
         The grid's scales.
     at_bound : tuple of str, or list of them for batches
@@ -101,6 +104,7 @@ class Alignment:
     error: float | torch.Tensor
     warped: torch.Tensor
     landscape: torch.Tensor
+    landscape_shifts: torch.Tensor
     scales_h: torch.Tensor
     scales_w: torch.Tensor
     at_bound: tuple[str, ...] | list[tuple[str, ...]] = ()
@@ -208,6 +212,47 @@ def _check_fits(
     )
 
 
+def _inputs(
+    template: Any,
+    image: Any,
+    range_h: tuple[float, float],
+    range_w: tuple[float, float],
+    objective: str,
+    template_mask: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """align's inputs checked: ``template`` and ``image`` as tensors (:func:`checked_images`),
+    both as (B, C, h, w) and (B, C, H, W) in the compute dtype, and the weights (B, 1, h, w);
+    the template finite where its weight is not 0, and 0 where it is."""
+    check_choice(objective, "objective", OBJECTIVES)
+    t, x = checked_images(template, image, range_h, range_w)
+    h, w = t.shape[-2:]
+    hh, ww = x.shape[-2:]
+    dtype = compute_dtype(t, x)
+    t4 = t.to(dtype).reshape(-1, *t.shape[-3:]) if t.ndim == 4 else t.to(dtype).reshape(-1, 1, h, w)
+    x4 = x.to(dtype).reshape(-1, *x.shape[-3:]) if x.ndim == 4 else x.to(dtype).reshape(-1, 1, hh, ww)
+    mask = _check_template_mask(template_mask, t4, t.shape, dtype)
+    if template_mask is None:
+        check_finite(t4, "template")
+    else:  # a pixel of weight 0 is never read: NaN or Inf there is allowed, and set to 0 here
+        read = mask[:, 0] > 0
+        check_finite(t4.permute(0, 2, 3, 1), "template", mask=read)
+        t4 = t4.masked_fill(~read[:, None], 0.0)
+    return t, x, t4, x4, mask
+
+
+def _centred(t4: torch.Tensor, x4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """``t4`` and ``x4`` less the image's mean level (B, C, 1, 1), both at unit amplitude, with
+    that level and the unit. Every objective is blind to a level both share (a bilinear sample
+    of a constant is that constant), and the grid's expanded sums (T^2 - 2 T S + S^2, window
+    sums of S and S^2) would lose a texture of 0.01 on a level of 500 to float32's rounding.
+    The unit is a power of two, so exact: the search's and the refinement's fixed epsilons then
+    mean the same for images of any amplitude or dtype."""
+    level = x4.mean((2, 3), keepdim=True)
+    t4, x4 = t4 - level, x4 - level
+    unit = _unit_scale(t4, x4)
+    return t4 * unit, x4 * unit, level, unit
+
+
 def align(
     template: Any,
     image: Any,
@@ -273,21 +318,8 @@ def align(
     >>> round(a.scale_h, 3), round(a.scale_w, 3), round(a.shift_y, 2), round(a.shift_x, 2)
     (1.1, 0.9, 4.25, 3.5)
     """
-    check_choice(objective, "objective", OBJECTIVES)
     (lo_h, hi_h), (lo_w, hi_w) = _check_range(scale_h, "scale_h"), _check_range(scale_w, "scale_w")
-    t, x = checked_images(template, image, (lo_h, hi_h), (lo_w, hi_w))
-    h, w = t.shape[-2:]
-    hh, ww = x.shape[-2:]
-    dtype = compute_dtype(t, x)
-    t4 = t.to(dtype).reshape(-1, *t.shape[-3:]) if t.ndim == 4 else t.to(dtype).reshape(-1, 1, h, w)
-    x4 = x.to(dtype).reshape(-1, *x.shape[-3:]) if x.ndim == 4 else x.to(dtype).reshape(-1, 1, hh, ww)
-    mask = _check_template_mask(template_mask, t4, t.shape, dtype)
-    if template_mask is None:
-        check_finite(t4, "template")
-    else:  # a pixel of weight 0 is never read: NaN or Inf there is allowed, and set to 0 here
-        read = mask[:, 0] > 0
-        check_finite(t4.permute(0, 2, 3, 1), "template", mask=read)
-        t4 = t4.masked_fill(~read[:, None], 0.0)
+    t, x, t4, x4, mask = _inputs(template, image, (lo_h, hi_h), (lo_w, hi_w), objective, template_mask)
     budget = resolve_memory(memory, x.device)
     if check_bool(certify, "certify"):
         if objective == "ncc":
@@ -299,18 +331,10 @@ def align(
     raw = (t4, x4)
 
     with torch.inference_mode():
-        # the image's mean level off both: every objective is blind to a level both share (a
-        # bilinear sample of a constant is that constant), and the grid's expanded sums
-        # (T^2 - 2 T S + S^2, window sums of S and S^2) would lose a texture of 0.01 on a
-        # level of 500 to float32's rounding
-        level = x4.mean((2, 3), keepdim=True)  # (B, C, 1, 1)
-        t4, x4 = t4 - level, x4 - level
-        # one power of two brings both to unit amplitude, exactly: the search's and the
-        # refinement's fixed epsilons then mean the same for images of any amplitude or dtype
-        unit = _unit_scale(t4, x4)
+        t4, x4, level, unit = _centred(t4, x4)
         found = _search_pairs(
-            t4 * unit,
-            x4 * unit,
+            t4,
+            x4,
             mask,
             (lo_h, hi_h),
             (lo_w, hi_w),
@@ -322,7 +346,7 @@ def align(
         certificates = None
         if certify:
             args = ((lo_h, hi_h), (lo_w, hi_w), objective, budget, kernel_setting() != "torch")
-            certificates = _certify_pairs(raw, (t4 * unit, x4 * unit), mask, found, args, time_limit)
+            certificates = _certify_pairs(raw, (t4, x4), mask, found, args, time_limit)
     warped = (found.warped / unit + level).reshape(t.shape)
     err = found.error
     # 1 - NCC is never below 0; rounding of a perfect fit may put it a hair under
@@ -336,8 +360,10 @@ def align(
     if t.ndim == 2:
         sh, sw, sy, sx = (float(v.item()) for v in warp_params)
         one = certificates[0] if certificates else None
-        return Alignment(sh, sw, sy, sx, err.item(), warped, landscape, *grids, bounds[0], one, relative.item())
-    return Alignment(*warp_params, err, warped, landscape, *grids, bounds, certificates, relative)
+        return Alignment(
+            sh, sw, sy, sx, err.item(), warped, landscape, found.shifts, *grids, bounds[0], one, relative.item()
+        )
+    return Alignment(*warp_params, err, warped, landscape, found.shifts, *grids, bounds, certificates, relative)
 
 
 def _spread(t: torch.Tensor, mask: torch.Tensor, objective: str) -> torch.Tensor:
@@ -354,6 +380,64 @@ def _spread(t: torch.Tensor, mask: torch.Tensor, objective: str) -> torch.Tensor
 
 
 _ROUNDS = 20  # certify-and-refine rounds per pair at most: each round's answer is strictly better
+
+
+def shift_landscape(
+    template: Any,
+    image: Any,
+    scale_h: float,
+    scale_w: float,
+    *,
+    objective: ObjectiveName = "l1",
+    template_mask: Any = None,
+    memory: int | str | None = None,
+) -> torch.Tensor:
+    """The grid search's error at every integer shift of one scale pair, at full resolution.
+
+    The landscape over the shifts where :attr:`Alignment.landscape` is the one over the scales
+    (each of its cells the best of such a landscape, at the search resolution): for pictures,
+    and to see how distinct the answer's basin is.
+
+    Parameters
+    ----------
+    template, image : Tensor or ndarray
+        As for :func:`align`: (h, w) and (H, W), (B, h, w) and (B, H, W), or (B, C, h, w) and
+        (B, C, H, W).
+    scale_h, scale_w : float
+        The scale pair, positive; the template must fit in the image stretched by it.
+    objective : {"l1", "l2", "ncc"}, default="l1"
+        "ncc" gives 1 - NCC; "l1" and "l2" the weighted mean squared error, as the grid scores
+        both.
+    template_mask, memory
+        As for :func:`align`.
+
+    Returns
+    -------
+    Tensor of shape (n_y, n_x), or (B, n_y, n_x) for batched input
+        At [y, x] the error at shift (y, x), for every shift with the template inside the
+        stretched image: n_y = floor(H * scale_h - h) + 1, n_x = floor(W * scale_w - w) + 1.
+
+    Examples
+    --------
+    >>> from densematch import warp
+    >>> img = torch.rand(60, 60)
+    >>> tpl = warp(img, 1.1, 0.9, 4.0, 3.0, (48, 40))
+    >>> errors = shift_landscape(tpl, img, 1.1, 0.9)
+    >>> errors.shape, divmod(int(errors.argmin()), errors.shape[1])
+    (torch.Size([19, 15]), (4, 3))
+    """
+    sh = check_real(scale_h, "scale_h", 0.0, math.inf, low_open=True)
+    sw = check_real(scale_w, "scale_w", 0.0, math.inf, low_open=True)
+    t, x, t4, x4, mask = _inputs(template, image, (sh, sh), (sw, sw), objective, template_mask)
+    budget = resolve_memory(memory, x.device)
+    with torch.inference_mode():
+        t4, x4, _level, unit = _centred(t4, x4)
+        weights = None if template_mask is None else mask
+        use_c = kernel_setting() != "torch"
+        errors = shift_errors(t4, x4, weights, sh, sw, objective == "ncc", budget, use_c)
+    if objective != "ncc":
+        errors = errors / unit**2
+    return errors[0] if t.ndim == 2 else errors
 
 
 def _certify_pairs(
@@ -469,6 +553,7 @@ class _Found:
     error: torch.Tensor
     warped: torch.Tensor
     landscape: torch.Tensor
+    shifts: torch.Tensor  # each scale pair's best integer shift (B, nh, nw, 2), full resolution
     grid_h: torch.Tensor
     grid_w: torch.Tensor
 
@@ -558,7 +643,9 @@ def _search(
     tc, xc, mc = pyramid[coarse]
     grid_h = scale_grid(*range_h, tc.shape[-2], x.device, x.dtype)
     grid_w = scale_grid(*range_w, tc.shape[-1], x.device, x.dtype)
-    cand, landscape = grid_search(tc, xc, None if uniform else mc, grid_h, grid_w, objective == "ncc", budget, use_c)
+    cand, landscape, shifts = grid_search(
+        tc, xc, None if uniform else mc, grid_h, grid_w, objective == "ncc", budget, use_c
+    )
     m = cand.shape[1]
     cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, coarse, coarse], dtype=cand.dtype, device=cand.device)
     owner = torch.arange(b, device=x.device).repeat_interleave(m)
@@ -584,7 +671,7 @@ def _search(
     pick = _best_per_pair(cand, owner, err, 1)
     sh, sw, sy, sx = cand[pick].unbind(1)
     warped = warp_batch(x, sh, sw, sy, sx, (h, w))
-    return _Found(sh, sw, sy, sx, err[pick], warped, landscape, grid_h, grid_w)
+    return _Found(sh, sw, sy, sx, err[pick], warped, landscape, shifts * coarse, grid_h, grid_w)
 
 
 def _refine_far(

@@ -4,6 +4,7 @@ fine grid, every integer shift at once through FFT correlations) and the candida
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ from ..budget import chunk_rows
 from ..kernels import native
 from .warp import bilinear_taps, sampling_matrix
 
-__all__ = ["downsample", "grid_search", "pick_candidates", "scale_grid"]
+__all__ = ["downsample", "grid_search", "pick_candidates", "scale_grid", "shift_errors"]
 
 _CANDIDATES = 8
 _SHIFTS = 3  # local minima over the shifts kept per scale pair
@@ -52,9 +53,60 @@ def grid_search(
     ncc: bool,
     budget: int,
     use_c: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x) and the landscape (B, nh, nw).
-    ``use_c``: the cross term and the best shifts in C (kernels/align.c) where the C kernels run."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x), the landscape (B, nh, nw)
+    and each scale pair's best integer shift (B, nh, nw, 2) as (shift_y, shift_x), NaN where
+    the pair has no valid shift. ``use_c``: the cross term and the best shifts in C
+    (kernels/align.c) where the C kernels run."""
+    in_c = use_c and native.usable(x.device, x.dtype)
+    parts, n_x = _scores(t, x, mask, grid_h, grid_w, ncc, budget, in_c)
+    # the chunks come pair by pair, then scale_h by scale_w: nested in that order again
+    grouped: dict[int, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+    for (s, r, _col), score in parts:
+        grouped.setdefault(s, {}).setdefault(r, []).append(_best_shifts(score, in_c))
+    land, cands, shifts = [], [], []
+    for by_row in grouped.values():
+        rows_of = by_row.values()
+        best = torch.cat([torch.cat([bw[0] for bw in row], 2) for row in rows_of], 1)
+        where = torch.cat([torch.cat([bw[1] for bw in row], 2) for row in rows_of], 1)
+        land.append(best[..., 0])
+        at = torch.stack((where[..., 0] // n_x, where[..., 0] % n_x), -1).to(grid_h.dtype)
+        shifts.append(at.masked_fill(~torch.isfinite(best[..., :1]), math.nan))
+        cands.append(pick_candidates(best, where, grid_h, grid_w, n_x))
+    return torch.cat(cands), torch.cat(land), torch.cat(shifts)
+
+
+def shift_errors(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale_h: float,
+    scale_w: float,
+    ncc: bool,
+    budget: int,
+    use_c: bool = False,
+) -> torch.Tensor:
+    """(B, n_y, n_x): the grid search's score (weighted squared error, or 1 - NCC) at every
+    integer shift of one scale pair: the landscape over the shifts, for pictures."""
+    grid_h = torch.tensor([scale_h], dtype=x.dtype, device=x.device)
+    grid_w = torch.tensor([scale_w], dtype=x.dtype, device=x.device)
+    parts, _ = _scores(t, x, mask, grid_h, grid_w, ncc, budget, use_c and native.usable(x.device, x.dtype))
+    return torch.cat([score[:, 0, 0] for _, score in parts])  # one scale pair: chunks of pairs, in order
+
+
+def _scores(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    grid_h: torch.Tensor,
+    grid_w: torch.Tensor,
+    ncc: bool,
+    budget: int,
+    in_c: bool,
+) -> tuple[Iterator[tuple[tuple[int, int, int], torch.Tensor]], int]:
+    """The scores (B', nh', nw', n_y, n_x) of every scale pair of the grid at every integer shift
+    (inf where invalid), in chunks that fit ``budget``, each with the first (pair, scale_h,
+    scale_w) it holds, in that order; and n_x, the flat shift index's row length."""
     b, c, h, w = t.shape
     hh, ww = x.shape[-2:]
     nh, nw = grid_h.numel(), grid_w.numel()
@@ -64,7 +116,6 @@ def grid_search(
     # rows and columns of the stretched image that any valid crop can touch
     rows = math.floor(hh * grid_h.max().item())
     cols = math.floor(ww * grid_w.max().item())
-    in_c = use_c and native.usable(x.device, x.dtype)
     # valid integer shifts: 0 <= s <= H * scale - h
     # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
     max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
@@ -98,28 +149,19 @@ def grid_search(
     step_w = min(nw, pairs)
     step_h = min(nh, max(1, pairs // step_w))
     step_b = max(1, min(b, pairs // (nh * nw)))
-    chunks = [(s, r, col) for s in range(0, b, step_b) for r in range(0, nh, step_h) for col in range(0, nw, step_w)]
-    found: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    whole = mask
 
-    def search(chunk: tuple[int, int, int]) -> None:
-        s, r, col = chunk
-        e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
-        part_taps = None if taps is None else tuple(tap[v] for tap in taps)
-        args = (t[s:e], x[s:e], mask[s:e], ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, products, part_taps)
-        valid = ok_y[q, None, :, None] & ok_x[None, v, None, :]  # (step_h, step_w, n_y, n_x): the chunk's
-        score = _shift_scores(*args).masked_fill(~valid, math.inf)
-        found[chunk] = _best_shifts(score, in_c)
+    def chunks() -> Iterator[tuple[tuple[int, int, int], torch.Tensor]]:
+        for s in range(0, b, step_b):
+            for r in range(0, nh, step_h):
+                for col in range(0, nw, step_w):
+                    e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
+                    part_taps = None if taps is None else tuple(tap[v] for tap in taps)
+                    args = (ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, products, part_taps)
+                    valid = ok_y[q, None, :, None] & ok_x[None, v, None, :]  # (step_h, step_w, n_y, n_x)
+                    yield (s, r, col), _shift_scores(t[s:e], x[s:e], whole[s:e], *args).masked_fill(~valid, math.inf)
 
-    for chunk in chunks:
-        search(chunk)
-    land, cands = [], []
-    for s in range(0, b, step_b):
-        rows_of = [[found[(s, r, col)] for col in range(0, nw, step_w)] for r in range(0, nh, step_h)]
-        best = torch.cat([torch.cat([bw[0] for bw in row], 2) for row in rows_of], 1)
-        where = torch.cat([torch.cat([bw[1] for bw in row], 2) for row in rows_of], 1)
-        land.append(best[..., 0])
-        cands.append(pick_candidates(best, where, grid_h, grid_w, n_x))
-    return torch.cat(cands), torch.cat(land)
+    return chunks(), n_x
 
 
 def _fast_length(n: int) -> int:

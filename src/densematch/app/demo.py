@@ -12,7 +12,7 @@ import torch
 
 from .._distance import nearest_prototype, pairwise_distance
 from .._match import match
-from ..alignment import align, warp
+from ..alignment import align, shift_landscape, warp
 from ..options import MatchOptions
 from .features import dense_features
 from .recipes import blockwise_argmax  # its home before app.recipes, still importable from here
@@ -101,7 +101,11 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents:
     say("       truth " + "  ".join(f"{k} {v:.4f}" for k, v in truth.items()))
     shown = (tpl.numpy(), a.warped.numpy(), a.landscape[0].numpy(), a.scales_h.numpy(), a.scales_w.numpy(), found)
     save_figure(align_figure(*shown), out / "align.png")
-    write_page(out / "align.html", align_page(*shown, "l1", title="demo: a stretched crop of astronaut"))
+    around = shift_landscape(tpl, ast, a.scale_h, a.scale_w).numpy()
+    page = align_page(
+        *shown, "l1", title="demo: a stretched crop of astronaut", shifts=a.landscape_shifts[0].numpy(), around=around
+    )
+    write_page(out / "align.html", page)
 
     # 3. prototypes: every pixel's nearest of 12 patch prototypes
     coins = _downsize(_sample("coins"), 2)

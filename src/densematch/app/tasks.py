@@ -20,7 +20,7 @@ import torch
 from .._distance import nearest_prototype, pairwise_distance
 from .._match import Matches
 from .._match import run as run_match
-from ..alignment import align
+from ..alignment import align, shift_landscape
 from ..budget import chunk_rows
 from ..checks import check_choice
 from ..choices import MetricName, PrecisionName
@@ -104,7 +104,6 @@ def align_pairs(
     out: list[PairResult | Exception | None] = [None] * len(pairs)
     loaded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     weights = grey_input(mask, "--mask") if mask else None
-    objective = options.get("objective", "l1")
     for i, (template, image) in enumerate(pairs):
         try:
             loaded[i] = (grey_input(template, "TEMPLATE"), grey_input(image, "IMAGE"))
@@ -119,14 +118,15 @@ def align_pairs(
             try:
                 batch = align(tpl, np.stack([loaded[i][1] for i in members]), template_mask=weights, **options)
                 for n, i in enumerate(members):
-                    out[i] = _align_result(batch, n, tpl[n], viz, page, objective)
+                    out[i] = _align_result(batch, n, loaded[i], weights, viz, page, options)
                 continue
             except Exception:  # one bad pair fails its batch: each pair again alone, for its own answer
                 pass
         for i in members:
             t, x = loaded[i]
             try:
-                out[i] = _align_result(align(t, x, template_mask=weights, **options), None, t, viz, page, objective)
+                found = align(t, x, template_mask=weights, **options)
+                out[i] = _align_result(found, None, (t, x), weights, viz, page, options)
             except Exception as err:
                 out[i] = err
     return [r if r is not None else RuntimeError("not aligned") for r in out]
@@ -161,16 +161,27 @@ def align_warnings(answer: dict[str, Any], objective: str) -> list[str]:
     return said if poor is None else [*said, poor]
 
 
-def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, page: bool, objective: str) -> PairResult:
-    """Item ``n`` of a batched alignment (None: an unbatched one) as a PairResult."""
+def _align_result(
+    a: Any,
+    n: int | None,
+    pair: tuple[np.ndarray, np.ndarray],
+    weights: np.ndarray | None,
+    viz: bool,
+    page: bool,
+    options: dict[str, Any],
+) -> PairResult:
+    """Item ``n`` of a batched alignment (None: an unbatched one) of the (template, image)
+    ``pair`` as a PairResult; its page adds the error over the shifts at the answer's scales."""
     answer = a.as_dict()
     if n is not None:
         answer = {key: value[n] for key, value in answer.items()}
-    warped, landscape = (a.warped, a.landscape[0]) if n is None else (a.warped[n], a.landscape[n])
+    item = 0 if n is None else n
+    objective = options.get("objective", "l1")
+    template = np.asarray(pair[0], dtype=np.float32)
     shown = (
-        np.asarray(template, dtype=np.float32),
-        warped.numpy(),
-        landscape.numpy(),
+        template,
+        a.warped.numpy() if n is None else a.warped[n].numpy(),
+        a.landscape[item].numpy(),
         a.scales_h.numpy(),
         a.scales_w.numpy(),
         answer,
@@ -184,7 +195,16 @@ def _align_result(a: Any, n: int | None, template: np.ndarray, viz: bool, page: 
     if page:
         from .view import align_page
 
-        html = align_page(*shown)
+        around = shift_landscape(
+            pair[0],
+            pair[1],
+            answer["scale_h"],
+            answer["scale_w"],
+            objective=objective,
+            template_mask=weights,
+            memory=options.get("memory"),
+        )
+        html = align_page(*shown, shifts=a.landscape_shifts[item].numpy(), around=around.numpy())
     return PairResult(answer, figure=figure, page=html)
 
 

@@ -229,6 +229,24 @@ def match_page(
     return _render(data)
 
 
+def _landscape(
+    values: np.ndarray, rows: list[Any], cols: list[Any], answer: list[float], label: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A landscape (n_rows, n_cols) for the page: its picture (viridis), its rows' and columns'
+    axis values, its values and the answer's (row, column) position; and its colour bar."""
+    lo, hi = _range(values)
+    picture = {
+        "png": _png(_colour(values, "viridis", lo, hi)),
+        "h": values.shape[0],
+        "w": values.shape[1],
+        "rows": rows,
+        "cols": cols,
+        "values": _array(values, "float32"),
+        "answer": answer,
+    }
+    return picture, _bar("viridis", lo, hi, label)
+
+
 def align_page(
     template: np.ndarray,
     warped: np.ndarray,
@@ -238,18 +256,28 @@ def align_page(
     answer: dict[str, Any],
     objective: str,
     title: str = "densematch align",
+    *,
+    shifts: np.ndarray | None = None,
+    around: np.ndarray | None = None,
 ) -> str:
     """The page of one alignment: template (h, w), the image warped onto it (h, w), the search's
     landscape (n_h, n_w) over ``scales_h`` and ``scales_w``, and the answer
-    (:meth:`densematch.Alignment.as_dict`)."""
+    (:meth:`densematch.Alignment.as_dict`). ``shifts`` (n_h, n_w, 2): each scale pair's best
+    shift (:attr:`densematch.Alignment.landscape_shifts`), told on hover; ``around`` (n_y, n_x):
+    the error at every integer shift at the answer's scales (:func:`densematch.shift_landscape`),
+    drawn as a second landscape with ticks in shift."""
     lo, hi = min(float(template.min()), float(warped.min())), max(float(template.max()), float(warped.max()))
     span = hi - lo if hi > lo else 1.0
     diff, what, top = alignment_difference(template, warped, objective)
-    l_lo, l_hi = _range(landscape)
+    error = "1 - NCC" if objective == "ncc" else "squared error"
 
     def where(value: float, scales: np.ndarray) -> float:
         return float(np.interp(value, scales, np.arange(len(scales)))) if len(scales) > 1 else 0.0
 
+    at = [where(answer["scale_h"], scales_h), where(answer["scale_w"], scales_w)]
+    grid, grid_bar = _landscape(landscape, [float(v) for v in scales_h], [float(v) for v in scales_w], at, error)
+    if shifts is not None:
+        grid["shifts"] = _array(shifts.reshape(-1), "float32")
     notes = []
     if answer.get("at_bound"):
         notes.append(
@@ -269,17 +297,13 @@ def align_page(
         "warped": _png((warped - lo) / span),
         "difference": _png(_colour(diff, "magma", 0.0, top)),
         "difference_bar": _bar("magma", 0.0, top, what),
-        "landscape": {
-            "png": _png(_colour(landscape, "viridis", l_lo, l_hi)),
-            "h": landscape.shape[0],
-            "w": landscape.shape[1],
-            "rows": [float(v) for v in scales_h],
-            "cols": [float(v) for v in scales_w],
-            "values": _array(landscape, "float32"),
-            "answer": [where(answer["scale_h"], scales_h), where(answer["scale_w"], scales_w)],
-        },
-        "landscape_bar": _bar("viridis", l_lo, l_hi, "1 - NCC" if objective == "ncc" else "squared error"),
+        "landscape": grid,
+        "landscape_bar": grid_bar,
     }
+    if around is not None:
+        n_y, n_x = around.shape
+        at = [float(answer["shift_y"]), float(answer["shift_x"])]
+        data["shifts"], data["shifts_bar"] = _landscape(around, list(range(n_y)), list(range(n_x)), at, error)
     return _render(data)
 
 
