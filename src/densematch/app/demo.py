@@ -101,7 +101,7 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents:
     say("       truth " + "  ".join(f"{k} {v:.4f}" for k, v in truth.items()))
     shown = (tpl.numpy(), a.warped.numpy(), a.landscape[0].numpy(), a.scales_h.numpy(), a.scales_w.numpy(), found)
     save_figure(align_figure(*shown), out / "align.png")
-    around = shift_landscape(tpl, ast, a.scale_h, a.scale_w).numpy()
+    around = shift_landscape(tpl, ast, float(a.scale_h), float(a.scale_w)).numpy()
     page = align_page(
         *shown, "l1", title="demo: a stretched crop of astronaut", shifts=a.landscape_shifts[0].numpy(), around=around
     )
