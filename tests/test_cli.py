@@ -314,10 +314,13 @@ def test_outputs_are_checked_before_the_work(images, tmp_path, monkeypatch, caps
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_the_write_leaves_no_file(images, tmp_path, sig):
     # the command is stopped while it writes its output: no output, no hidden temporary file
+    # a parent that ignores SIGINT (a shell's background job) passes that on, and Python then
+    # installs no KeyboardInterrupt handler: the child takes Python's default back
     script = f"""
 import signal, sys, time
 import numpy as np
 from densematch.app import cli, io
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def slow(f, **arrays):
     f.write(b"partial")
     f.flush()
