@@ -190,3 +190,11 @@ def test_an_error_in_a_worker_thread_reaches_the_caller(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_finite_rows_reads_again_only_rows_whose_sum_is_not_finite() -> None:
+    from densematch.engine.half import HalfSearch
+
+    big = torch.finfo(torch.float32).max
+    body = torch.tensor([[1.0, 2.0], [big, big], [float("nan"), 0.0], [float("inf"), -float("inf")], [0.0, -3.0]])
+    assert HalfSearch._finite_rows(body).tolist() == [True, True, False, False, True]

@@ -146,7 +146,7 @@ class HalfSearch(Strategy):
         (same-scene patches) keep only what tells them apart, so every term of the bound, which
         scales with the norm of the rows multiplied, shrinks with it (issue 39: 5x at C=64)."""
         body = q[:, : q.shape[1] - 1] if self.split else q
-        finite = torch.isfinite(body).all(1) if self.centring and body.shape[0] > 1 else None
+        finite = self._finite_rows(body) if self.centring and body.shape[0] > 1 else None
         if finite is None or not bool(finite.any()):
             qh = body.to(self.half)
             return qh, query_terms(body, qh) if bound else None, None
@@ -154,6 +154,17 @@ class HalfSearch(Strategy):
         centred = body - centre
         qh = centred.to(self.half)
         return qh, query_terms(centred, qh, uncentred=body) if bound else None, centre
+
+    @staticmethod
+    def _finite_rows(body: torch.Tensor) -> torch.Tensor:
+        """Which rows hold only finite values: a finite row sum proves it (a NaN or inf makes
+        the sum so), and only the rows whose sum is not finite (or overflowed) are read again,
+        as a whole-tensor ``isfinite`` costs about 15x a row sum on CPUs."""
+        finite = torch.isfinite(body.sum(1))
+        if not bool(finite.all()):
+            doubt = (~finite).nonzero().squeeze(1)
+            finite[doubt] = torch.isfinite(body[doubt]).all(1)
+        return finite
 
     def _sides(self, centre: torch.Tensor | None, *, bound: bool = True) -> Callable[[int, int, torch.Tensor], _Side]:
         """``side(start, stop, half_refs)``: the bound terms of references start:stop (None
