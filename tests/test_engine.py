@@ -155,8 +155,18 @@ def test_query_tiles_on_worker_threads_give_the_single_thread_answer(monkeypatch
             return real(self, best_v, best_i, start, buf)
 
         monkeypatch.setattr(PlainSearch, "rank", spy)
+        pools = []
+        real_share = engine.driver.share_out
+
+        def share_spy(items, work, workers, *, name="densematch"):
+            pools.append((name, workers, len(items)))
+            return real_share(items, work, workers, name=name)
+
+        monkeypatch.setattr(engine.driver, "share_out", share_spy)
         done = []
         value, index = engine.topk(a, b, metric=metric, k=k, budget=2**28, on_tile=done.append)
+        monkeypatch.setattr(engine.driver, "share_out", real_share)
+        threaded = list(seen)
         monkeypatch.setattr(densematch.threads, "THREADED", False)
         ref_v, ref_i = engine.topk(a, b, metric=metric, k=k, budget=2**28)
         # the caller's setting stays, and threads started later get it too
@@ -169,8 +179,10 @@ def test_query_tiles_on_worker_threads_give_the_single_thread_answer(monkeypatch
     finally:
         torch.set_num_threads(threads)
     assert sum(done) == 3000
-    workers = {name for n, name in seen if name.startswith("densematch-tiles")}
-    assert len(workers) == 2 and all(n == 1 for n, name in seen if name in workers)
+    # two workers share the tiles; which of them takes how many is up to the scheduler
+    assert [(w, n > 1) for name, w, n in pools if name == "densematch-tiles"] == [(2, True)]
+    # every tile of the threaded call ran on a worker, each worker on one thread
+    assert threaded and all(n == 1 and name.startswith("densematch-tiles") for n, name in threaded)
     assert_same_up_to_ties(a, b, index, ref_i, metric)
     torch.testing.assert_close(value, ref_v, rtol=0, atol=tolerance(a, b, metric))
 
