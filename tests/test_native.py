@@ -634,3 +634,46 @@ def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, seed):
         if listed.over[r]:
             continue
         assert {(r, c) for c in range(n) if up[r, c] >= best_v[r, -1]} <= got
+
+
+@needs_library
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 6),
+    n=st.integers(1, 40),
+    k=st.integers(1, 6),
+    pairs=st.integers(0, 120),
+    double=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_merged_pairs_equal_sorting_them(m, n, k, pairs, double, seed):
+    # the C insertion of re-scored candidates, in any order, against the three stable sorts of
+    # best_of_candidates: the same top-k, equal scores to the lower column, short rows left empty
+    from densematch.engine.merge import best_of_candidates
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float64 if double else torch.float32
+    rows = torch.randint(0, m, (pairs,), generator=g)
+    cols = torch.randint(0, n, (pairs,), generator=g)
+    # each (row, column) scored once, as the search lists it; few distinct scores: ties
+    first = {}
+    for t, key in enumerate(zip(rows.tolist(), cols.tolist(), strict=True)):
+        first.setdefault(key, t)
+    keep = torch.tensor(sorted(first.values()), dtype=torch.int64)
+    rows, cols = rows[keep], cols[keep]
+    score = torch.randint(-3, 4, (rows.numel(),), generator=g).to(dtype)
+    want_v, want_i = torch.full((m, k), -math.inf, dtype=dtype), torch.full((m, k), -1, dtype=torch.int64)
+    best_of_candidates(rows, cols, score, want_v, want_i)
+    got_v, got_i = torch.full_like(want_v, -math.inf), torch.full_like(want_i, -1)
+    native.merge_pairs(rows, cols, score, got_v, got_i)
+    assert torch.equal(got_v, want_v) and torch.equal(got_i, want_i)
+
+
+@needs_library
+def test_merged_pairs_refuse_rows_outside_the_top_k():
+    best_v, best_i = torch.full((2, 1), -math.inf), torch.full((2, 1), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="rows must index"):
+        native.merge_pairs(torch.tensor([2]), torch.tensor([0]), torch.tensor([1.0]), best_v, best_i)
+    with pytest.raises(ValueError, match="dtype"):
+        wide = torch.tensor([1.0], dtype=torch.float64)
+        native.merge_pairs(torch.tensor([0]), torch.tensor([0]), wide, best_v, best_i)

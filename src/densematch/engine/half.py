@@ -21,7 +21,6 @@ import torch
 from ..kernels import native
 from ..metrics import Metric
 from ..precision import Precision, cross_terms, query_terms, ref_terms, unit_roundoff
-from .merge import best_of_candidates
 from .plan import Dims, TilePlan
 from .pool import CandidateList, Pool
 from .strategy import Inputs, Strategy, resolve_bytes
@@ -384,7 +383,7 @@ class HalfSearch(Strategy):
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         score = self._direct_scores(start, rows, cols, buf)
-        best_of_candidates(rows, cols, score, best_v, best_i)
+        self._best_of(rows, cols, score, best_v, best_i)
         redo = over.nonzero().squeeze(1)
         if redo.numel():
             self._search_again(q, redo, start, best_v, best_i)

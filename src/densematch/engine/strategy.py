@@ -275,6 +275,16 @@ class Strategy:
         """Whether the C kernels run here: the precision lets them, and they can."""
         return self.use_c and native.usable(device, dtype)
 
+    def _best_of(
+        self, rows: torch.Tensor, cols: torch.Tensor, score: torch.Tensor, best_v: torch.Tensor, best_i: torch.Tensor
+    ) -> None:
+        """Re-scored candidates (``rows`` of ``best_v``, columns, scores) into the emptied running
+        top-k: by the C kernel where it runs (one insertion per pair), else by sorting."""
+        if self._c(best_v.device, best_v.dtype) and best_v.is_contiguous() and best_i.is_contiguous():
+            native.merge_pairs(rows, cols, score, best_v, best_i)
+        else:
+            best_of_candidates(rows, cols, score, best_v, best_i)
+
     def _largest_norms(self) -> tuple[float, float]:
         """The largest prepared reference norms, of the feature columns and of the l2 column:
         with a query's own, they bound how far the compute dtype's product can be from the exact
@@ -345,7 +355,7 @@ class Strategy:
             score = self._direct_scores(start, rows_of_tile(near), cols, buf)
             v, i = best_v[crowded], best_i[crowded]
             local = torch.cumsum(crowded, 0)[near] - 1  # rows renumbered among the crowded
-            best_of_candidates(local, cols, score, v.fill_(-math.inf), i.fill_(-1))
+            self._best_of(local, cols, score, v.fill_(-math.inf), i.fill_(-1))
             best_v[crowded], best_i[crowded] = v, i
         if redo.numel():
             q_redo = q.index_select(0, redo)

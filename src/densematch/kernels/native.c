@@ -375,6 +375,19 @@ DEFINE_L2(double, f64, sqrt)
 DEFINE_MERGE(float, f32)
 DEFINE_MERGE(double, f64)
 
+/* Scored pairs (rows[t], cols[t], score[t]), t < count, in any order, merged into the running
+ * top-k of their rows (best_v / best_i (m, k) contiguous, as dm_merge keeps them): equal scores go
+ * to the lower column, NaN never enters. The certified searches' candidates, once re-scored. */
+#define DEFINE_MERGE_PAIRS(T, SUF)                                                                 \
+    void dm_merge_pairs_##SUF(const int64_t *rows, const int64_t *cols, const T *score, int64_t count,        \
+                              T *best_v, int64_t *best_i, int64_t k) {                                \
+        for (int64_t t = 0; t < count; t++)                                                           \
+            (void)insert_##SUF(best_v + rows[t] * k, best_i + rows[t] * k, k, score[t], cols[t]);  \
+    }
+
+DEFINE_MERGE_PAIRS(float, f32)
+DEFINE_MERGE_PAIRS(double, f64)
+
 /* The certified bfloat16 search's step for one tile (densematch.engine.half): for the stored
  * bfloat16 scores h (m x n, row stride ldh) of a reference tile, each pair's rounding bound
  * e = qt[r] . rt[c] + rounding |h| (the terms of densematch.precision; rows of three), its lower

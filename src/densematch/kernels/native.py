@@ -46,6 +46,7 @@ __all__ = [
     "local_values",
     "merge",
     "merge_certified",
+    "merge_pairs",
     "minkowski",
     "minkowski_grad",
     "pair_values",
@@ -156,6 +157,7 @@ def library() -> ctypes.CDLL | None:
         "dm_sqnorms": ([ptr, n, ptr, n, n], None),
         "dm_l2_weights": ([ptr, n, n, ptr, n, n, ptr, ptr, ptr, n, n, flag], None),
         "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
+        "dm_merge_pairs": ([ptr, ptr, ptr, n, ptr, ptr, n], None),
         "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr], None),
         "dm_local_values": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], None),
         "dm_local_planar": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], flag),
@@ -423,6 +425,28 @@ def merge(
         null if listed is None else listed.vals.data_ptr(),
         null if listed is None else listed.counts.data_ptr(),
         null if listed is None else listed.over.data_ptr(),
+    )  # fmt: skip
+
+
+def merge_pairs(
+    rows: torch.Tensor, cols: torch.Tensor, score: torch.Tensor, best_v: torch.Tensor, best_i: torch.Tensor
+) -> None:
+    """Merge the scored pairs (``rows[t]``, ``cols[t]``, ``score[t]``; 1-D, rows and cols int64,
+    in any order) into the running top-k ``best_v`` / ``best_i`` (m, k, contiguous; best first,
+    -inf / -1 when empty) of their rows, equal scores to the lower column; a NaN score never
+    enters. Rows must lie in [0, m). On this thread."""
+    lib = _loaded("merge_pairs")
+    _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
+    _require(score.dtype == best_v.dtype and best_i.dtype == torch.int64, "score must be in the top-k's dtype")
+    _require(rows.dtype == cols.dtype == torch.int64, "rows and cols must be int64")
+    _require(rows.numel() == cols.numel() == score.numel(), "rows, cols and score must have one length each")
+    if rows.numel() == 0:
+        return
+    _require(0 <= int(rows.min()) and int(rows.max()) < best_v.shape[0], "rows must index best_v's rows")
+    rows, cols, score = rows.contiguous(), cols.contiguous(), score.contiguous()
+    getattr(lib, f"dm_merge_pairs_{_SUFFIX[score.dtype]}")(
+        rows.data_ptr(), cols.data_ptr(), score.data_ptr(), rows.numel(),
+        best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
     )  # fmt: skip
 
 
