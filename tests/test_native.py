@@ -677,3 +677,34 @@ def test_merged_pairs_refuse_rows_outside_the_top_k():
     with pytest.raises(ValueError, match="dtype"):
         wide = torch.tensor([1.0], dtype=torch.float64)
         native.merge_pairs(torch.tensor([0]), torch.tensor([0]), wide, best_v, best_i)
+
+
+@needs_library
+@settings(max_examples=40, deadline=None)
+@given(
+    c=st.integers(1, 40),
+    double=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    special=st.sampled_from(["none", "zero", "nan", "tiny", "huge"]),
+)
+def test_cosine_with_reference_terms_gives_the_same_bits(c, double, seed, special):
+    # the reference rows' scale and norm computed once (cosine_terms) against at every pair
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float64 if double else torch.float32
+    q, r = torch.randn(9, c, generator=g, dtype=dtype), torch.randn(13, c, generator=g, dtype=dtype)
+    scale = {"tiny": 1e-41 if not double else 1e-310, "huge": 1e36}.get(special)
+    if special == "zero":
+        r[2], q[1] = 0, 0
+    elif special == "nan":
+        r[2, -1], q[1, 0] = math.nan, math.nan
+    elif scale is not None:
+        r[2] *= scale
+        q[1] *= scale
+    idx = torch.randint(0, 13, (9, 5), generator=g)
+    idx[:, 0] = 2  # every query meets the special reference
+    want = native.pair_values(q, r, idx, "cosine")
+    got = native.pair_values(q, r, idx, "cosine", r_terms=native.cosine_terms(r))
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(ValueError, match="r_terms"):
+        native.pair_values(q, r, idx, "dot", r_terms=native.cosine_terms(r))

@@ -243,6 +243,7 @@ class Metric:
         *,
         q_rows: torch.Tensor | None = None,
         use_c: bool = False,
+        r_terms: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`pair_value` of the pairs (q[q_rows[i]], r[idx[i, j]]), for the engine's last
         step (no gradient): through the C kernel where it runs, with no gathered copy and one
@@ -260,12 +261,14 @@ class Metric:
         use_c : bool, default=False
             Whether the C kernels may run (:attr:`densematch.precision.Precision.c_kernels`);
             they do where they can (:func:`densematch.kernels.native.usable`).
+        r_terms : Tensor, optional
+            :meth:`pair_terms` of ``r``, for the C kernel (the same values, faster).
 
         Returns
         -------
         Tensor of shape (m, k)
         """
-        v = self._pair_kernel(q, r, idx, q_rows, use_c)
+        v = self._pair_kernel(q, r, idx, q_rows, use_c, r_terms)
         return self.kernel_value(v) if v is not None else self.pair_value(*self._pairs(q, r, idx, q_rows))
 
     def direct_scores(
@@ -276,10 +279,11 @@ class Metric:
         *,
         q_rows: torch.Tensor | None = None,
         use_c: bool = False,
+        r_terms: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`direct_score` of the pairs (q[q_rows[i]], r[idx[i, j]]), arguments as in
         :meth:`pair_values`, through the C kernel where it runs."""
-        v = self._pair_kernel(q, r, idx, q_rows, use_c)
+        v = self._pair_kernel(q, r, idx, q_rows, use_c, r_terms)
         if v is not None:
             return v if self.higher_is_better else v.neg_()
         return self.direct_score(*self._pairs(q, r, idx, q_rows))
@@ -294,12 +298,27 @@ class Metric:
         return q[:, None, :], r.index_select(0, idx.reshape(-1)).view(m, k, -1)
 
     def _pair_kernel(
-        self, q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, q_rows: torch.Tensor | None, use_c: bool
+        self,
+        q: torch.Tensor,
+        r: torch.Tensor,
+        idx: torch.Tensor,
+        q_rows: torch.Tensor | None,
+        use_c: bool,
+        r_terms: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The C kernel's reduction of the pairs, or None where it does not run."""
         if not use_c or self.pair_kind is None or r.dtype != q.dtype or not native.usable(q.device, q.dtype):
             return None
-        return native.pair_values(q, r, idx, self.pair_kind, q_rows=q_rows)
+        return native.pair_values(q, r, idx, self.pair_kind, q_rows=q_rows, r_terms=r_terms)
+
+    def pair_terms(self, x: torch.Tensor, *, use_c: bool = False) -> torch.Tensor | None:
+        """What the C kernel of pairs would compute for a reference row ``x`` (n, C) at each of its
+        pairs (:func:`densematch.kernels.native.cosine_terms`: cosine's scale and norm), computed
+        once for :meth:`pair_values`' ``r_terms``; None where the kernel needs none or does not
+        run."""
+        if not use_c or self.pair_kind != "cosine" or not native.usable(x.device, x.dtype) or x.dim() != 2:
+            return None
+        return native.cosine_terms(x) if x.stride(1) == 1 or x.shape[1] <= 1 else None
 
     def kernel_value(self, v: torch.Tensor) -> torch.Tensor:
         """The reported value from the C kernel's reduction of :attr:`pair_kind` (in place)."""

@@ -175,6 +175,12 @@ class Strategy:
         self.merge = merge_best if inputs.k == 1 else merge_topk
         self.lock = threading.Lock()  # for what query tiles on several threads update together
         self.whole: torch.Tensor | None = None
+        # cosine's per-reference scale and norm for the C kernel of pairs, once rather than at
+        # each pair; worth a pass over b only where at least as many pairs will be valued
+        self.ref_terms: torch.Tensor | None = None
+        na = self.a.shape[0] if self.rows_a is None else self.rows_a.numel()
+        if self.scale == 1.0 and self.b.dtype == self.dtype and na * inputs.k >= self.b.shape[0]:
+            self.ref_terms = self.metric.pair_terms(self.b, use_c=self.use_c)
         if inputs.prepared is not None:
             self.centre, self.whole = inputs.prepared.centre, inputs.prepared.whole
             return
@@ -452,7 +458,10 @@ class Strategy:
         for s in range(0, rows.numel(), step):
             q, q_rows = self._pair_rows(self.a, queries[s : s + step])
             r, idx = self._pair_rows(self.b, refs[s : s + step, None])
-            score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows, use_c=self.use_c)[:, 0]
+            terms = self.ref_terms if r is self.b else None
+            score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows, use_c=self.use_c, r_terms=terms)[
+                :, 0
+            ]
         return score
 
     def _reads_in_place(self) -> bool:
@@ -485,7 +494,9 @@ class Strategy:
         if self.rows_a is not None:
             queries = self.rows_a[queries]
         q, q_rows = self._pair_rows(self.a, queries)
-        v = self.metric.pair_values(q, *self._pair_rows(self.b, local), q_rows=q_rows, use_c=self.use_c)
+        r, idx = self._pair_rows(self.b, local)
+        terms = self.ref_terms if r is self.b else None
+        v = self.metric.pair_values(q, r, idx, q_rows=q_rows, use_c=self.use_c, r_terms=terms)
         missing = math.inf if self.metric.higher_is_better else -math.inf
         v, i = order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
         if self.scale != 1.0 and self.metric.degree:

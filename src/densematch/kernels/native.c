@@ -529,6 +529,8 @@ void dm_merge_bf16(const uint16_t *s, int64_t lds, int64_t m, int64_t n, int64_t
  *   differences; 3: the largest absolute difference; 4: cosine: each row scaled by 2^-e, e its
  *   largest magnitude's exponent (exact; no square can overflow or underflow), then dot over
  *   the norms (0 for a zero row).
+ * For cosine, rterms (3 per row of r, dm_cosine_terms) spare each pair the reference's scale and
+ * norm (NULL: computed per pair), for the same values.
  * A NaN anywhere in a pair gives NaN. Every pair is reduced in one order (two vectors of lanes
  * over c, then the lanes in order, then the tail), so equal rows give equal values wherever they
  * are, on any CPU.
@@ -576,58 +578,71 @@ void dm_merge_bf16(const uint16_t *s, int64_t lds, int64_t m, int64_t n, int64_t
         return SQRT(norm);                                                                         \
     }                                                                                              \
                                                                                                    \
-    /* cos(a, b) for a scaled by sa with norm anorm after it (sa 0 and anorm 1 for a zero row) */  \
-    static inline T cosine_##SUF(const T *a, const T sa[2], T anorm, const T *b, int64_t C) {         \
-        const T peak = peak_##SUF(b, b, C);                                                        \
-        if (peak != peak) return peak;                                                             \
-        if (peak == 0) return 0;                                                                   \
-        T sb[2];                                                                                   \
-        unit_scale_##SUF(peak, sb);                                                                \
-        const int64_t full = C - C % STEP(T), half = STEP(T) / 2;                                     \
-        vec_##SUF dots[2] = {{0}, {0}}, squares[2] = {{0}, {0}};                                   \
-        for (int64_t c = 0; c < full; c += STEP(T))                                                   \
+    /* a row's cosine terms (t[0], t[1], t[2]): its scale (unit_scale) and its norm after it;      \
+     * 0, 0, 0 for a zero row, 0, 0, NaN for a row holding a NaN                                   \
+     * (dm_cosine_terms keeps them for a whole matrix)                                             \
+     */                                                                                            \
+    static inline void row_terms_##SUF(const T *a, int64_t C, T t[3]) {                            \
+        const T peak = peak_##SUF(a, a, C);                                                        \
+        t[0] = t[1] = 0;                                                                           \
+        t[2] = peak == peak ? 0 : peak;                                                            \
+        if (peak == peak && peak != 0) {                                                           \
+            unit_scale_##SUF(peak, t);                                                             \
+            t[2] = scaled_norm_##SUF(a, t, C);                                                     \
+        }                                                                                          \
+    }                                                                                              \
+    /* cos(a, b), a scaled by sa with norm anorm after it (sa 0 and anorm 1 for a zero row), b's   \
+     * terms tb                                                                                    \
+     */                                                                                            \
+    static inline T cosine_##SUF(const T *a, const T sa[2], T anorm, const T *b, const T tb[3], int64_t C) {\
+        if (tb[2] != tb[2]) return tb[2];                                                          \
+        if (tb[2] == 0) return 0;                                                                  \
+        const int64_t full = C - C % STEP(T), half = STEP(T) / 2;                                  \
+        vec_##SUF dots[2] = {{0}, {0}};                                                            \
+        for (int64_t c = 0; c < full; c += STEP(T))                                                \
             for (int h = 0; h < 2; h++) {                                                          \
                 const vec_##SUF x = load_##SUF(a + c + h * half) * sa[0] * sa[1];                  \
-                const vec_##SUF y = load_##SUF(b + c + h * half) * sb[0] * sb[1];                  \
+                const vec_##SUF y = load_##SUF(b + c + h * half) * tb[0] * tb[1];                  \
                 dots[h] += x * y;                                                                  \
-                squares[h] += y * y;                                                               \
             }                                                                                      \
-        T dot = lanes_##SUF(dots), norm = lanes_##SUF(squares);                                    \
-        for (int64_t c = full; c < C; c++) {                                                          \
-            const T x = a[c] * sa[0] * sa[1], y = b[c] * sb[0] * sb[1];                            \
-            dot += x * y;                                                                          \
-            norm += y * y;                                                                         \
-        }                                                                                          \
-        return dot / (anorm * SQRT(norm));                                                         \
+        T dot = lanes_##SUF(dots);                                                                 \
+        for (int64_t c = full; c < C; c++) dot += (a[c] * sa[0] * sa[1]) * (b[c] * tb[0] * tb[1]); \
+        return dot / (anorm * tb[2]);                                                              \
     }                                                                                              \
-                                                                                                   \
-    void dm_pair_values_##SUF(const T *q, int64_t ldq, const int64_t *qidx, const T *r, int64_t ldr,     \
-                              const int64_t *idx, int64_t m, int64_t k, int64_t C, int kind, T *out) {      \
-        T (*const pair)(const T *, const T *, int64_t) = kind == 0   ? dot_##SUF                      \
+    void dm_cosine_terms_##SUF(const T *x, int64_t ldx, int64_t m, int64_t C, T *out) {            \
+        for (int64_t i = 0; i < m; i++) row_terms_##SUF(x + i * ldx, C, out + 3 * i);              \
+    }                                                                                              \
+    void dm_pair_values_##SUF(const T *q, int64_t ldq, const int64_t *qidx, const T *r, int64_t ldr,\
+                              const int64_t *idx, int64_t m, int64_t k, int64_t C, int kind,       \
+                              const T *rterms, T *out) {                                           \
+        T (*const pair)(const T *, const T *, int64_t) = kind == 0   ? dot_##SUF                   \
                                                       : kind == 1 ? sqdiff_##SUF                   \
                                                       : kind == 2 ? absdiff_##SUF                  \
                                                                   : maxabs_##SUF;                  \
-        const T *last = NULL; /* cosine: the query row whose scale and norm are known */           \
-        T qpeak = 0, sa[2] = {0, 0}, anorm = 1;                                                    \
-        for (int64_t i = 0; i < m; i++) {                                                             \
-            const T *a = q + (qidx ? qidx[i] : i) * ldq;                                           \
+        const T *last = NULL; /* cosine: the query row whose terms are known */                    \
+        T ta[3] = {0, 0, 0}, tb[3], anorm = 1;                                                     \
+        for (int64_t i = 0; i < m; i++) {                                                          \
+            const int64_t row = qidx ? qidx[i] : i;                                                \
+            const T *a = q + row * ldq;                                                            \
             if (kind == 4 && a != last) {                                                          \
                 last = a;                                                                          \
-                qpeak = peak_##SUF(a, a, C);                                                       \
-                sa[0] = sa[1] = 0;                                                                 \
-                anorm = 1;                                                                         \
-                if (qpeak == qpeak && qpeak != 0) {                                                \
-                    unit_scale_##SUF(qpeak, sa);                                                   \
-                    anorm = scaled_norm_##SUF(a, sa, C);                                           \
-                }                                                                                  \
+                row_terms_##SUF(a, C, ta);                                                 \
+                anorm = ta[2] == 0 ? 1 : ta[2];                                                    \
             }                                                                                      \
-            for (int64_t j = 0; j < k; j++) {                                                         \
-                const int64_t t = i * k + j;                                                          \
-                const T *b = r + (idx ? idx[t] : t) * ldr;                                         \
-                if (kind != 4)                                                                     \
+            for (int64_t j = 0; j < k; j++) {                                                      \
+                const int64_t t = i * k + j, at = idx ? idx[t] : t;                                \
+                const T *b = r + at * ldr;                                                         \
+                if (kind != 4) {                                                                   \
                     out[t] = pair(a, b, C);                                                        \
-                else                                                                               \
-                    out[t] = qpeak != qpeak ? qpeak : cosine_##SUF(a, sa, anorm, b, C);            \
+                } else if (ta[2] != ta[2]) {                                                       \
+                    out[t] = ta[2];                                                                \
+                } else {                                                                           \
+                    if (rterms)                                                                    \
+                        for (int u = 0; u < 3; u++) tb[u] = rterms[3 * at + u];                    \
+                    else                                                                           \
+                        row_terms_##SUF(b, C, tb);                                                 \
+                    out[t] = cosine_##SUF(a, ta, anorm, b, tb, C);                                 \
+                }                                                                                  \
             }                                                                                      \
         }                                                                                          \
     }

@@ -38,6 +38,7 @@ __all__ = [
     "Candidates",
     "build",
     "cache_dir",
+    "cosine_terms",
     "l2_finish",
     "l2_weights",
     "library",
@@ -158,7 +159,8 @@ def library() -> ctypes.CDLL | None:
         "dm_l2_weights": ([ptr, n, n, ptr, n, n, ptr, ptr, ptr, n, n, flag], None),
         "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
         "dm_merge_pairs": ([ptr, ptr, ptr, n, ptr, ptr, n], None),
-        "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr], None),
+        "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr, ptr], None),
+        "dm_cosine_terms": ([ptr, n, n, n, ptr], None),
         "dm_local_values": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], None),
         "dm_local_planar": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], flag),
         "dm_local_flow_grad": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, ptr, ptr, ptr, ptr], None),
@@ -485,20 +487,48 @@ def merge_certified(
 PAIR_KINDS = {"dot": 0, "sqdiff": 1, "absdiff": 2, "maxabs": 3, "cosine": 4}
 
 
+def cosine_terms(x: torch.Tensor) -> torch.Tensor:
+    """Each row's cosine terms (n, 3) for :func:`pair_values`, of x (n, C) float32 or float64 with
+    unit-stride rows: the row's scale, two powers of two that bring its largest magnitude to
+    [0.5, 1), and its norm after them; (0, 0, 0) for a zero row, (0, 0, NaN) for a row holding
+    a NaN. On this thread."""
+    lib = _loaded("cosine_terms")
+    _require(x.dim() == 2 and _unit_stride(x), "x must be (n, C) with unit-stride rows")
+    out = torch.empty((x.shape[0], 3), dtype=x.dtype)
+    if x.shape[0]:
+        getattr(lib, f"dm_cosine_terms_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), *x.shape, out.data_ptr())
+    return out
+
+
 def pair_values(
-    q: torch.Tensor, r: torch.Tensor, idx: torch.Tensor, kind: str, *, q_rows: torch.Tensor | None = None
+    q: torch.Tensor,
+    r: torch.Tensor,
+    idx: torch.Tensor,
+    kind: str,
+    *,
+    q_rows: torch.Tensor | None = None,
+    r_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Values (m, k) of the row pairs (q[q_rows[i]], r[idx[i, j]]) (q[i] without ``q_rows``):
     "dot", "sqdiff" (sum of squared differences), "absdiff", "maxabs" or "cosine". q (mq, C)
     and r (n, C) of one dtype, any strides (rows that are not unit-stride are gathered first);
     idx (m, k) and q_rows (m,) int64. Each pair is reduced in one order, so equal rows give
-    equal values. On this thread."""
+    equal values. For "cosine", ``r_terms`` (:func:`cosine_terms` of r, unit-stride rows) spare
+    each pair the reference's scale and norm: the same values to the bit, faster (a query row's
+    are computed once for its consecutive pairs). On this thread."""
     lib = _loaded("pair_values")
     _require(q.dtype == r.dtype and idx.dtype == torch.int64, "q and r must share one dtype, idx be int64")
     m, k = idx.shape
     out = torch.empty((m, k), dtype=q.dtype)
     if m * k == 0:
         return out
+    if r_terms is not None:
+        _require(kind == "cosine" and _unit_stride(r), "r_terms go with cosine of unit-stride references")
+        _require(
+            r_terms.shape == (r.shape[0], 3) and r_terms.dtype == r.dtype,
+            "r_terms must be (rows of r, 3) in r's dtype",
+        )
+        r_terms = r_terms.contiguous()
     # rows that are not unit-stride are gathered: one copy beats a cache line per value
     if not _unit_stride(q):
         q, q_rows = q.index_select(0, q_rows) if q_rows is not None else q.contiguous(), None
@@ -510,7 +540,7 @@ def pair_values(
     getattr(lib, f"dm_pair_values_{_SUFFIX[q.dtype]}")(
         q.data_ptr(), q.stride(0), None if q_rows is None else q_rows.data_ptr(),
         r.data_ptr(), r.stride(0), None if ridx is None else ridx.data_ptr(),
-        m, k, q.shape[1], PAIR_KINDS[kind], out.data_ptr(),
+        m, k, q.shape[1], PAIR_KINDS[kind], None if r_terms is None else r_terms.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     return out
 
