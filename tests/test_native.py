@@ -708,3 +708,24 @@ def test_cosine_with_reference_terms_gives_the_same_bits(c, double, seed, specia
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     with pytest.raises(ValueError, match="r_terms"):
         native.pair_values(q, r, idx, "dot", r_terms=native.cosine_terms(r))
+
+
+@needs_library
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(0, 7), cap=st.integers(1, 9), double=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_listed_pairs_reaching_their_floor_as_a_mask_finds_them(m, cap, double, seed):
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float64 if double else torch.float32
+    listed = native.Candidates(m, cap, dtype)
+    listed.cols.copy_(torch.randint(0, 100, (m, cap), generator=g))
+    listed.vals.copy_(torch.randint(-3, 4, (m, cap), generator=g).to(dtype))  # ties with the floor
+    listed.counts.copy_(torch.randint(0, cap + 1, (m,), generator=g, dtype=torch.int32))
+    listed.over.copy_(torch.rand(m, generator=g) < 0.3)
+    floor = torch.randint(-3, 4, (m,), generator=g).to(dtype)
+    if m:
+        floor[0] = math.nan  # reaches nothing
+    slot = torch.arange(cap)
+    keep = (slot < listed.counts[:, None]) & (listed.vals >= floor[:, None]) & ~listed.over[:, None]
+    want_rows, at = keep.nonzero().unbind(1)
+    rows, cols = listed.reaching(floor)
+    assert torch.equal(rows, want_rows) and torch.equal(cols, listed.cols[want_rows, at])

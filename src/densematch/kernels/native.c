@@ -388,6 +388,28 @@ DEFINE_MERGE(double, f64)
 DEFINE_MERGE_PAIRS(float, f32)
 DEFINE_MERGE_PAIRS(double, f64)
 
+/* The listed pairs (dm_merge's slots: cols / vals (m, cap), counts, over) whose value reaches
+ * their row's floor, rows over left out, in row then slot order, into rows / cols_out (room for
+ * every listed pair); returns how many. */
+#define DEFINE_REACHING(T, SUF)                                                                    \
+    int64_t dm_list_reaching_##SUF(const int64_t *cols, const T *vals, const int *counts,            \
+                                   const unsigned char *over, int64_t m, int64_t cap, const T *floor, \
+                                   int64_t *rows, int64_t *cols_out) {                             \
+        int64_t n = 0;                                                                             \
+        for (int64_t r = 0; r < m; r++) {                                                          \
+            if (over[r]) continue;                                                                 \
+            for (int64_t t = 0; t < counts[r]; t++)                                                \
+                if (vals[r * cap + t] >= floor[r]) {                                               \
+                    rows[n] = r;                                                                   \
+                    cols_out[n++] = cols[r * cap + t];                                             \
+                }                                                                                  \
+        }                                                                                          \
+        return n;                                                                                  \
+    }
+
+DEFINE_REACHING(float, f32)
+DEFINE_REACHING(double, f64)
+
 /* The certified bfloat16 search's step for one tile (densematch.engine.half): for the stored
  * bfloat16 scores h (m x n, row stride ldh) of a reference tile, each pair's rounding bound
  * e = qt[r] . rt[c] + rounding |h| (the terms of densematch.precision; rows of three), its lower

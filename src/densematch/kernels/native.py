@@ -159,6 +159,7 @@ def library() -> ctypes.CDLL | None:
         "dm_l2_weights": ([ptr, n, n, ptr, n, n, ptr, ptr, ptr, n, n, flag], None),
         "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
         "dm_merge_pairs": ([ptr, ptr, ptr, n, ptr, ptr, n], None),
+        "dm_list_reaching": ([ptr, ptr, ptr, ptr, n, n, ptr, ptr, ptr], n),
         "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr, ptr], None),
         "dm_cosine_terms": ([ptr, n, n, n, ptr], None),
         "dm_local_values": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], None),
@@ -372,10 +373,21 @@ class Candidates:
     def reaching(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, columns) of the listed pairs scoring at least their row's ``floor``, rows that
         are over left out."""
-        slot = torch.arange(self.cap)
-        keep = (slot < self.counts[:, None]) & (self.vals >= floor[:, None]) & ~self.over[:, None]
-        rows, at = keep.nonzero().unbind(1)
-        return rows, self.cols[rows, at]
+        lib = _loaded("Candidates.reaching")
+        m = self.counts.shape[0]
+        _require(floor.shape == (m,) and floor.dtype == self.vals.dtype, "floor must be (rows,) in the lists' dtype")
+        lists = (self.cols, self.vals, self.counts, self.over)
+        _require(all(t.is_contiguous() for t in lists), "the lists must be contiguous")
+        room = int(self.counts.sum()) if m else 0
+        rows, cols = torch.empty(room, dtype=torch.int64), torch.empty(room, dtype=torch.int64)
+        if room == 0:
+            return rows, cols
+        floor = floor.contiguous()
+        found = getattr(lib, f"dm_list_reaching_{_SUFFIX[self.vals.dtype]}")(
+            self.cols.data_ptr(), self.vals.data_ptr(), self.counts.data_ptr(), self.over.data_ptr(),
+            m, self.cap, floor.data_ptr(), rows.data_ptr(), cols.data_ptr(),
+        )  # fmt: skip
+        return rows[:found], cols[:found]
 
 
 def merge(
