@@ -11,7 +11,10 @@ Methods (cosine similarity, k=1):
 - faiss: IndexFlatIP on normalised features (faiss-cpu; skipped with a note if missing)
 - cdist: torch.cdist + argmin on normalised features, where its N x N matrix fits in 4 GiB
 Each method's answer is checked against densematch's (agreement of the chosen index).
-Inputs: Gaussian noise, and real features of a photo against a shifted noisy crop (--features).
+Inputs (--features): Gaussian noise; real features of a photo against a shifted noisy crop, each
+patch normalised ("photo"); and raw colour patches of two overlapping crops ("same-scene",
+:func:`densematch.app.synthetic.same_scene_pair`: smooth regions with dozens of near-ties per
+row, the hard case for half precision's bound).
 For each input, the certified search's candidate counts and fallback rate (bfloat16 and
 float16), and the disagreement of "fast" with "float32".
 """
@@ -25,6 +28,7 @@ import torch
 
 import densematch
 from densematch.app.recipes import blockwise_argmax
+from densematch.app.synthetic import same_scene_pair
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from _common import machine, matmul_gflops, photo_features, save, table, timeit
@@ -169,7 +173,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--name", default="match")
-    p.add_argument("--features", nargs="+", default=["noise", "photo"], choices=["noise", "photo"])
+    p.add_argument(
+        "--features", nargs="+", default=["noise", "photo", "same-scene"], choices=["noise", "photo", "same-scene"]
+    )
     p.add_argument("--sweep-tiles", action="store_true", help="time the engine over tile shapes instead")
     p.add_argument("--rounds", type=int, default=5, help="rounds of the tile sweep, alternating shapes")
     args = p.parse_args()
@@ -194,6 +200,8 @@ def main() -> None:
                 g = torch.Generator().manual_seed(0)
                 a = torch.randn(h, w, c, generator=g).to(args.device)
                 b = torch.randn(h, w, c, generator=g).to(args.device)
+            elif features == "same-scene":
+                a, b = (x.to(args.device) for x in same_scene_pair(h, w, c))
             else:
                 a, b = (x.to(args.device) for x in photo_features(h, w, c))
             rows += time_methods(a, b, size, features, args, faiss)
