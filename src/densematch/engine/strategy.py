@@ -457,8 +457,7 @@ class Strategy:
         refs = cols if self.rows_b is None else self.rows_b[cols]
         for s in range(0, rows.numel(), step):
             q, q_rows = self._pair_rows(self.a, queries[s : s + step])
-            r, idx = self._pair_rows(self.b, refs[s : s + step, None])
-            terms = self.ref_terms if r is self.b else None
+            r, idx, terms = self._ref_pair_rows(refs[s : s + step, None])
             score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows, use_c=self.use_c, r_terms=terms)[
                 :, 0
             ]
@@ -483,6 +482,11 @@ class Strategy:
         g = self._scaled(x.index_select(0, rows.reshape(-1))).to(self.dtype)
         return g, torch.arange(g.shape[0], device=g.device).view(rows.shape)
 
+    def _ref_pair_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`_pair_rows` of b, with :attr:`ref_terms` where the kernel reads b in place."""
+        r, idx = self._pair_rows(self.b, rows)
+        return r, idx, self.ref_terms if r is self.b else None
+
     def finalise(self, best_v: torch.Tensor, best_i: torch.Tensor, start: int) -> None:
         """Map tile positions to rows of b, recompute each chosen pair's value, and reorder."""
         found = best_i >= 0
@@ -494,8 +498,7 @@ class Strategy:
         if self.rows_a is not None:
             queries = self.rows_a[queries]
         q, q_rows = self._pair_rows(self.a, queries)
-        r, idx = self._pair_rows(self.b, local)
-        terms = self.ref_terms if r is self.b else None
+        r, idx, terms = self._ref_pair_rows(local)
         v = self.metric.pair_values(q, r, idx, q_rows=q_rows, use_c=self.use_c, r_terms=terms)
         missing = math.inf if self.metric.higher_is_better else -math.inf
         v, i = order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)

@@ -378,7 +378,7 @@ class Candidates:
         _require(floor.shape == (m,) and floor.dtype == self.vals.dtype, "floor must be (rows,) in the lists' dtype")
         lists = (self.cols, self.vals, self.counts, self.over)
         _require(all(t.is_contiguous() for t in lists), "the lists must be contiguous")
-        room = int(self.counts.sum()) if m else 0
+        room = int(self.counts.sum())
         rows, cols = torch.empty(room, dtype=torch.int64), torch.empty(room, dtype=torch.int64)
         if room == 0:
             return rows, cols
