@@ -441,6 +441,14 @@ class TestBuild:
             "    native.merge_certified(hb, 0, bv, bi, qt, rt, torch.randn(100, generator=g), 2**-8, listed)\n"
             "    for t in (bv, bi, listed.over, *listed.reaching(torch.full((40,), -float('inf')))):\n"
             "        h.update(t.numpy().tobytes())\n"
+            # and with groups, from a column inside a group (a head pair by pair, chunks, a tail)
+            "    bv, bi = torch.full((40, k), -float('inf')), torch.full((40, k), -1, dtype=torch.int64)\n"
+            "    listed = native.Candidates(40, 16, torch.float32)\n"
+            "    groups = (torch.randn(40, 4, generator=g), torch.rand(40, 5, generator=g) * 1e-3,\n"
+            "              torch.rand(4, 3, generator=g))\n"
+            "    native.merge_certified(hb, 7, bv, bi, qt, rt, torch.randn(100, generator=g), 2**-8, listed, groups)\n"
+            "    for t in (bv, bi, listed.over, *listed.reaching(torch.full((40,), -float('inf')))):\n"
+            "        h.update(t.numpy().tobytes())\n"
             "print(native.status()['level'], h.hexdigest())\n"
         )
         # the levels side by side: this CPU's own level loads the run-time build this process

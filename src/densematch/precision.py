@@ -46,6 +46,9 @@ __all__ = [
     "RANKINGS",
     "Precision",
     "cross_terms",
+    "group_centres",
+    "group_norms",
+    "group_terms",
     "product_slack",
     "query_terms",
     "ref_terms",
@@ -209,14 +212,72 @@ def query_terms(q: torch.Tensor, qh: torch.Tensor, uncentred: torch.Tensor | Non
     return torch.stack([x, z, torch.ones_like(x)], dim=1)
 
 
-def cross_terms(terms: torch.Tensor, centre: torch.Tensor, cross: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+def cross_terms(
+    terms: torch.Tensor,
+    centre: torch.Tensor,
+    cross: torch.Tensor,
+    half: torch.dtype,
+    norms: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(n,) additions to the per-reference term of :func:`ref_terms` ``terms`` for queries
     centred on ``centre`` (C,): the float32 product ``cross = b . centre`` (n,) is within
-    ``gamma |centre| |b|`` of the exact one (``|b| <= w / (1 - u)``, ``w`` the half rows' norm),
-    and adding it to a score rounds by at most 4 u32 of it."""
-    norm = float(torch.linalg.vector_norm(centre))
-    reach = _gamma(centre.shape[0], centre.dtype) * norm / (1.0 - unit_roundoff(half))
-    return (reach * _NORM_SLACK) * terms[:, 1] + 4 * unit_roundoff(centre.dtype) * cross.abs()
+    ``gamma |centre| |b|`` of the exact one (``|b| <= w / (1 - u)``, ``w`` the half rows' norm,
+    or ``norms`` (n,), the rows' own, where the half rows are not copies of b), and adding it to
+    a score rounds by at most 4 u32 of it."""
+    reach = _gamma(centre.shape[0], centre.dtype) * float(torch.linalg.vector_norm(centre))
+    if norms is None:
+        norms, reach = terms[:, 1], reach / (1.0 - unit_roundoff(half))
+    return (reach * _NORM_SLACK) * norms + 4 * unit_roundoff(centre.dtype) * cross.abs()
+
+
+def group_centres(r: torch.Tensor, size: int) -> torch.Tensor:
+    """(ceil(n / size), C) centres of the groups of ``size`` consecutive rows of ``r`` (n, C):
+    the mean of a group's finite rows, zero where none is or the mean is not finite. Any finite
+    centre is sound (:func:`group_bounds`); the mean makes the rows less their centre small."""
+    n, c = r.shape
+    groups = -(-n // size)
+    padded = r.new_zeros((groups * size, c))
+    padded[:n] = r
+    finite = torch.isfinite(padded).all(1, keepdim=True)
+    padded.masked_fill_(~finite, 0.0)
+    counts = finite.view(groups, size).sum(1, keepdim=True).clamp_(min=1)
+    centres = (padded.view(groups, size, c) / size).sum(1).mul_(size / counts)  # no sum overflows
+    return centres.masked_fill_(~torch.isfinite(centres), 0.0)
+
+
+def group_terms(q: torch.Tensor, uncentred: torch.Tensor) -> torch.Tensor:
+    """The query side (m, 5) of the bound on each query row's product with a reference group's
+    centre, for references whose half rows hold ``d = fl(b - t)``, ``t`` their group's centre.
+
+    The score ``q . b`` is then ``q . d + p``, ``p = fl(q . t)``, within
+    ``((g0 |t| + g1 B) + g2 D) + g3 |p| + g4`` (``g`` a row of these terms; B and D the group's
+    largest ``|b|`` and ``|d|``, :func:`group_norms`): the float32 product is within
+    ``gamma |q| |t|`` (plus flushed products), the centring's rounding within ``u32 |q| |d|``,
+    the bounds of :func:`query_terms`, scaled to the half rows' norm ``|d|``, no longer cover the
+    preparation's roundings, ``2 u32 (|u| + |q|)`` per unit of ``|b|``, and adding ``p`` plus the
+    bound to a score rounds by at most ``2 u32`` of ``|p|`` (the caller covers the score's and
+    the bias's shares). The terms carry the slack of the bound's own float32 arithmetic. The C
+    kernel (``dm_merge_certified_bf16``) forms the bound from them per row and group.
+
+    Parameters
+    ----------
+    q : Tensor of shape (m, C)
+        The query rows the half product reads, in float32 (centred, where they are).
+    uncentred : Tensor of shape (m, C)
+        The rows before their centring (``q`` itself where none).
+    """
+    gamma, u = _gamma(q.shape[1], q.dtype), _U32
+    nq = torch.linalg.vector_norm(q, dim=1) * _NORM_SLACK
+    nu = torch.linalg.vector_norm(uncentred, dim=1) * _NORM_SLACK
+    rows = [gamma * nq, 2 * u * (nu + nq), 2 * u * nq, torch.full_like(nq, 4 * u * _NORM_SLACK)]
+    return torch.stack([*rows, torch.full_like(nq, _FLUSH * (q.shape[1] + 2))], dim=1)
+
+
+def group_norms(centres: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+    """The group side (G, 3) of :func:`group_terms`' bound: ``(|t|, B, D)`` of the centres
+    (G, C) and each group's largest norms ``largest`` (G, 2: ``|b|``, ``|d|``), with their
+    rounding's slack."""
+    return torch.cat([torch.linalg.vector_norm(centres, dim=1, keepdim=True), largest], dim=1) * _NORM_SLACK
 
 
 def ref_terms(r: torch.Tensor, rh: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ class KernelSearch(HalfSearch):
     narrowest_b = 1024
     split_bias = False  # the kernel adds the l2 column itself
     centre_queries = False  # nor a bias per reference
+    centre_groups = False  # nor a bias per query row and reference group
     # rows over the cap are resolved in torch (`_resolve`) in blocks of at most this many pairs
     # and this many columns: the half scores, their bounds and the pass mask
     RESOLVE_PAIRS, RESOLVE_COLUMNS, RESOLVE_PAIR_BYTES = 2**20, 4096, 16

@@ -8,6 +8,10 @@ outgrows the cap stops collecting and is searched again at the end from float32 
 (:meth:`HalfSearch._search_again`); the others' candidates are re-scored in float32 by the
 direct form. Without ``certify`` ("fast"), the half
 scores rank alone.
+
+Half rows are centred to shrink the bound: each query tile on its mean, and on a CPU with the C
+step each group of native.GROUP references on theirs, the centres' products added back in
+float32 (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ import torch
 
 from ..kernels import native
 from ..metrics import Metric
-from ..precision import Precision, cross_terms, query_terms, ref_terms, unit_roundoff
+from ..precision import (
+    Precision,
+    cross_terms,
+    group_centres,
+    group_norms,
+    group_terms,
+    query_terms,
+    ref_terms,
+    unit_roundoff,
+)
 from .plan import Dims, TilePlan
 from .pool import CandidateList, Pool
 from .strategy import Inputs, Strategy, resolve_bytes
@@ -30,6 +43,8 @@ __all__ = ["HalfSearch"]
 # the float32 roundings of adding the l2 bias to a half score, and of the bounds built on it
 # (relative to the score and to the bias): four at most
 _BIAS_ROUNDING = 4 * unit_roundoff(torch.float32)
+# and of adding a reference group's bounds (`group_bounds`) to them: two more, of each part
+_GROUP_ROUNDING = 2 * unit_roundoff(torch.float32)
 # a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
 _Side = tuple[torch.Tensor | None, torch.Tensor | None]
 
@@ -48,6 +63,9 @@ class HalfSearch(Strategy):
     # whether each query tile's half rows are centred on its mean (:meth:`_half_query`), the
     # difference added back as a float32 bias per reference (the fused kernel takes no bias)
     centre_queries = True
+    # whether the certified search's C path centres the references' half rows per group of
+    # native.GROUP (:meth:`_group_refs`), each query's product with the centre added back
+    centre_groups = True
 
     @classmethod
     def cap(cls, precision: Precision, metric: Metric, k: int, nb: int) -> int:
@@ -70,10 +88,19 @@ class HalfSearch(Strategy):
                 + d.ref_rows(tb, whole_b) * (3 * d.item + d.cp * d.item)
                 + ta * d.cp * (2 * d.item + (d.half_item or d.item))
             )
+            if cls.centre_groups:
+                # the groups' centres and terms, the grouped copy of the references
+                # (`_grouped`), the query rows' centred copy and terms, a tile's group products
+                groups = d.nb // native.GROUP + 1
+                held += groups * (d.c + 3) * d.item + d.ref_rows(tb, whole_b) * (d.cp + 2) * d.item
+                held += ta * (d.c + 5 + tb // native.GROUP + 2) * d.item
         return held
 
     def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
         self.shift: torch.Tensor | None = None  # set below, once the references' mean is known
+        # the reference groups' centres (G, C) and their bound terms (G, 3: group_norms)
+        self.centres: torch.Tensor | None = None
+        self.group_norms: torch.Tensor | None = None
         super().__init__(inputs, plan)
         self.half = inputs.precision.half or self.dtype
         # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
@@ -83,10 +110,19 @@ class HalfSearch(Strategy):
         self.centring = self.centre_queries and self.half != self.dtype
         if self.split or self.centring:  # the float32 additions of a bias to the block and bounds
             self.rounding += _BIAS_ROUNDING
+        grouped = (
+            self.centre_groups
+            and self.cap_rows > 0
+            and self.half == torch.bfloat16
+            and self.dtype == torch.float32
+            and self._c(self.b.device, self.dtype)
+        )
+        if grouped:
+            self.rounding += _GROUP_ROUNDING
         if inputs.prepared is not None:
             state = inputs.prepared.state
             self.shift, self.whole_h, self.whole_t = state["shift"], state["whole_h"], state["whole_t"]
-            self.ref_norms = state["ref_norms"]
+            self.ref_norms, self.centres, self.group_norms = state["ref_norms"], state["centres"], state["group_norms"]
             return
         # cosine and dot: references shifted by their mean change every score of a query row by
         # the same amount, so no ranking; features that all look alike (raw patches: cosines
@@ -99,15 +135,67 @@ class HalfSearch(Strategy):
             if self.whole is not None:
                 self.whole -= shift
             self.shift = shift
-        self.whole_h = None if self.whole is None else self.whole.to(self.half)
-        self.whole_t = None
-        if self.cap_rows and self.whole is not None and self.whole_h is not None:
-            self.whole_t = self._terms(self.whole, self.whole_h)
+        if grouped:
+            self._group_centres()
+        self.whole_h = self.whole_t = None
+        if self.whole is not None:
+            rows = self._grouped(self.whole, 0)
+            self.whole_h = rows.to(self.half)
+            if self.cap_rows:
+                self.whole_t = self._terms(rows, self.whole_h)
+            del rows
         # for the rows over the cap, searched again in float32 (`_search_again`)
         self.ref_norms = self._largest_norms() if self.cap_rows else (0.0, 0.0)
 
     def _state(self) -> dict[str, Any]:
-        return {"shift": self.shift, "whole_h": self.whole_h, "whole_t": self.whole_t, "ref_norms": self.ref_norms}
+        return {
+            "shift": self.shift,
+            "whole_h": self.whole_h,
+            "whole_t": self.whole_t,
+            "ref_norms": self.ref_norms,
+            "centres": self.centres,
+            "group_norms": self.group_norms,
+        }
+
+    def _body(self, rows: torch.Tensor) -> torch.Tensor:
+        """The columns of prepared rows that the half product reads (the l2 column apart)."""
+        return rows[:, : rows.shape[1] - 1] if self.split else rows
+
+    def _group_centres(self) -> None:
+        """The centres of the groups of native.GROUP consecutive references (their prepared
+        body rows' means), and each group's largest norms before and after its centring.
+
+        Two views of one scene have, in every smooth region, dozens of references within a
+        half type's resolution of a query's best; neighbouring pixels (a group) look alike, so
+        less their centre the half rows keep only what tells them apart, and every term of the
+        bound, which scales with the norm of the rows multiplied, shrinks with it (issue 39)."""
+        size = native.GROUP
+        step = max(size, self.tile_b // size * size)
+        centres, norms = [], []
+        for j in range(0, self.nb, step):
+            body = self._body(self._prepare_refs(j, min(j + step, self.nb)))
+            t = group_centres(body, size)
+            d = body - t.repeat_interleave(size, 0)[: body.shape[0]]  # as `_grouped` makes them
+            # rows holding NaN or inf bound nothing: their own products do
+            both = torch.zeros(t.shape[0] * size, 2, dtype=body.dtype, device=body.device)
+            finite = self._finite_rows(body)
+            both[: body.shape[0], 0] = torch.linalg.vector_norm(body, dim=1).masked_fill_(~finite, 0.0)
+            both[: body.shape[0], 1] = torch.linalg.vector_norm(d, dim=1).masked_fill_(~finite, 0.0)
+            centres.append(t)
+            norms.append(both.view(t.shape[0], size, 2).amax(1))
+        self.centres = torch.cat(centres)
+        self.group_norms = group_norms(self.centres, torch.cat(norms))
+
+    def _grouped(self, refs: torch.Tensor, start: int) -> torch.Tensor:
+        """Prepared references ``refs`` (rows start onwards) as the half product reads them:
+        their body less their group's centre where the search groups them (a copy), else
+        themselves."""
+        if self.centres is None:
+            return refs
+        groups = torch.arange(start, start + refs.shape[0], device=refs.device) // native.GROUP
+        out = refs.clone()
+        self._body(out).sub_(self.centres.index_select(0, groups))
+        return out
 
     def _prepare_refs(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         refs = super()._prepare_refs(start, stop, out)
@@ -116,12 +204,12 @@ class HalfSearch(Strategy):
     def _half_refs(self, start: int, stop: int) -> torch.Tensor:
         if self.whole_h is not None:
             return self.whole_h[start:stop]
-        return self._prepare_refs(start, stop).to(self.half)
+        return self._grouped(self._prepare_refs(start, stop), start).to(self.half)
 
     def _ref_terms(self, start: int, stop: int, half_refs: torch.Tensor) -> torch.Tensor:
         if self.whole_t is not None:
             return self.whole_t[start:stop]
-        return self._terms(self._prepare_refs(start, stop), half_refs)
+        return self._terms(self._grouped(self._prepare_refs(start, stop), start), half_refs)
 
     def _terms(self, refs: torch.Tensor, half_refs: torch.Tensor) -> torch.Tensor:
         """The references' bound terms: of every column, or with the l2 bias apart, of the body
@@ -192,13 +280,21 @@ class HalfSearch(Strategy):
         c = refs.shape[1] - 1 if self.split else refs.shape[1]
         bias = refs[:, c] if self.split else None
         if centre is None:
+            if terms is not None and bias is not None and self.centres is not None:
+                terms = terms.clone()
+                terms[:, 2] += _GROUP_ROUNDING * bias.abs()
             return terms, bias
         cross = refs[:, :c] @ centre
         if terms is not None:
             terms = terms.clone()
-            terms[:, 2] += cross_terms(terms, centre, cross, self.half)
+            # grouped, the half rows are b less its centre: the cross product's own norm
+            norms = None if self.centres is None else torch.linalg.vector_norm(refs[:, :c], dim=1)
+            terms[:, 2] += cross_terms(terms, centre, cross, self.half, norms)
+            both = cross.abs() if bias is None else bias.abs() + cross.abs()
             if bias is not None:
-                terms[:, 2] += unit_roundoff(self.dtype) * (bias.abs() + cross.abs())
+                terms[:, 2] += unit_roundoff(self.dtype) * both
+            if self.centres is not None:
+                terms[:, 2] += _GROUP_ROUNDING * both
         return terms, cross if bias is None else cross.add_(bias)
 
     def _block(
@@ -222,8 +318,15 @@ class HalfSearch(Strategy):
         qh, qt, centre = self._half_query(q)
         assert qt is not None
         sides = self._sides(centre)
+        if self.centres is not None:  # grouped half rows: only the C step adds the groups' bounds
+            v, i = best_v.contiguous(), best_i.contiguous()
+            self._rank_native(q, qh, qt, centre, sides, v, i, start, buf)
+            if v is not best_v or i is not best_i:
+                best_v.copy_(v)
+                best_i.copy_(i)
+            return
         if self._native_certified(best_v, best_i):
-            self._rank_native(q, qh, qt, sides, best_v, best_i, start, buf)
+            self._rank_native(q, qh, qt, centre, sides, best_v, best_i, start, buf)
             return
         rounding = self.rounding
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
@@ -295,6 +398,7 @@ class HalfSearch(Strategy):
         q: torch.Tensor,
         qh: torch.Tensor,
         qt: torch.Tensor,
+        centre: torch.Tensor | None,
         sides: Callable[..., _Side],
         best_v: torch.Tensor,
         best_i: torch.Tensor,
@@ -302,7 +406,9 @@ class HalfSearch(Strategy):
         buf: torch.Tensor,
     ) -> None:
         """:meth:`rank` with one C call per tile for the bounds, the merge of the lower bounds
-        and the listing of the candidates, after the tile's bfloat16 product.
+        and the listing of the candidates, after the tile's bfloat16 product (``centre``: the
+        query rows' centre, or None). With grouped references, each tile's group bounds come
+        from the query rows in float32 (:func:`densematch.precision.group_bounds`).
 
         Rows over the cap are searched again in float32 (:meth:`_search_again`), so their
         products are wasted: once a quarter of the rows still listing have gone over, the
@@ -312,7 +418,13 @@ class HalfSearch(Strategy):
         m = best_v.shape[0]
         listed = native.Candidates(m, self.cap_rows, self.dtype)
         rows: torch.Tensor | None = None  # the rows still listing, where not all
-        part = (qh, qt, best_v, best_i, listed)
+        body = self._body(q)
+        centred = body - centre if centre is not None else body  # as `_half_query` forms them
+        gq = None
+        if self.centres is not None:  # and the rounding of adding a group's product to each bound
+            qt = qt * (1.0 + 2 * _GROUP_ROUNDING)
+            gq = group_terms(centred, body)
+        part = (qh, qt, best_v, best_i, listed, centred, gq)
 
         def put_back() -> None:
             if rows is not None:
@@ -321,16 +433,21 @@ class HalfSearch(Strategy):
 
         for j in self._tile_order(start, m):
             n = min(self.tile_b, self.nb - j)
-            ph, pt, pv, pi, pl = part
+            ph, pt, pv, pi, pl, pc, pq = part
             s, terms, bias = self._block(ph, j, n, out=buf[: ph.shape[0] * n].view(-1, n), sides=sides)
             assert terms is not None
-            native.merge_certified(s, j, pv, pi, pt, terms, bias, self.rounding, pl)
+            groups = None
+            if self.centres is not None and self.group_norms is not None and pq is not None:
+                first, last = j // native.GROUP, (j + n - 1) // native.GROUP + 1
+                groups = (pc @ self.centres[first:last].T, pq, self.group_norms[first:last])
+            native.merge_certified(s, j, pv, pi, pt, terms, bias, self.rounding, pl, groups)
             gone = int(pl.over.sum())
             if gone and 4 * gone >= ph.shape[0]:
                 put_back()
                 keep = (~pl.over).nonzero().squeeze(1)
                 rows = keep if rows is None else rows[keep]
-                part = (qh[rows], qt[rows], best_v[rows], best_i[rows], listed.take(rows))
+                pq = None if gq is None else gq[rows]
+                part = (qh[rows], qt[rows], best_v[rows], best_i[rows], listed.take(rows), centred[rows], pq)
         put_back()
         self._settle(q, start, listed, best_v[:, -1].clone(), best_v, best_i, buf)
 

@@ -413,8 +413,8 @@ DEFINE_REACHING(double, f64)
 /* The certified bfloat16 search's step for one tile (densematch.engine.half): for the stored
  * bfloat16 scores h (m x n, row stride ldh) of a reference tile, each pair's rounding bound
  * e = qt[r] . rt[c] + rounding |h| (the terms of densematch.precision; rows of three), its lower
- * and upper bounds h - e and h + e (plus bias[c], the l2 column kept out of the product, when
- * given), the lower bounds merged into the running top-k (equal values to the lower column) and
+ * and upper bounds h - e and h + e (plus bias[c], the l2 column kept out of the product, and the
+ * row's group terms, DM_GROUP below), the lower bounds merged into the running top-k (equal values to the lower column) and
  * every pair whose upper bound reaches its row's running k-th lower bound listed as dm_merge lists
  * (a row whose listed pairs all still reach its floor when cap are listed is marked over). NaN
  * bounds (products past a half type's range) prove nothing: a lower bound of -inf, an upper of
@@ -455,29 +455,53 @@ static inline unsigned lanes_set(mask_f32 m) {
 #endif
 }
 
-/* the pair of column c that may reach the row's floor: its bound, merged and listed (see below) */
-static inline void certified_pair(uint16_t raw, int64_t c, float x, float z, float one, const float *ry,
-                                  const float *rw, const float *rf, float rounding, const float *bias, int64_t offset,
-                                  float *bv, int64_t *bi, int64_t k, int64_t cap, int64_t *cc, float *cv, int *count,
-                                  unsigned char *over, int *listing) {
+/* a pair's upper and lower bounds (up, low) as the vector loop below forms them, lane by lane:
+ * e = ((x ry + z rw) + one rf) + rounding |h|, up = ((h + e) + bias) + gu, low = ((h - e) + bias)
+ * + gl, gu / gl its group's additions (0 without groups) */
+static inline void certified_bounds(uint16_t raw, int64_t c, float x, float z, float one, const float *ry,
+                                    const float *rw, const float *rf, float rounding, const float *bias, float gu,
+                                    float gl, float *up, float *low) {
     const float h = bf16_to_f32(raw), b = bias[c];
     const float e = ((x * ry[c] + z * rw[c]) + one * rf[c]) + rounding * fabsf(h);
-    const int64_t idx = offset + c;
-    float up = (h + e) + b;
+    *up = ((h + e) + b) + gu;
+    *low = ((h - e) + b) + gl;
+}
+
+/* a pair whose bounds may reach the row's floor: its lower bound merged, its upper one listed
+ * (see below) */
+static inline void certified_take(float up, float low, int64_t idx, float *bv, int64_t *bi, int64_t k, int64_t cap,
+                                  int64_t *cc, float *cv, int *count, unsigned char *over, int *listing) {
     if (up < bv[k - 1]) return; /* nor can its lower bound (<= up) enter the top k */
-    float low = (h - e) + b;
     if (low != low) low = -INFINITY;
     if (up != up) up = INFINITY;
-    if (*listing && up >= bv[k - 1]) *listing = list_f32(cc, cv, count, cap, over, bv[k - 1], idx, up);
+    if (*listing) *listing = list_f32(cc, cv, count, cap, over, bv[k - 1], idx, up);
     insert_f32(bv, bi, k, low, idx);
 }
 
+/* Groups: where the references' half rows are centred per group of DM_GROUP consecutive
+ * references of the whole set (group g: the columns whose index offset + c lies in [32 g,
+ * 32 g + 32)), each query row's float32 product with its group's centre, p = gp[r * ldg + g']
+ * (g' the group less the tile's first, offset / 32), is added to both bounds, widened by the
+ * bound of densematch.precision.group_terms: ((q0 t0 + q1 t1) + q2 t2) + q3 |p| + q4, with the
+ * row's terms q = gq[5 r ...] and the group's t = gt[3 g' ...]. The chunks of 32 columns are
+ * aligned to the groups, so that one pair of additions serves a chunk; the columns before the
+ * first whole group go pair by pair. */
+enum { DM_GROUP = 32 };
+
+static inline void group_add(const float *gp, const float *gq, const float *gt, int64_t g, float *up, float *low) {
+    const float p = gp[g], *t = gt + 3 * g;
+    const float slack = (((gq[0] * t[0] + gq[1] * t[1]) + gq[2] * t[2]) + gq[3] * fabsf(p)) + gq[4];
+    *up = p + slack;
+    *low = p - slack;
+}
+
 void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias,
-                             const float *qt, const float *rt, float rounding, float *best_v, int64_t *best_i,
-                             int64_t k, int64_t cap, int64_t *cand_cols, float *cand_vals, int *counts,
-                             unsigned char *over) {
-    enum { CB = 32, L = 8 };
+                             const float *gp, int64_t ldg, const float *gq, const float *gt, const float *qt,
+                             const float *rt, float rounding, float *best_v, int64_t *best_i, int64_t k, int64_t cap,
+                             int64_t *cand_cols, float *cand_vals, int *counts, unsigned char *over) {
+    enum { CB = DM_GROUP, L = 8 };
     const float *ry = rt, *rw = rt + n, *rf = rt + 2 * n; /* the reference terms, one plane each */
+    const int64_t first = offset / DM_GROUP, head = (DM_GROUP - offset % DM_GROUP) % DM_GROUP;
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = h + r * ldh;
         float *bv = best_v + r * k;
@@ -486,34 +510,84 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
         float *cv = cand_vals + r * cap;
         if (over[r]) continue;
         const float x = qt[3 * r], z = qt[3 * r + 1], one = qt[3 * r + 2];
+        const float *rp = gp ? gp + r * ldg : NULL, *rq = gp ? gq + 5 * r : NULL;
+        float gu = 0.0f, gl = 0.0f; /* the current group's additions (0 without groups) */
+#define DM_PAIR(c)                                                                                   \
+    do {                                                                                             \
+        float up_, low_;                                                                             \
+        certified_bounds(row[c], c, x, z, one, ry, rw, rf, rounding, bias, gu, gl, &up_, &low_);      \
+        certified_take(up_, low_, offset + (c), bv, bi, k, cap, cc, cv, &counts[r], &over[r], &listing); \
+    } while (0)
+#define DM_GROUP_AT(c) \
+    if (rp) group_add(rp, rq, gt, (offset + (c)) / DM_GROUP - first, &gu, &gl)
+#if !defined(__AVX512F__)
         const vec_f32 vx = (vec_f32){} + x, vz = (vec_f32){} + z, vone = (vec_f32){} + one;
         const vec_f32 vround = (vec_f32){} + rounding;
+#endif
         int listing = 1;
-        int64_t c0 = 0;
-        /* whole chunks: the bounds eight lanes at a time, and only the pairs whose upper bound
-         * reaches the floor (NaN does: it proves nothing) go on to the merge and the listing.
-         * After the first tiles few do. */
+        int64_t c0 = head < n ? head : n;
+        if (c0) DM_GROUP_AT(0);
+        for (int64_t c = 0; c < c0; c++) DM_PAIR(c);
+        /* whole chunks: the upper bounds eight (sixteen) lanes at a time; only where one reaches
+         * the floor (NaN does: it proves nothing), the lower bounds too, and the pairs that reach
+         * go on to the merge and the listing. After the first tiles few do. */
+        float ups[CB], lows[CB];
         for (; c0 + CB <= n; c0 += CB) {
-            const vec_f32 floor = (vec_f32){} + bv[k - 1];
+            DM_GROUP_AT(c0);
             uint32_t reach = 0;
+#if defined(__AVX512F__)
+            const __m512 floor = _mm512_set1_ps(bv[k - 1]), vgu = _mm512_set1_ps(gu);
+            __m512 v[CB / 16], e[CB / 16];
+            for (int t = 0; t < CB; t += 16) {
+                const int64_t c = c0 + t;
+                const __m512 h16 = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c))), 16));
+                const __m512 xy = _mm512_mul_ps(_mm512_set1_ps(x), _mm512_loadu_ps(ry + c));
+                const __m512 zw = _mm512_mul_ps(_mm512_set1_ps(z), _mm512_loadu_ps(rw + c));
+                const __m512 of = _mm512_mul_ps(_mm512_set1_ps(one), _mm512_loadu_ps(rf + c));
+                const __m512 hv = _mm512_mul_ps(_mm512_set1_ps(rounding), _mm512_abs_ps(h16));
+                v[t / 16] = h16;
+                e[t / 16] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(xy, zw), of), hv);
+                const __m512 up = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(h16, e[t / 16]), _mm512_loadu_ps(bias + c)), vgu);
+                _mm512_storeu_ps(ups + t, up);
+                reach |= (uint32_t)_mm512_cmp_ps_mask(up, floor, _CMP_NLT_UQ) << t;
+            }
+            if (!reach) continue;
+            const __m512 vgl = _mm512_set1_ps(gl);
+            for (int t = 0; t < CB; t += 16) {
+                const __m512 hb = _mm512_add_ps(_mm512_sub_ps(v[t / 16], e[t / 16]), _mm512_loadu_ps(bias + c0 + t));
+                _mm512_storeu_ps(lows + t, _mm512_add_ps(hb, vgl));
+            }
+#else
+            const vec_f32 floor = (vec_f32){} + bv[k - 1], vgu = (vec_f32){} + gu;
+            vec_f32 v[CB / L], e[CB / L];
             for (int t = 0; t < CB; t += L) {
                 const int64_t c = c0 + t;
-                const vec_f32 v = widen_bf16(row + c);
-                const vec_f32 e = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
-                                  vround * vabs_f32(v);
-                const vec_f32 up = (v + e) + load_f32(bias + c);
+                v[t / L] = widen_bf16(row + c);
+                e[t / L] = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
+                           vround * vabs_f32(v[t / L]);
+                const vec_f32 up = ((v[t / L] + e[t / L]) + load_f32(bias + c)) + vgu;
+                memcpy(ups + t, &up, sizeof up);
                 reach |= lanes_set(~(up < floor)) << t;
             }
-            while (reach) { /* the few lanes that reach, their bounds again by the same operations */
-                const int64_t c = c0 + __builtin_ctz(reach);
+            if (!reach) continue;
+            const vec_f32 vgl = (vec_f32){} + gl;
+            for (int t = 0; t < CB; t += L) {
+                const vec_f32 low = ((v[t / L] - e[t / L]) + load_f32(bias + c0 + t)) + vgl;
+                memcpy(lows + t, &low, sizeof low);
+            }
+#endif
+            while (reach) { /* the few lanes that reach */
+                const int t = __builtin_ctz(reach);
                 reach &= reach - 1;
-                certified_pair(row[c], c, x, z, one, ry, rw, rf, rounding, bias, offset, bv, bi, k, cap, cc, cv,
-                               &counts[r], &over[r], &listing);
+                certified_take(ups[t], lows[t], offset + c0 + t, bv, bi, k, cap, cc, cv, &counts[r], &over[r],
+                               &listing);
             }
         }
-        for (int64_t c = c0; c < n; c++) /* the tail */
-            certified_pair(row[c], c, x, z, one, ry, rw, rf, rounding, bias, offset, bv, bi, k, cap, cc, cv,
-                           &counts[r], &over[r], &listing);
+        if (c0 < n) DM_GROUP_AT(c0);
+        for (int64_t c = c0; c < n; c++) DM_PAIR(c); /* the tail, within one group */
+#undef DM_PAIR
+#undef DM_GROUP_AT
     }
 }
 

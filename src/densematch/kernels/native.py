@@ -35,6 +35,7 @@ from ..threads import traced
 from . import build as kernel_build
 
 __all__ = [
+    "GROUP",
     "Candidates",
     "build",
     "cache_dir",
@@ -59,6 +60,8 @@ __all__ = [
 
 SOURCES = kernel_build.SOURCES
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+# references per centre where the certified search centres its half rows by groups (DM_GROUP)
+GROUP = 32
 _status: dict[str, str] = {}  # why the library could not be loaded, once it was tried
 
 
@@ -173,25 +176,10 @@ def library() -> ctypes.CDLL | None:
         for suffix in _SUFFIX.values():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = args, result
-    lib.dm_merge_certified_bf16.argtypes = [
-        ptr,
-        n,
-        n,
-        n,
-        n,
-        ptr,
-        ptr,
-        ptr,
-        ctypes.c_float,
-        ptr,
-        ptr,
-        n,
-        n,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-    ]
+    # h, ldh, m, n, offset, bias, the groups' products (and their row stride) and terms, qt, rt,
+    # rounding, best_v, best_i, k, cap, and the candidate lists (cols, vals, counts, over)
+    lib.dm_merge_certified_bf16.argtypes = [ptr, n, n, n, n, ptr, ptr, n, ptr, ptr, ptr, ptr, ctypes.c_float]
+    lib.dm_merge_certified_bf16.argtypes += [ptr, ptr, n, n, ptr, ptr, ptr, ptr]
     lib.dm_merge_certified_bf16.restype = None
     lib.dm_merge_bf16.argtypes = [ptr, n, n, n, n, ptr, ptr, n, ptr]
     lib.dm_merge_bf16.restype = None
@@ -474,12 +462,19 @@ def merge_certified(
     bias: torch.Tensor | None,
     rounding: float,
     listed: Candidates,
+    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The certified search's step for the bfloat16 score tile ``h`` (m, n; columns ``offset``
     onwards): lower bounds merged into the running top-k ``best_v`` / ``best_i`` (m, k, float32,
     contiguous), upper bounds reaching each row's k-th lower bound listed in ``listed`` (see
     native.c). ``qt`` (m, 3) and ``rt`` (n, 3) are the bound terms of
-    :func:`densematch.precision.query_terms` / ``ref_terms``; ``bias`` (n,) float32 or None."""
+    :func:`densematch.precision.query_terms` / ``ref_terms``; ``bias`` (n,) float32 or None.
+
+    ``groups``: where the references' half rows were centred per group of :data:`GROUP`
+    references, ``(products, query_terms, group_terms)``: each row's float32 product with the
+    centres of the groups this tile touches (m, g; unit-stride rows, the first being group
+    ``offset // GROUP``), and their bound's terms (m, 5) and (g, 3), from
+    :func:`densematch.precision.group_terms` and ``group_norms``."""
     lib = _loaded("merge_certified")
     _require(h.dtype == torch.bfloat16 and best_v.dtype == torch.float32, "h must be bfloat16, best_v float32")
     _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
@@ -489,8 +484,21 @@ def merge_certified(
         return
     qt, rt = qt.float().contiguous(), rt.float().T.contiguous()  # the references' terms as planes
     bias = torch.zeros(n) if bias is None else bias.float().contiguous()
+    gp = gq = gt = None
+    if groups is not None:
+        gp, gq, gt = groups
+        touched = (offset + n - 1) // GROUP - offset // GROUP + 1
+        _require(
+            gp.shape[0] == m and gp.shape[1] >= touched and gq.shape == (m, 5) and gt.shape[0] >= touched,
+            "groups must be the products (rows, groups touched) and terms (rows, 5), (groups, 3)",
+        )
+        _require(gp.dtype == gq.dtype == gt.dtype == torch.float32, "groups must be float32")
+        _require(gp.stride(1) == 1, "the groups' products need unit-stride rows")
+        gq, gt = gq.contiguous(), gt.contiguous()
     lib.dm_merge_certified_bf16(
         h.data_ptr(), h.stride(0), m, n, offset, bias.data_ptr(),
+        None if gp is None else gp.data_ptr(), 0 if gp is None else gp.stride(0),
+        None if gq is None else gq.data_ptr(), None if gt is None else gt.data_ptr(),
         qt.data_ptr(), rt.data_ptr(), rounding, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
         listed.cap, listed.cols.data_ptr(), listed.vals.data_ptr(), listed.counts.data_ptr(), listed.over.data_ptr(),
     )  # fmt: skip
