@@ -199,6 +199,23 @@ def test_group_centres_skip_rows_that_are_not_finite():
 
 
 @pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="needs the C kernels")
+@pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="needs the C kernels")
+def test_references_are_grouped_only_where_their_neighbours_look_alike(monkeypatch):
+    from densematch.app.synthetic import same_scene_pair
+    from densematch.engine.half import HalfSearch
+
+    seen = []
+    original = HalfSearch._group_centres
+    monkeypatch.setattr(HalfSearch, "_group_centres", lambda self: seen.append(original(self)) or seen[-1])
+    fa, fb = same_scene_pair(32, 32, 64)
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(1024, 64, generator=g), torch.randn(1024, 64, generator=g)
+    for a, b in ((fa.reshape(-1, 64), fb.reshape(-1, 64)), noise):
+        _, got = engine.topk(a, b, metric="l2", k=2, budget=2**26, precision=BF16)
+        assert_topk_exact(a, b, got, "l2", 2)
+    assert seen == [True, False]
+
+
 def test_grouped_references_send_fewer_same_scene_rows_over_the_cap(monkeypatch):
     # raw patches under l2 (not normalised): neighbouring references share most of their norm,
     # which the groups' centres take out of the half product

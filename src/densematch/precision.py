@@ -232,17 +232,23 @@ def cross_terms(
 
 def group_centres(r: torch.Tensor, size: int) -> torch.Tensor:
     """(ceil(n / size), C) centres of the groups of ``size`` consecutive rows of ``r`` (n, C):
-    the mean of a group's finite rows, zero where none is or the mean is not finite. Any finite
-    centre is sound (:func:`group_bounds`); the mean makes the rows less their centre small."""
+    the mean of a group's rows, or where that is not finite, of its finite rows (zero where none
+    is or that mean is not finite either). Any finite centre is sound (:func:`group_terms`); the
+    mean makes the rows less their centre small."""
     n, c = r.shape
-    groups = -(-n // size)
-    padded = r.new_zeros((groups * size, c))
-    padded[:n] = r
-    finite = torch.isfinite(padded).all(1, keepdim=True)
-    padded.masked_fill_(~finite, 0.0)
-    counts = finite.view(groups, size).sum(1, keepdim=True).clamp_(min=1)
-    centres = (padded.view(groups, size, c) / size).sum(1).mul_(size / counts)  # no sum overflows
-    return centres.masked_fill_(~torch.isfinite(centres), 0.0)
+    full = n // size
+    centres = r.new_empty((-(-n // size), c))
+    if full:
+        torch.mean(r[: full * size].reshape(full, size, c), 1, out=centres[:full])
+    if full < centres.shape[0]:
+        centres[full] = r[full * size :].mean(0)
+    for g in (~torch.isfinite(centres).all(1)).nonzero().squeeze(1).tolist():  # NaN, inf, overflow
+        rows = r[g * size : (g + 1) * size]
+        finite = torch.isfinite(rows).all(1)
+        # each row divided first (exact: a power of two in practice), so that no sum overflows
+        centre = (rows[finite] / size).sum(0) * (size / max(int(finite.sum()), 1))
+        centres[g] = centre.masked_fill_(~torch.isfinite(centre), 0.0)
+    return centres
 
 
 def group_terms(q: torch.Tensor, uncentred: torch.Tensor) -> torch.Tensor:

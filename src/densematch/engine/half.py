@@ -45,6 +45,9 @@ __all__ = ["HalfSearch"]
 _BIAS_ROUNDING = 4 * unit_roundoff(torch.float32)
 # and of adding a reference group's bounds (`group_bounds`) to them: two more, of each part
 _GROUP_ROUNDING = 2 * unit_roundoff(torch.float32)
+# the largest share of their norm the references' lowest tenth keep, less their group's centre,
+# for the groups to be worth their products (`HalfSearch._group_centres`)
+_GROUPS_WORTH = 0.75
 # a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
 _Side = tuple[torch.Tensor | None, torch.Tensor | None]
 
@@ -101,6 +104,7 @@ class HalfSearch(Strategy):
         # the reference groups' centres (G, C) and their bound terms (G, 3: group_norms)
         self.centres: torch.Tensor | None = None
         self.group_norms: torch.Tensor | None = None
+        self.body_norms: torch.Tensor | None = None  # with every reference prepared
         super().__init__(inputs, plan)
         self.half = inputs.precision.half or self.dtype
         # torch's half products round their float32 sums to half: |stored - sum| <= u |stored| / (1 - u)
@@ -117,12 +121,13 @@ class HalfSearch(Strategy):
             and self.dtype == torch.float32
             and self._c(self.b.device, self.dtype)
         )
-        if grouped:
-            self.rounding += _GROUP_ROUNDING
         if inputs.prepared is not None:
             state = inputs.prepared.state
             self.shift, self.whole_h, self.whole_t = state["shift"], state["whole_h"], state["whole_t"]
-            self.ref_norms, self.centres, self.group_norms = state["ref_norms"], state["centres"], state["group_norms"]
+            self.ref_norms, self.centres = state["ref_norms"], state["centres"]
+            self.group_norms, self.body_norms = state["group_norms"], state["body_norms"]
+            if self.centres is not None:
+                self.rounding += _GROUP_ROUNDING
             return
         # cosine and dot: references shifted by their mean change every score of a query row by
         # the same amount, so no ranking; features that all look alike (raw patches: cosines
@@ -135,8 +140,8 @@ class HalfSearch(Strategy):
             if self.whole is not None:
                 self.whole -= shift
             self.shift = shift
-        if grouped:
-            self._group_centres()
+        if grouped and self._group_centres():
+            self.rounding += _GROUP_ROUNDING
         self.whole_h = self.whole_t = None
         if self.whole is not None:
             rows = self._grouped(self.whole, 0)
@@ -155,15 +160,17 @@ class HalfSearch(Strategy):
             "ref_norms": self.ref_norms,
             "centres": self.centres,
             "group_norms": self.group_norms,
+            "body_norms": self.body_norms,
         }
 
     def _body(self, rows: torch.Tensor) -> torch.Tensor:
         """The columns of prepared rows that the half product reads (the l2 column apart)."""
         return rows[:, : rows.shape[1] - 1] if self.split else rows
 
-    def _group_centres(self) -> None:
+    def _group_centres(self) -> bool:
         """The centres of the groups of native.GROUP consecutive references (their prepared
-        body rows' means), and each group's largest norms before and after its centring.
+        body rows' means), and each group's largest norms before and after its centring; kept
+        (and True returned) where a tenth of the groups lose at least a quarter of their norm.
 
         Two views of one scene have, in every smooth region, dozens of references within a
         half type's resolution of a query's best; neighbouring pixels (a group) look alike, so
@@ -171,20 +178,37 @@ class HalfSearch(Strategy):
         bound, which scales with the norm of the rows multiplied, shrinks with it (issue 39)."""
         size = native.GROUP
         step = max(size, self.tile_b // size * size)
-        centres, norms = [], []
+        centres, norms, body_norms = [], [], []
         for j in range(0, self.nb, step):
-            body = self._body(self._prepare_refs(j, min(j + step, self.nb)))
+            refs = self._prepare_refs(j, min(j + step, self.nb))
+            body = self._body(refs)
             t = group_centres(body, size)
-            d = body - t.repeat_interleave(size, 0)[: body.shape[0]]  # as `_grouped` makes them
-            # rows holding NaN or inf bound nothing: their own products do
             both = torch.zeros(t.shape[0] * size, 2, dtype=body.dtype, device=body.device)
-            finite = self._finite_rows(body)
-            both[: body.shape[0], 0] = torch.linalg.vector_norm(body, dim=1).masked_fill_(~finite, 0.0)
-            both[: body.shape[0], 1] = torch.linalg.vector_norm(d, dim=1).masked_fill_(~finite, 0.0)
+            torch.linalg.vector_norm(body, dim=1, out=both[: body.shape[0], 0])
+            self.centres = t  # for `_grouped`, from row j, which starts a group
+            d = self._body(self._grouped(refs, 0))
+            torch.linalg.vector_norm(d, dim=1, out=both[: body.shape[0], 1])
+            # rows holding NaN or inf bound nothing (their own products do); a finite row's norm
+            # that overflows stays inf
+            doubt = (~torch.isfinite(both[: body.shape[0]]).all(1)).nonzero().squeeze(1)
+            if doubt.numel():
+                both[doubt[~torch.isfinite(body[doubt]).all(1)]] = 0.0
             centres.append(t)
             norms.append(both.view(t.shape[0], size, 2).amax(1))
+            body_norms.append(both[: body.shape[0], 0])
+        largest = torch.cat(norms)
+        # features unlike their neighbours' (noise) keep their norm: the groups' products would
+        # cost without shrinking a bound (the lowest tenth of the ratios: 0.96-1.01 on noise,
+        # 0.14-0.66 on same-scene patches, C 64-1536)
+        shrink = largest[:, 1] / largest[:, 0].clamp_min(torch.finfo(largest.dtype).tiny)
+        if not shrink.numel() or not float(shrink.nan_to_num(nan=1.0).quantile(0.1)) < _GROUPS_WORTH:
+            self.centres = None
+            return False
         self.centres = torch.cat(centres)
-        self.group_norms = group_norms(self.centres, torch.cat(norms))
+        self.group_norms = group_norms(self.centres, largest)
+        # the references' own norms, for the queries' centre products (`_centred`)
+        self.body_norms = torch.cat(body_norms) if self.whole is not None else None
+        return True
 
     def _grouped(self, refs: torch.Tensor, start: int) -> torch.Tensor:
         """Prepared references ``refs`` (rows start onwards) as the half product reads them:
@@ -192,9 +216,18 @@ class HalfSearch(Strategy):
         themselves."""
         if self.centres is None:
             return refs
-        groups = torch.arange(start, start + refs.shape[0], device=refs.device) // native.GROUP
         out = refs.clone()
-        self._body(out).sub_(self.centres.index_select(0, groups))
+        body, size = self._body(out), native.GROUP
+        # the rows of the group start lies in, the whole groups after them, and the last rows
+        head = min(body.shape[0], -start % size)
+        full = (body.shape[0] - head) // size
+        first = start // size + (head > 0)
+        if head:
+            body[:head] -= self.centres[first - 1]
+        if full:
+            body[head : head + full * size].view(full, size, -1).sub_(self.centres[first : first + full, None])
+        if head + full * size < body.shape[0]:
+            body[head + full * size :] -= self.centres[first + full]
         return out
 
     def _prepare_refs(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -288,7 +321,10 @@ class HalfSearch(Strategy):
         if terms is not None:
             terms = terms.clone()
             # grouped, the half rows are b less its centre: the cross product's own norm
-            norms = None if self.centres is None else torch.linalg.vector_norm(refs[:, :c], dim=1)
+            norms = None
+            if self.centres is not None:
+                whole = self.body_norms is not None and refs.shape[0] == self.nb
+                norms = self.body_norms if whole else torch.linalg.vector_norm(refs[:, :c], dim=1)
             terms[:, 2] += cross_terms(terms, centre, cross, self.half, norms)
             both = cross.abs() if bias is None else bias.abs() + cross.abs()
             if bias is not None:
