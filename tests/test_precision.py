@@ -105,19 +105,26 @@ def test_centred_queries_tighten_the_bound_on_same_scene_features():
     assert float(centred.median()) < 0.5 * float(plain.median())
 
 
-def test_centred_queries_send_fewer_same_scene_rows_over_the_cap(monkeypatch):
+def rows_over_the_cap(monkeypatch, switch, metric):
+    """Rows of a 48x48x64 same-scene pair searched again in float32 by the certified bfloat16
+    search (k=1), with HalfSearch's ``switch`` on and off, each answer checked exact."""
     from densematch.app.synthetic import same_scene_pair
     from densematch.engine.half import HalfSearch
 
     fa, fb = same_scene_pair(48, 48, 64)
     a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
     over = {}
-    for centre in (True, False):
-        monkeypatch.setattr(HalfSearch, "centre_queries", centre)
+    for on in (True, False):
+        monkeypatch.setattr(HalfSearch, switch, on)
         stats: dict[str, int] = {}
-        _, got = engine.topk(a, b, metric="cosine", k=1, budget=2**26, precision=BF16, stats=stats)
-        assert_topk_exact(a, b, got, "cosine", 1)
-        over[centre] = stats["fallback"]
+        _, got = engine.topk(a, b, metric=metric, k=1, budget=2**26, precision=BF16, stats=stats)
+        assert_topk_exact(a, b, got, metric, 1)
+        over[on] = stats["fallback"]
+    return over
+
+
+def test_centred_queries_send_fewer_same_scene_rows_over_the_cap(monkeypatch):
+    over = rows_over_the_cap(monkeypatch, "centre_queries", "cosine")
     assert over[True] < 0.5 * over[False]  # 117 and 998 of 2304 rows on an AMD EPYC
 
 
@@ -216,21 +223,11 @@ def test_references_are_grouped_only_where_their_neighbours_look_alike(monkeypat
     assert seen == [True, False]
 
 
+@pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="needs the C kernels")
 def test_grouped_references_send_fewer_same_scene_rows_over_the_cap(monkeypatch):
     # raw patches under l2 (not normalised): neighbouring references share most of their norm,
     # which the groups' centres take out of the half product
-    from densematch.app.synthetic import same_scene_pair
-    from densematch.engine.half import HalfSearch
-
-    fa, fb = same_scene_pair(48, 48, 64)
-    a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
-    over = {}
-    for grouped in (True, False):
-        monkeypatch.setattr(HalfSearch, "centre_groups", grouped)
-        stats: dict[str, int] = {}
-        _, got = engine.topk(a, b, metric="l2", k=1, budget=2**26, precision=BF16, stats=stats)
-        assert_topk_exact(a, b, got, "l2", 1)
-        over[grouped] = stats["fallback"]
+    over = rows_over_the_cap(monkeypatch, "centre_groups", "l2")
     assert over[True] < 0.5 * over[False]  # 130 and 493 of 2304 rows on an AMX Xeon
 
 

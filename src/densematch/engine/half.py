@@ -43,7 +43,7 @@ __all__ = ["HalfSearch"]
 # the float32 roundings of adding the l2 bias to a half score, and of the bounds built on it
 # (relative to the score and to the bias): four at most
 _BIAS_ROUNDING = 4 * unit_roundoff(torch.float32)
-# and of adding a reference group's bounds (`group_bounds`) to them: two more, of each part
+# and of adding a reference group's product and bound (`group_terms`) to them: two more, of each part
 _GROUP_ROUNDING = 2 * unit_roundoff(torch.float32)
 # the largest share of their norm the references' lowest tenth keep, less their group's centre,
 # for the groups to be worth their products (`HalfSearch._group_centres`)
@@ -67,7 +67,7 @@ class HalfSearch(Strategy):
     # difference added back as a float32 bias per reference (the fused kernel takes no bias)
     centre_queries = True
     # whether the certified search's C path centres the references' half rows per group of
-    # native.GROUP (:meth:`_group_refs`), each query's product with the centre added back
+    # native.GROUP (:meth:`_grouped`), each query's product with the centre added back
     centre_groups = True
 
     @classmethod
@@ -185,8 +185,7 @@ class HalfSearch(Strategy):
             t = group_centres(body, size)
             both = torch.zeros(t.shape[0] * size, 2, dtype=body.dtype, device=body.device)
             torch.linalg.vector_norm(body, dim=1, out=both[: body.shape[0], 0])
-            self.centres = t  # for `_grouped`, from row j, which starts a group
-            d = self._body(self._grouped(refs, 0))
+            d = self._body(self._grouped(refs, 0, t))  # row j starts a group
             torch.linalg.vector_norm(d, dim=1, out=both[: body.shape[0], 1])
             # rows holding NaN or inf bound nothing (their own products do); a finite row's norm
             # that overflows stays inf
@@ -210,24 +209,26 @@ class HalfSearch(Strategy):
         self.body_norms = torch.cat(body_norms) if self.whole is not None else None
         return True
 
-    def _grouped(self, refs: torch.Tensor, start: int) -> torch.Tensor:
+    def _grouped(self, refs: torch.Tensor, start: int, centres: torch.Tensor | None = None) -> torch.Tensor:
         """Prepared references ``refs`` (rows start onwards) as the half product reads them:
         their body less their group's centre where the search groups them (a copy), else
-        themselves."""
-        if self.centres is None:
-            return refs
+        themselves. ``centres``: the groups' from ``start``'s on (default: the search's)."""
+        if centres is None:
+            if self.centres is None:
+                return refs
+            centres, start = self.centres[start // native.GROUP :], start % native.GROUP
         out = refs.clone()
         body, size = self._body(out), native.GROUP
         # the rows of the group start lies in, the whole groups after them, and the last rows
         head = min(body.shape[0], -start % size)
         full = (body.shape[0] - head) // size
-        first = start // size + (head > 0)
+        first = int(head > 0)
         if head:
-            body[:head] -= self.centres[first - 1]
+            body[:head] -= centres[0]
         if full:
-            body[head : head + full * size].view(full, size, -1).sub_(self.centres[first : first + full, None])
+            body[head : head + full * size].view(full, size, -1).sub_(centres[first : first + full, None])
         if head + full * size < body.shape[0]:
-            body[head + full * size :] -= self.centres[first + full]
+            body[head + full * size :] -= centres[first + full]
         return out
 
     def _prepare_refs(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -265,7 +266,7 @@ class HalfSearch(Strategy):
         and ``v.b`` is a per-reference float32 bias (:meth:`_sides`). Features that look alike
         (same-scene patches) keep only what tells them apart, so every term of the bound, which
         scales with the norm of the rows multiplied, shrinks with it (issue 39: 5x at C=64)."""
-        body = q[:, : q.shape[1] - 1] if self.split else q
+        body = self._body(q)
         finite = self._finite_rows(body) if self.centring and body.shape[0] > 1 else None
         if finite is None or not bool(finite.any()):
             qh = body.to(self.half)
@@ -323,7 +324,7 @@ class HalfSearch(Strategy):
             # grouped, the half rows are b less its centre: the cross product's own norm
             norms = None
             if self.centres is not None:
-                whole = self.body_norms is not None and refs.shape[0] == self.nb
+                whole = self.body_norms is not None and refs is self.whole
                 norms = self.body_norms if whole else torch.linalg.vector_norm(refs[:, :c], dim=1)
             terms[:, 2] += cross_terms(terms, centre, cross, self.half, norms)
             both = cross.abs() if bias is None else bias.abs() + cross.abs()
@@ -444,7 +445,7 @@ class HalfSearch(Strategy):
         """:meth:`rank` with one C call per tile for the bounds, the merge of the lower bounds
         and the listing of the candidates, after the tile's bfloat16 product (``centre``: the
         query rows' centre, or None). With grouped references, each tile's group bounds come
-        from the query rows in float32 (:func:`densematch.precision.group_bounds`).
+        from the query rows in float32 (:func:`densematch.precision.group_terms`).
 
         Rows over the cap are searched again in float32 (:meth:`_search_again`), so their
         products are wasted: once a quarter of the rows still listing have gone over, the
