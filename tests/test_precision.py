@@ -390,12 +390,13 @@ class TestPrecisionArgument:
     def test_auto_choice_follows_what_the_device_is(self, monkeypatch):
         # no timing: the same device gives the same path in every process
         cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-        monkeypatch.setattr(precision, "_cpu_has_amx", lambda: False)
+        monkeypatch.setattr(precision, "cpu_bf16_unit", lambda: None)
         assert precision.device_half(cpu, "cosine") is None
         assert resolve_precision("exact", cpu, "cosine").half is None
-        monkeypatch.setattr(precision, "_cpu_has_amx", lambda: True)
-        assert precision.device_half(cpu, "cosine") == torch.bfloat16
-        assert precision.device_half(cpu, "l2") == torch.bfloat16
+        for unit in ("AMX", "AVX512-BF16"):
+            monkeypatch.setattr(precision, "cpu_bf16_unit", lambda unit=unit: unit)
+            assert precision.device_half(cpu, "cosine") == torch.bfloat16
+            assert precision.device_half(cpu, "l2") == torch.bfloat16
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         assert precision.device_half(gpu, "cosine") == torch.float16  # unit rows: the tighter bound
@@ -403,6 +404,21 @@ class TestPrecisionArgument:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
         assert precision.device_half(gpu, "cosine") is None  # no tensor cores
         assert "perf_counter" not in inspect.getsource(precision)
+
+    @pytest.mark.parametrize(
+        ("probe", "unit"),
+        [
+            ({"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}, "AMX"),
+            ({"amx_bf16": False, "amx_tile": False, "avx512_bf16": True}, "AVX512-BF16"),  # Zen 4
+            ({"avx512_f": True, "avx512_bf16": False}, None),  # bfloat16 emulated: slower
+            ({"avx2": True}, None),
+        ],
+    )
+    def test_the_cpu_unit_for_bfloat16_is_read_from_torchs_probe(self, monkeypatch, probe, unit):
+        monkeypatch.setattr(precision, "cpu_capabilities", lambda: probe)
+        assert precision.cpu_bf16_unit() == unit
+        half = precision.device_half(torch.device("cpu"), "cosine")
+        assert half == (torch.bfloat16 if unit else None)
 
     @pytest.mark.parametrize(
         ("kwargs", "message"),

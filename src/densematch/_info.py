@@ -13,7 +13,7 @@ import torch
 
 from .config import get_config, resolve_memory
 from .kernels import native, triton_available
-from .precision import _cpu_has_amx, cpu_capabilities, device_half
+from .precision import cpu_bf16_unit, cpu_capabilities, device_half
 
 # the environment variables densematch reads, beside config_context
 ENVIRONMENT = (
@@ -47,8 +47,8 @@ def config_report() -> dict[str, str]:
         "cpu": cpu_name,
         "cpu features": features,
         "threads": str(torch.get_num_threads()),
-        'precision="exact" on the CPU': "certified bfloat16 (AMX)"
-        if _cpu_has_amx()
+        'precision="exact" on the CPU': f"certified bfloat16 ({cpu_bf16_unit()})"
+        if cpu_bf16_unit()
         else f"plain float32 (half: {half['cosine'] or 'none'})",
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "not available",
         "triton": "installed" if triton_available() else "not installed",

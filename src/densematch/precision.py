@@ -3,7 +3,8 @@
 - ``"float32"``: scores accumulate in float32 from float32 operands. The reference.
 - ``"float64"``: the same in float64.
 - ``"exact"``: results equal to ``"float32"`` (ties aside). Where the device multiplies half
-  precision faster than float32 (GPUs with tensor cores, CPUs with AMX: :func:`device_half`),
+  precision faster than float32 (GPUs with tensor cores, CPUs with AMX or AVX-512 BF16:
+  :func:`device_half`),
   candidates are searched in half precision, every candidate within a rigorous rounding bound
   of a row's k-th best is kept and re-scored in float32; a row with more candidates than fit is
   searched again from float32 products, its near-ties settled as float32's are. Elsewhere,
@@ -309,29 +310,37 @@ def cpu_capabilities() -> dict[str, Any] | None:
     return None if probe is None else dict(probe())
 
 
-def _cpu_has_amx() -> bool:
-    """Whether this CPU multiplies bfloat16 with AMX tiles (from torch's own CPU feature probe)."""
+def cpu_bf16_unit() -> str | None:
+    """The unit with which this CPU multiplies bfloat16 faster than float32, from torch's own
+    CPU feature probe: ``"AMX"`` (tiles: 3-6x float32's rate), ``"AVX512-BF16"`` (``vdpbf16ps``,
+    two products per float32 lane: about 2.2x float32's rate through oneDNN on an AMD EPYC
+    Zen 4, BENCHMARKS.md), or None (bfloat16 emulated: about half float32's rate)."""
     caps = cpu_capabilities()
-    if caps is not None:
-        return bool(caps.get("amx_bf16") and caps.get("amx_tile"))
-    tile = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(tile is not None and tile())
+    if caps is None:
+        tile = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return "AMX" if tile is not None and tile() else None
+    if caps.get("amx_bf16") and caps.get("amx_tile"):
+        return "AMX"
+    if caps.get("avx512_bf16"):
+        return "AVX512-BF16"
+    return None
 
 
 def device_half(device: torch.device, metric: str | Metric) -> torch.dtype | None:
     """The half dtype this device multiplies fastest, from what the device is, never timed.
 
     CUDA devices with tensor cores (compute capability 7.0 and up): float16 for unit rows (an
-    8x tighter bound), else bfloat16 where supported. CPUs with AMX: bfloat16. Other CPUs and
-    older GPUs: None, since their half products are no faster than float32 (many CPUs without
-    AMX multiply bfloat16 at half the float32 rate).
+    8x tighter bound), else bfloat16 where supported. CPUs with bfloat16 products in hardware
+    (AMX, or AVX-512 BF16: :func:`cpu_bf16_unit`): bfloat16. Other CPUs and older GPUs: None,
+    since their half products are no faster than float32 (a CPU that emulates bfloat16
+    multiplies it at about half the float32 rate).
     """
     choices = _half_candidates(device, get_metric(metric))
     if not choices:
         return None
     if device.type == "cuda":
         return choices[-1] if torch.cuda.get_device_capability(device) >= (7, 0) else None
-    if device.type == "cpu" and _cpu_has_amx():
+    if device.type == "cpu" and cpu_bf16_unit() is not None:
         return torch.bfloat16
     return None
 
