@@ -6,7 +6,7 @@ Run: python benchmarks/bench_match.py [--sizes 160x160x64 80x80x384] [--repeats 
 Methods (cosine similarity, k=1):
 - densematch.match, precision "exact" (the default), "float32", "fast", and "exact" with the
   certified bfloat16 search forced (config_context(half="bfloat16"); "exact" chooses it only where
-  half precision multiplies faster, which is not the case on CPUs without AMX)
+  half precision multiplies faster: GPUs, CPUs with AMX or AVX-512 BF16)
 - blockwise: L2-normalise, (1024 x N) block matmul, argmax per block (the usual fix)
 - faiss: IndexFlatIP on normalised features (faiss-cpu; skipped with a note if missing)
 - cdist: torch.cdist + argmin on normalised features, where its N x N matrix fits in 4 GiB

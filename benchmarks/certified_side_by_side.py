@@ -10,8 +10,8 @@ then DIR/src). Features: :func:`densematch.app.synthetic.same_scene_pair` (raw c
 two overlapping crops of the astronaut, the hard case for bfloat16's bound) and Gaussian noise,
 both made by this checkout's own code so every tree searches the same rows. Per round, tree and
 case, after a warm-up, three calls of ``engine.topk`` with ``Precision(half=torch.bfloat16)`` (the
-AMX default's path, forced) and three of float32's default, interleaved; each is the median of
-its three. On a CPU without AMX the bfloat16 products themselves are slower than float32's, so the
+default path on CPUs with AMX or AVX-512 BF16, forced) and three of float32's default,
+interleaved; each is the median of its three. On a CPU that emulates bfloat16 the products themselves are slower than float32's, so the
 totals compare the trees, not the precisions: benchmarks/bench_certify.py separates the
 certificate's own cost.
 """
