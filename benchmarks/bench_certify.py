@@ -2,22 +2,21 @@
 
 Run: python benchmarks/bench_certify.py [--sizes 96x96x64 ...] [--repeats 3]
 
-The device picks the certified bfloat16 search where it multiplies bfloat16 fast (AMX,
-AVX-512 BF16); this script forces it with ``config_context(half="bfloat16")`` on whatever CPU runs it and measures
-what does not depend on the product's speed: candidates listed per row, the rows whose
+The device picks the certified bfloat16 search where it multiplies bfloat16 fast (AMX, AVX-512
+BF16); this script forces it with ``config_context(half="bfloat16")`` on whatever CPU runs it and
+measures what does not depend on the product's speed: candidates listed per row, the rows whose
 candidates outgrew the cap (resolved without one), and the search's time beside the time of its
-bfloat16 products alone (``torch.mm`` of the prepared rows over the same tiles), so that
-"certified - products" is the certificate's own cost (bounds, merge, pool, re-scoring). On a CPU
-that emulates bfloat16 (no AMX, no AVX-512 BF16) the products themselves are slower than
-float32's: compare the overhead, not the totals. float32's own search is timed beside them, and so are the rows over the cap: the time
-spent searching them again in float32, per row, against one query row's float32 product with
-every reference ("row again / f32 product row"). ``--features same-scene`` is the hard case
-(:func:`densematch.app.synthetic.same_scene_pair`: raw colour patches of two overlapping crops,
-not normalised), where bfloat16's bound leaves dozens of near-ties in every smooth region.
+bfloat16 products alone (``torch.mm`` of the prepared rows over the same tiles), so that "certified
+- products" is the certificate's own cost (bounds, merge, pool, re-scoring). On a CPU that emulates
+bfloat16 (no AMX, no AVX-512 BF16) the products themselves are slower than float32's: compare the
+overhead, not the totals. float32's own search is timed beside them, and so are the rows over the
+cap: the time spent searching them again in float32, per row, against one query row's float32
+product with every reference ("row again / f32 product row"). ``--features same-scene`` is the hard
+case (:func:`densematch.app.synthetic.same_scene_pair`: raw colour patches of two overlapping
+crops, not normalised), where bfloat16's bound leaves dozens of near-ties in every smooth region.
 ``--kernels auto torch`` times the certified step both ways in one run: one C call per tile
 ("auto", on a CPU with the C kernels) and torch's operators (``config_context(kernel="torch")``,
-which keeps the C kernels out of both searches).
-"""
+which keeps the C kernels out of both searches)."""
 
 from __future__ import annotations
 

@@ -5,16 +5,15 @@ round by round, so that a busy spell hits them alike.
 Run: python benchmarks/certified_side_by_side.py SRC [SRC ...] [--labels A,B] [--rounds 3]
        [--cases 96x96x64 ...] [--ks 1 8] [--metrics cosine] [--threads 1] [--name NAME]
 
-SRC is a src/ folder: this checkout's, or an earlier revision's (``git worktree add DIR REV``,
-then DIR/src). Features: :func:`densematch.app.synthetic.same_scene_pair` (raw colour patches of
-two overlapping crops of the astronaut, the hard case for bfloat16's bound) and Gaussian noise,
-both made by this checkout's own code so every tree searches the same rows. Per round, tree and
-case, after a warm-up, three calls of ``engine.topk`` with ``Precision(half=torch.bfloat16)`` (the
-default path on CPUs with AMX or AVX-512 BF16, forced) and three of float32's default,
-interleaved; each is the median of its three. On a CPU that emulates bfloat16 the products themselves are slower than float32's, so the
-totals compare the trees, not the precisions: benchmarks/bench_certify.py separates the
-certificate's own cost.
-"""
+SRC is a src/ folder: this checkout's, or an earlier revision's (``git worktree add DIR REV``, then
+DIR/src). Features: :func:`densematch.app.synthetic.same_scene_pair` (raw colour patches of two
+overlapping crops of the astronaut, the hard case for bfloat16's bound) and Gaussian noise, both
+made by this checkout's own code so every tree searches the same rows. Per round, tree and case,
+after a warm-up, three calls of ``engine.topk`` with ``Precision(half=torch.bfloat16)`` (the
+default path on CPUs with AMX or AVX-512 BF16, forced) and three of float32's default, interleaved;
+each is the median of its three. On a CPU that emulates bfloat16 the products themselves are slower
+than float32's, so the totals compare the trees, not the precisions: benchmarks/bench_certify.py
+separates the certificate's own cost."""
 
 from __future__ import annotations
 
