@@ -737,3 +737,62 @@ def test_listed_pairs_reaching_their_floor_as_a_mask_finds_them(m, cap, double, 
     want_rows, at = keep.nonzero().unbind(1)
     rows, cols = listed.reaching(floor)
     assert torch.equal(rows, want_rows) and torch.equal(cols, listed.cols[want_rows, at])
+
+
+def _unaddressable(kind: str, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like ``like`` that C can take no pointer of: fake, meta or sparse."""
+    if kind == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            return mode.from_tensor(like)
+    if kind == "meta":
+        return like.to("meta")
+    return like.to_sparse()
+
+
+@needs_library
+@pytest.mark.parametrize("kind", ["fake", "meta", "sparse"])
+def test_every_kind_of_wrapper_refuses_tensors_without_memory(kind):
+    # each of these reached C unchecked once (fake tensors crashed the process); now every wrapper
+    # takes its operands through one boundary, which names the rule
+    x, y = torch.randn(3, 5), torch.randn(4, 3)
+    best_v, best_i = torch.full((2, 1), -math.inf), torch.zeros((2, 1), dtype=torch.int64)
+    calls = {
+        "sqnorms": lambda bad: native.sqnorms(bad(x)),
+        "minkowski": lambda bad: native.minkowski(bad(y), x, torch.empty(4, 5), linf=False),
+        "minkowski_grad": lambda bad: native.minkowski_grad(y, x, bad(torch.ones(4, 5)), torch.ones(4, 5), linf=True),
+        "cosine_terms": lambda bad: native.cosine_terms(bad(y)),
+        "merge_pairs": lambda bad: native.merge_pairs(
+            torch.tensor([0]), torch.tensor([0]), bad(torch.tensor([1.0])), best_v, best_i
+        ),
+        "align_best_shifts": lambda bad: native.align_best_shifts(bad(torch.randn(1, 2, 2, 3, 3)), 1),
+    }
+    for name, call in calls.items():
+        with pytest.raises(
+            ValueError, match=f"native.{name}'s tensor operand .* plain strided CPU tensor with storage"
+        ):
+            call(lambda t: _unaddressable(kind, t))
+    assert float(native.sqnorms(x)[0]) == pytest.approx(float(x[:, 0].square().sum()))  # real ones still run
+
+
+@needs_library
+def test_wrappers_without_a_dtype_rule_have_one_now():
+    x = torch.randn(3, 5)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        native.sqnorms(x.half())
+    with pytest.raises(ValueError, match="one float dtype"):
+        native.minkowski_grad(torch.randn(4, 3).double(), x, torch.ones(4, 5), torch.ones(4, 5), linf=False)
+
+
+def test_all_names_every_public_binding():
+    import inspect
+
+    public = {
+        name
+        for name, v in vars(native).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(v) or inspect.isclass(v))
+        and v.__module__ == native.__name__
+    }
+    assert public <= set(native.__all__), sorted(public - set(native.__all__))

@@ -37,8 +37,12 @@ from . import build as kernel_build
 __all__ = [
     "GROUP",
     "Candidates",
+    "align_best_shifts",
+    "align_cross",
+    "align_refine",
     "build",
     "cache_dir",
+    "certify_bound",
     "cosine_terms",
     "l2_finish",
     "l2_weights",
@@ -53,6 +57,7 @@ __all__ = [
     "minkowski_grad",
     "pair_values",
     "planar",
+    "shipped",
     "sqnorms",
     "status",
     "usable",
@@ -219,13 +224,42 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return library() is not None
 
 
-def _loaded(what: str) -> ctypes.CDLL:
-    """The library, for a caller that :func:`usable` let through; a RuntimeError saying why
-    where it cannot load (checks that stay under ``python -O``, unlike asserts)."""
+def _loaded(what: str, *operands: torch.Tensor | tuple[torch.Tensor, ...] | None) -> ctypes.CDLL:
+    """The library, for a caller that :func:`usable` let through, once every tensor among
+    ``operands`` (None skipped, tuples opened) is one a pointer can be taken of: a plain strided
+    tensor with storage in this process's memory, on the CPU, outside any recorded or faked
+    trace. A ValueError names the rule and the operand otherwise (fake, meta, CUDA, sparse and
+    functorch-wrapped tensors had reached C and crashed the process); a RuntimeError says why
+    where the library cannot load. Checks that stay under ``python -O``, unlike asserts."""
+    if traced():
+        raise ValueError(f"densematch's C kernels: native.{what} cannot run while a graph is traced or faked")
+    for i, t in enumerate(_flat(operands)):
+        if not _addressable(t):
+            raise ValueError(
+                f"densematch's C kernels: native.{what}'s tensor operand {i} must be a plain strided CPU tensor "
+                f"with storage, got {type(t).__name__} on {t.device} ({t.layout}); call it with real tensors"
+            )
     lib = library()
     if lib is None:
         raise RuntimeError(f"native.{what} needs densematch's C kernels: {status()['kernels']}")
     return lib
+
+
+def _flat(operands: tuple[torch.Tensor | tuple[torch.Tensor, ...] | None, ...]) -> list[torch.Tensor]:
+    return [t for o in operands if o is not None for t in (o if isinstance(o, tuple) else (o,))]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _addressable(t: torch.Tensor) -> bool:
+    """Whether C may read ``t`` through its data pointer (see :func:`_loaded`)."""
+    return (
+        type(t) in _PLAIN
+        and t.is_cpu
+        and t.layout is torch.strided
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+    )
 
 
 def _require(condition: bool, rule: str) -> None:
@@ -249,8 +283,8 @@ def minkowski(y: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, linf: bool
 
     Shapes: y (F, D), x (D, P), out (F, P) of any strides; all of one dtype (see :func:`usable`).
     """
-    lib = _loaded("minkowski")
-    _require(y.dtype == x.dtype == out.dtype, "y, x and out must share one dtype")
+    lib = _loaded("minkowski", y, x, out)
+    _require(y.dtype in _SUFFIX and y.dtype == x.dtype == out.dtype, "y, x and out: one float dtype")
     y, x = _unit_rows(y), _unit_rows(x)
     f, d = y.shape
     p = x.shape[1]
@@ -271,7 +305,8 @@ def minkowski_grad(
     """The gradients of ``sum(g * dist)`` with respect to x (D, P) and y (F, D), where ``dist``
     (F, P) is :func:`minkowski`'s output; l1, or linf (the gradient goes to every feature
     where the difference reaches the distance, as torch.cdist's does). On this thread."""
-    lib = _loaded("minkowski_grad")
+    lib = _loaded("minkowski_grad", y, x, g, dist)
+    _require(y.dtype in _SUFFIX and y.dtype == x.dtype == g.dtype == dist.dtype, "y, x, g and dist: one float dtype")
     y, x = _unit_rows(y), _unit_rows(x)
     g, dist = g.contiguous(), dist.contiguous()
     f, d = y.shape
@@ -291,7 +326,8 @@ def minkowski_grad(
 def sqnorms(x: torch.Tensor) -> torch.Tensor:
     """The squared norms (P,) of the columns of x (D, P), summed over rows in order; one pass,
     no temporary. On this thread."""
-    lib = _loaded("sqnorms")
+    lib = _loaded("sqnorms", x)
+    _require(x.dtype in _SUFFIX and x.dim() == 2, "x must be a 2-D float32 or float64 tensor")
     x = _unit_rows(x)
     d, p = x.shape
     out = torch.empty(p, dtype=x.dtype)
@@ -305,7 +341,7 @@ def l2_finish(
     """``out = max(rows[:, None] - 2 t + cols, 0)``, square-rooted if ``root``, in one pass;
     returns each column's smallest value before clamping. Shapes: t (F, P) with unit column
     stride, rows (F,), cols (P,), out (F, P) of any strides; all one dtype; on this thread."""
-    lib = _loaded("l2_finish")
+    lib = _loaded("l2_finish", t, rows, cols, out)
     _require(t.dtype == rows.dtype == cols.dtype == out.dtype, "t, rows, cols and out must share one dtype")
     t, rows, cols = _unit_rows(t), rows.contiguous(), cols.contiguous()
     f, p = t.shape
@@ -323,7 +359,7 @@ def l2_weights(
     """The l2 backward's pair weights into ``w`` (F, P, contiguous): ``g / dist`` and 0 where
     dist is 0 (``root``), or ``g``; returned with their sums over rows (P,) and over columns
     (F,). g and dist (F, P) may have any strides. On this thread."""
-    lib = _loaded("l2_weights")
+    lib = _loaded("l2_weights", g, dist, w)
     _require(g.dtype == dist.dtype == w.dtype and w.is_contiguous(), "g, dist and w must share one dtype, w contiguous")
     f, p = g.shape
     colsum = torch.empty(p, dtype=g.dtype)
@@ -361,7 +397,7 @@ class Candidates:
     def reaching(self, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, columns) of the listed pairs scoring at least their row's ``floor``, rows that
         are over left out."""
-        lib = _loaded("Candidates.reaching")
+        lib = _loaded("Candidates.reaching", floor, self.cols, self.vals, self.counts, self.over)
         m = self.counts.shape[0]
         _require(floor.shape == (m,) and floor.dtype == self.vals.dtype, "floor must be (rows,) in the lists' dtype")
         lists = (self.cols, self.vals, self.counts, self.over)
@@ -394,7 +430,7 @@ def merge(
     reaching its row's k-th best minus the margin (see native.c). bfloat16 scores merge into a
     float32 top-k, without a margin, each column plus ``bias`` (n,) in float32 where given. On
     this thread."""
-    lib = _loaded("merge")
+    lib = _loaded("merge", s, best_v, best_i, margin, bias)
     _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
     if s.dtype == torch.bfloat16:
         _require(best_v.dtype == torch.float32 and margin is None, "bfloat16 scores merge into float32, no margin")
@@ -437,7 +473,7 @@ def merge_pairs(
     in any order) into the running top-k ``best_v`` / ``best_i`` (m, k, contiguous; best first,
     -inf / -1 when empty) of their rows, equal scores to the lower column; a NaN score never
     enters. Rows must lie in [0, m). On this thread."""
-    lib = _loaded("merge_pairs")
+    lib = _loaded("merge_pairs", rows, cols, score, best_v, best_i)
     _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
     _require(score.dtype == best_v.dtype and best_i.dtype == torch.int64, "score must be in the top-k's dtype")
     _require(rows.dtype == cols.dtype == torch.int64, "rows and cols must be int64")
@@ -475,7 +511,7 @@ def merge_certified(
     centres of the groups this tile touches (m, g; unit-stride rows, the first being group
     ``offset // GROUP``), and their bound's terms (m, 5) and (g, 3), from
     :func:`densematch.precision.group_terms` and ``group_norms``."""
-    lib = _loaded("merge_certified")
+    lib = _loaded("merge_certified", h, best_v, best_i, qt, rt, bias, groups)
     _require(h.dtype == torch.bfloat16 and best_v.dtype == torch.float32, "h must be bfloat16, best_v float32")
     _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
     h = _unit_rows(h)
@@ -512,7 +548,7 @@ def cosine_terms(x: torch.Tensor) -> torch.Tensor:
     unit-stride rows: the row's scale, two powers of two that bring its largest magnitude to
     [0.5, 1), and its norm after them; (0, 0, 0) for a zero row, (0, 0, NaN) for a row holding
     a NaN. On this thread."""
-    lib = _loaded("cosine_terms")
+    lib = _loaded("cosine_terms", x)
     _require(x.dim() == 2 and _unit_stride(x), "x must be (n, C) with unit-stride rows")
     out = torch.empty((x.shape[0], 3), dtype=x.dtype)
     if x.shape[0]:
@@ -536,7 +572,7 @@ def pair_values(
     equal values. For "cosine", ``r_terms`` (:func:`cosine_terms` of r, unit-stride rows) spare
     each pair the reference's scale and norm: the same values to the bit, faster (a query row's
     are computed once for its consecutive pairs). On this thread."""
-    lib = _loaded("pair_values")
+    lib = _loaded("pair_values", q, r, idx, q_rows, r_terms)
     _require(q.dtype == r.dtype and idx.dtype == torch.int64, "q and r must share one dtype, idx be int64")
     m, k = idx.shape
     out = torch.empty((m, k), dtype=q.dtype)
@@ -580,7 +616,7 @@ def local_values(
     a and b are both contiguous, or both views of channels-first storage (:func:`planar`), read
     in place: each row a window reaches turned channels last once, into a ring of rows, for the
     same values to the bit. On this thread."""
-    lib = _loaded("local_values")
+    lib = _loaded("local_values", a, b, offsets, out)
     flat = planar(a) and planar(b)
     oy, ox, out = _window_args(a, b, offsets, y0, y1, kind, out, flat)
     h, w, c = a.shape
@@ -647,7 +683,7 @@ def local_flow_values(
     where they are a whole grid of unit steps; else the pair of a and the blended feature).
     ``mask_b`` (H, W) bool: pixels of b that may be read. Returns the values (m, y1 - y0, W), NaN
     where a window's position needs a pixel outside b, and that validity (bool). On this thread."""
-    lib = _loaded("local_flow_values")
+    lib = _loaded("local_flow_values", a, b, flow, offsets, mask_b, out)
     oy, ox, out = _window_args(a, b, offsets, y0, y1, kind, out)
     h, w, c = a.shape
     _require(flow.shape == (h, w, 2), f"flow must have shape {(h, w, 2)}")
@@ -683,7 +719,7 @@ def local_flow_grad(
     any may be None) the gradients of :func:`local_flow_values`' dot products (``linear``) from
     ``grad`` (m, y1 - y0, W), with b's corners read where the torch path reads them. On this
     thread."""
-    lib = _loaded("local_flow_grad")
+    lib = _loaded("local_flow_grad", a, b, flow, offsets, grad, mask_b, ga, gb, gf)
     oy, ox, grad = _window_args(a, b, offsets, y0, y1, "dot", grad.to(a.dtype).contiguous())
     h, w, c = a.shape
     _require(flow.shape == (h, w, 2), f"flow must have shape {(h, w, 2)}")
@@ -728,7 +764,7 @@ def align_refine(
     template ``owner[i]`` into its image, starting at ``params[i]`` (M, 4), or (M, 6) with gain
     and bias; scales kept in ``ranges`` (lo_h, hi_h, lo_w, hi_w). Returns the parameters (M, P)
     and each one's weighted sums of squared and of absolute residuals (M, 2). On this thread."""
-    lib = _loaded("align_refine")
+    lib = _loaded("align_refine", t, x, weights, owner, params)
     b, c, h, w = t.shape
     m, n_par = params.shape
     _require(
@@ -759,7 +795,7 @@ def align_cross(
     channels of T times the stretched image at every integer shift, from ``along_y`` = Ry X
     (B, C, nh, rows, W), the template ``t`` (B, C, h, w) and Rx's taps (i0, i1, w0, w1), each
     (nw, cols) (:func:`densematch.alignment.warp.bilinear_taps`). float32 or float64."""
-    lib = _loaded("align_cross")
+    lib = _loaded("align_cross", along_y, t, taps)
     b, c, nh, rows, big_w = along_y.shape
     h, w = t.shape[-2:]
     i0, i1, w0, w1 = taps
@@ -789,7 +825,7 @@ def align_best_shifts(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     """Per scale pair of align's grid ``score`` (..., n_y, n_x), float32 or float64: the ``k``
     lowest local minima over the shifts (no higher than any of their 8 neighbours), lowest first,
     ties to the lower flat index, and their flat indices, each (..., k); inf and 0 where fewer."""
-    lib = _loaded("align_best_shifts")
+    lib = _loaded("align_best_shifts", score)
     *lead, ny, nx = score.shape
     _require(score.dtype in _SUFFIX and score.is_contiguous() and k >= 1, "score must be contiguous float, k >= 1")
     best = torch.empty(*lead, k, dtype=score.dtype)
@@ -818,7 +854,7 @@ def certify_bound(
     ``template`` (C, h, w) to the range of ``image`` (C, H, W) over the box it samples from:
     whole pixels, or with ``exact`` the bilinear interpolant's own. A cell's sum stops at the first
     row after which it exceeds ``stop``. (M,) float64, on this thread."""
-    lib = _loaded("certify_bound")
+    lib = _loaded("certify_bound", image, template, cells, rows)
     c, h, w = template.shape
     _require(
         all(v.dtype == torch.float64 and v.is_contiguous() for v in (image, template, cells))
