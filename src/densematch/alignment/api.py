@@ -56,11 +56,15 @@ _TOLERANCE, _COARSE_TOLERANCE = 1e-3, 0.05
 # short of the truth: it is refined again from where it stopped, first on both images blurred
 # (a 3x3 binomial filter), then sharp, and the better of the two stays
 _FAR = 1.0
-# the least share of the template's energy the coarsest level must hold below its Nyquist
-# frequency (:func:`_low_band`): photographs keep 0.24-0.95 at a factor of 4 and white noise
-# 0.065, while a periodic texture finer than the level keeps none (BENCHMARKS.md, "align on
-# fine textures and large levels")
+# the least share of the template's energy the coarsest level must hold below _BAND_EDGE cycles
+# per level pixel (:func:`_low_band`): photographs keep 0.07-0.95 at the level they search,
+# masks 0.79 and more, while a periodic texture finer than the level keeps none (BENCHMARKS.md,
+# "align on fine textures and large levels"). Not the level's Nyquist frequency (0.5): a
+# texture just under it has about two samples a period there, so a one-pixel step of the
+# grid's shifts moves it by half a period, and warping one adds beats of lower frequency,
+# which alone passed the rule (periods 3-4 at a factor of 2)
 _LOW_BAND = 0.02
+_BAND_EDGE = 0.35
 
 
 @dataclass
@@ -599,8 +603,8 @@ def _levels(t: torch.Tensor, mask: torch.Tensor) -> list[int]:
 def _low_band(t: torch.Tensor, mask: torch.Tensor) -> Callable[[int], torch.Tensor]:
     """For a factor f, the least over the pairs of ``t`` (B, C, h, w) of the share of the
     template's energy (weighted by ``mask``, its mean off, under a Hann window against the
-    crop's edges) at frequencies a level of factor f still holds: below 1 / (2 f) cycles per
-    pixel on both axes, less the window's main lobe. Above them, a block mean keeps only
+    crop's edges) at frequencies a level of factor f resolves: below _BAND_EDGE / f cycles per
+    pixel on both axes (0.7 of its Nyquist frequency), less the window's main lobe. Above them, a block mean keeps only
     aliases, which stretch and shift differently from the template's texture: a fine periodic
     texture (period under 2 f) has none left, and its coarse grid finds the wrong phase."""
     h, w = t.shape[-2:]
@@ -614,7 +618,7 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor) -> Callable[[int], torch.Tens
     total = power.sum((1, 2)).clamp_min(1e-300)
 
     def share(f: int) -> torch.Tensor:  # less the window's main lobe (2 / n), which smears a line over it
-        kept = (fy < 0.5 / f - 2 / h) & (fx < 0.5 / f - 2 / w)
+        kept = (fy < _BAND_EDGE / f - 2 / h) & (fx < _BAND_EDGE / f - 2 / w)
         return ((power * kept).sum((1, 2)) / total).min()
 
     return share
