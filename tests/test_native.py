@@ -796,3 +796,42 @@ def test_all_names_every_public_binding():
         and v.__module__ == native.__name__
     }
     assert public <= set(native.__all__), sorted(public - set(native.__all__))
+
+
+def test_the_header_is_the_one_signature_list():
+    # every kernel the bindings call is declared in dm_abi.h, whose lines give ctypes its types
+    # (each .c includes the header, so the compiler holds the definitions to the same lines)
+    import re
+
+    declared = native.signatures()
+    header = native.HEADER.read_text()
+    assert f"#define DM_ABI_VERSION {native.ABI_VERSION}\n" in header
+    assert len(declared) == len(re.findall(r"^\w+\s+dm_\w+\(", header, flags=re.M)) > 30
+    source = Path(native.__file__).read_text()
+    called = set(re.findall(r"lib\.(dm_\w+)", source))
+    for stem in re.findall(r'f"(dm_\w+)_\{_SUFFIX', source):
+        called |= {f"{stem}_f32", f"{stem}_f64"}
+    assert called and called <= set(declared), sorted(called - set(declared))
+    for src in native.SOURCES:
+        assert '#include "dm_abi.h"' in src.read_text(), src.name
+    lib = native.library()
+    if lib is not None:
+        for name, (args, result) in declared.items():
+            fn = getattr(lib, name)
+            assert (list(fn.argtypes), fn.restype) == (args, result), name
+
+
+def test_a_header_type_without_a_ctypes_twin_is_refused():
+    with pytest.raises(ValueError, match="no ctypes type for 'long double'"):
+        native._ctype("long double", "dm_example")
+
+
+@needs_library
+def test_a_library_of_another_abi_version_is_refused(monkeypatch):
+    # a build of other declarations (a stale cache, another release's library) would be called
+    # with the wrong arguments: it is not loaded, and torch's kernels run instead
+    monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION + 1)
+    monkeypatch.setattr(native, "_status", {})
+    with pytest.warns(RuntimeWarning, match=r"declares ABI version \d+, this package's bindings \d+"):
+        assert native.library.__wrapped__() is None
+    assert "ABI version" in native._status["reason"]

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dm_abi.h"
+
 typedef double v4d __attribute__((vector_size(32)));
 typedef int64_t v4i __attribute__((vector_size(32)));
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 # one library from these: the engine's kernels, and align's refinement
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native.c", "align.c", "certify.c"))
+# what every source includes: the declarations of the library's functions and its ABI version
+HEADER = Path(__file__).with_name("dm_abi.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11")
 # x86-64 psABI levels, highest first, with the /proc/cpuinfo flags each needs
 X86_LEVELS = {

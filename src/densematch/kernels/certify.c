@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "dm_abi.h"
+
 /* the interval [lo, hi] of input coordinates output pixel i samples over a cell (centres scale,
  * shift; half widths ds, dt), clamped to [0, n_in - 1], from the four corners */
 static inline void span(int64_t i, int64_t n_in, double scale, double shift, double ds, double dt, double *lo,

@@ -16,6 +16,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "dm_abi.h"
+
+/* the declarations this library was built with (dm_abi.h); the loader compares */
+int64_t dm_abi_version(void) { return DM_ABI_VERSION; }
+
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif

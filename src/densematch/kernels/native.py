@@ -17,6 +17,11 @@ setting up (``python -m densematch.kernels.native``). A library whose SHA-256 (w
 it by the build) no longer matches is never loaded. Without either (a RuntimeWarning says so
 once), with ``DENSEMATCH_NATIVE=0``, or under ``config_context(kernel="torch")``, callers
 fall back to torch's kernels: :func:`usable` says which applies, :func:`status` why.
+
+``dm_abi.h`` declares every function the library exports, one line each, and every source
+includes it: :func:`signatures` reads the ctypes types from those lines, and a library whose
+``dm_abi_version()`` differs from :data:`ABI_VERSION` is refused. A new kernel is its C body, its
+line in the header and its wrapper here, whose tensors pass :func:`_loaded`'s boundary.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,6 +71,10 @@ __all__ = [
 ]
 
 SOURCES = kernel_build.SOURCES
+HEADER = kernel_build.HEADER
+# the dm_abi.h these bindings were written against (DM_ABI_VERSION); a library built from other
+# declarations is refused
+ABI_VERSION = 1
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 # references per centre where the certified search centres its half rows by groups (DM_GROUP)
 GROUP = 32
@@ -118,7 +129,8 @@ def _cached_path(compiler: str) -> Path:
     compiler, so that a shared home directory hands each CPU level its own build."""
     stat = Path(compiler).resolve().stat()
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(kernel_build.flags(_level(), here=True)).encode()):
+    parts = [s.read_bytes() for s in (*SOURCES, HEADER)]
+    for part in (*parts, " ".join(kernel_build.flags(_level(), here=True)).encode()):
         key.update(part)
     key.update(f"{compiler}:{stat.st_mtime_ns}:{platform.machine()}".encode())
     return cache_dir() / f"native-{key.hexdigest()[:16]}.so"
@@ -158,42 +170,59 @@ def library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    n, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int  # sizes and strides, data, switches
-    signatures = {
-        "dm_minkowski": ([ptr, n, ptr, n, ptr, n, n, n, n, n, flag, ctypes.c_double], flag),
-        "dm_minkowski_grad": ([ptr, n, ptr, n, ptr, ptr, n, ptr, n, ptr, n, n, n, n, flag], None),
-        "dm_l2_finish": ([ptr, n, ptr, ptr, ptr, n, n, n, n, flag, ptr], None),
-        "dm_sqnorms": ([ptr, n, ptr, n, n], None),
-        "dm_l2_weights": ([ptr, n, n, ptr, n, n, ptr, ptr, ptr, n, n, flag], None),
-        "dm_merge": ([ptr, n, n, n, n, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr], None),
-        "dm_merge_pairs": ([ptr, ptr, ptr, n, ptr, ptr, n], None),
-        "dm_list_reaching": ([ptr, ptr, ptr, ptr, n, n, ptr, ptr, ptr], n),
-        "dm_pair_values": ([ptr, n, ptr, ptr, n, ptr, n, n, n, flag, ptr, ptr], None),
-        "dm_cosine_terms": ([ptr, n, n, n, ptr], None),
-        "dm_local_values": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], None),
-        "dm_local_planar": ([ptr, ptr, n, n, n, ptr, ptr, n, n, n, flag, ptr], flag),
-        "dm_local_flow_grad": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, ptr, ptr, ptr, ptr], None),
-        "dm_local_flow": ([ptr, ptr, n, n, n, ptr, flag, ptr, ptr, ptr, n, n, n, n, flag, flag, ptr, ptr], flag),
-        "dm_align_cross": ([ptr] * 6 + [n] * 11 + [ptr], flag),
-        "dm_align_best_shifts": ([ptr, n, n, n, n, ptr, ptr], None),
-    }
-    for name, (args, result) in signatures.items():
-        for suffix in _SUFFIX.values():
-            fn = getattr(lib, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = args, result
-    # h, ldh, m, n, offset, bias, the groups' products (and their row stride) and terms, qt, rt,
-    # rounding, best_v, best_i, k, cap, and the candidate lists (cols, vals, counts, over)
-    lib.dm_merge_certified_bf16.argtypes = [ptr, n, n, n, n, ptr, ptr, n, ptr, ptr, ptr, ptr, ctypes.c_float]
-    lib.dm_merge_certified_bf16.argtypes += [ptr, ptr, n, n, ptr, ptr, ptr, ptr]
-    lib.dm_merge_certified_bf16.restype = None
-    lib.dm_merge_bf16.argtypes = [ptr, n, n, n, n, ptr, ptr, n, ptr]
-    lib.dm_merge_bf16.restype = None
-    sizes = [n] * 5  # C, h, w, H, W
-    lib.dm_align_refine.argtypes = [ptr, ptr, ptr, flag, *sizes, ptr, n, flag, ptr, flag, ctypes.c_double, ptr, ptr]
-    lib.dm_align_refine.restype = flag
-    lib.dm_certify_bound.argtypes = [ptr, ptr, *sizes, ptr, n, ptr, ptr, n, flag, flag, ctypes.c_double, ptr]
-    lib.dm_certify_bound.restype = flag
+    version = getattr(lib, "dm_abi_version", None)
+    if version is not None:
+        version.argtypes, version.restype = [], ctypes.c_int64
+    found = None if version is None else int(version())
+    if found != ABI_VERSION:
+        _status["reason"] = f"its library declares ABI version {found}, this package's bindings {ABI_VERSION}"
+        warnings.warn(
+            f"densematch's C kernels are unavailable ({_status['reason']}: a build of other sources); torch's "
+            "slower kernels run instead (delete it, or the cache at DENSEMATCH_CACHE, to rebuild)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    for name, (args, result) in signatures().items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
     return lib
+
+
+# C types of dm_abi.h's declarations as ctypes gives them; any pointer is an address
+_CTYPES: dict[str, Any] = {
+    "int64_t": ctypes.c_int64,
+    "int": ctypes.c_int,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+    "void": None,
+}
+_DECLARATION = re.compile(r"^(\w+)\s+(dm_\w+)\((.*)\);$")
+
+
+def _ctype(declared: str, where: str) -> Any:
+    """The ctypes type of one C type in dm_abi.h (``declared``: a parameter or a result)."""
+    if "*" in declared:
+        return ctypes.c_void_p
+    words = declared.replace("const ", "").split()
+    if not words or words[0] not in _CTYPES:
+        raise ValueError(f"dm_abi.h: {where}: no ctypes type for {declared!r}")
+    return _CTYPES[words[0]]
+
+
+@functools.cache
+def signatures() -> dict[str, tuple[list[Any], Any]]:
+    """Every function dm_abi.h declares (one declaration a line), as (argtypes, restype): the
+    one list of the library's signatures, which the loader gives ctypes."""
+    out: dict[str, tuple[list[Any], Any]] = {}
+    for line in HEADER.read_text().splitlines():
+        found = _DECLARATION.match(line.strip())
+        if found is None:
+            continue
+        result, name, params = found.groups()
+        args = [] if params.strip() == "void" else [_ctype(p, name) for p in params.split(",")]
+        out[name] = (args, _ctype(result, name))
+    return out
 
 
 def status() -> dict[str, str]:
