@@ -62,7 +62,32 @@ def test_the_choosing_guide_is_linked_from_the_readme_and_every_public_function(
     public = ["match", "local_match", "local_cost_volume", "soft_match", "pairwise_distance", "nearest_prototype"]
     for name in [*public, "knn", "align"]:
         assert "docs/choosing.md" in getattr(densematch, name).__doc__, name
-    # every section of BENCHMARKS.md the guide quotes a figure from exists under that name
+    # every section the guide quotes a figure from exists under that name, in BENCHMARKS.md or
+    # in the history it links
     quoted = [" ".join(q.split()) for q in re.findall(r'\("([^"]+)"', (ROOT / "docs" / "choosing.md").read_text())]
-    headings = "\n".join(line for line in (ROOT / "BENCHMARKS.md").read_text().splitlines() if line.startswith("#"))
+    pages = [ROOT / "BENCHMARKS.md", *sorted((ROOT / "benchmarks" / "history").glob("*.md"))]
+    headings = "\n".join(line for page in pages for line in page.read_text().splitlines() if line.startswith("#"))
     assert quoted and all(q in headings for q in quoted), [q for q in quoted if q not in headings]
+
+
+def test_benchmarks_are_a_short_reference_over_a_linked_history():
+    reference = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(reference.splitlines()) <= 300
+    history = ROOT / "benchmarks" / "history"
+    index = (history / "README.md").read_text()
+    for page in history.glob("*.md"):
+        if page.name != "README.md":
+            assert f"]({page.name})" in index, page.name
+    # every history page and every file the docs and the code point at is there
+    cited = set(re.findall(r"benchmarks/history/([\w.-]+\.md)", reference))
+    for doc in [*(ROOT / "docs").glob("*.md"), *(ROOT / "src").rglob("*.py")]:
+        cited |= set(re.findall(r"benchmarks/history/([\w.-]+\.md)", doc.read_text()))
+    missing = sorted(name for name in cited if not (history / name).exists())
+    assert cited and not missing, missing
+    assert "## GPU" in reference  # says plainly what is not measured
+
+
+def test_every_benchmark_script_is_listed_in_its_readme():
+    listed = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    assert [name for name in scripts if f"| {name} |" not in listed] == []

@@ -36,7 +36,7 @@ _SDPA = True
 # on a CPU, narrower features take the flash kernel's backward after the tiles' forward where
 # gradients are wanted; these and wider ones the tiles' backward too: measured at 96x96 (one
 # thread, forward + backward), the flash backward led at C=64 and 128, the tiles' at 256
-# (BENCHMARKS.md, "the largest weight found on the way")
+# (benchmarks/history/2026-12-01-soft-match-the-largest-weight-found-on-the.md)
 _FUSED_WIDTH = 128
 
 

@@ -68,7 +68,7 @@ CANDIDATES = 32
 # With the default, the cap grows with the references: a row over it costs one float32 product
 # row (nb products at matrix-product speed), a listed candidate one direct score (tens of times a
 # product's cost per value on a CPU), so up to about nb / 32 candidates are cheaper to re-score
-# than the row is to search again (same-scene features: BENCHMARKS.md, issue 39). Capped so that
+# than the row is to search again (same-scene features: benchmarks/history/, issue 39). Capped so that
 # the lists stay small beside a tile's scores.
 _CANDIDATES_PER_REFERENCE = 1 / 32
 _MOST_CANDIDATES = 256

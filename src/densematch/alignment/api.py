@@ -58,8 +58,8 @@ _TOLERANCE, _COARSE_TOLERANCE = 1e-3, 0.05
 _FAR = 1.0
 # the least share of the template's energy the coarsest level must hold below _BAND_EDGE cycles
 # per level pixel (:func:`_low_band`): photographs keep 0.07-0.95 at the level they search,
-# masks 0.79 and more, while a periodic texture finer than the level keeps none (BENCHMARKS.md,
-# "align on fine textures and large levels"). Not the level's Nyquist frequency (0.5): a
+# masks 0.79 and more, while a periodic texture finer than the level keeps none (benchmarks/
+# history/2026-12-05-align-on-fine-textures-again-the-level-rule.md). Not the level's Nyquist frequency (0.5): a
 # texture just under it has about two samples a period there, so a one-pixel step of the
 # grid's shifts moves it by half a period, and warping one adds beats of lower frequency,
 # which alone passed the rule (periods 3-4 at a factor of 2)

@@ -14,7 +14,7 @@ already a lower bound, so the rows most varied are summed first and most cells s
 kernels/certify.c, row by row; torch's path sums a quarter of them first). Cells left are split in
 16 until none is left outside the answer's neighbourhood, or they are too small.
 
-Seconds to minutes per pair on one CPU thread (BENCHMARKS.md, "align's answers certified in C"):
+Seconds to minutes per pair on one CPU thread (benchmarks/history/2026-12-02-align-s-answers-certified-in-c-48-of.md):
 an offline check of an answer, not part of :func:`align`.
 """
 
