@@ -129,3 +129,19 @@ def test_knn_never_builds_the_distance_matrix():
         """
     )
     assert extra < 24 * 2**20, f"{extra / 2**20:.1f} MiB above the inputs"
+
+
+def test_searches_return_named_values_and_indices():
+    # one result type for nearest_prototype, knn and KNNIndex.search: a named tuple, so the
+    # unpacking code written for plain tuples keeps working
+    bank = torch.randn(300, 8)
+    x = torch.randn(2, 8, 5, 6)
+    for got in (
+        densematch.knn(bank[:7], bank, k=3),
+        densematch.KNNIndex(bank).search(bank[:7], k=3),
+        densematch.nearest_prototype(x, bank, k=3),
+    ):
+        assert isinstance(got, densematch.Nearest) and got._fields == ("values", "indices")
+        d, i = got
+        assert d is got.values and i is got.indices and i.dtype == torch.int64
+    assert torch.equal(densematch.knn(bank[:7], bank).indices[:, 0], torch.arange(7))

@@ -7,7 +7,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from ._distance import PrototypeDistance, nearest_prototype, pairwise_distance
+from ._distance import Nearest, PrototypeDistance, nearest_prototype, pairwise_distance
 from ._info import show_config
 from ._knn import KNNIndex, knn
 from ._match import DenseMatcher, Matches, match
@@ -29,6 +29,7 @@ __all__ = [
     "LocalMatcher",
     "MatchOptions",
     "Matches",
+    "Nearest",
     "PrototypeDistance",
     "SoftMatches",
     "__version__",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -28,7 +28,25 @@ from .metrics import Metric, Minkowski, get_metric
 from .precision import RANKINGS, Precision, resolve_precision
 from .threads import share_out, share_size, workers_for
 
-__all__ = ["PrototypeDistance", "nearest_prototype", "pairwise_distance"]
+__all__ = ["Nearest", "PrototypeDistance", "nearest_prototype", "pairwise_distance"]
+
+
+class Nearest(NamedTuple):
+    """The nearest prototypes of every pixel (:func:`nearest_prototype`) or bank rows of every
+    query (:func:`densematch.knn`, :meth:`densematch.KNNIndex.search`), nearest first. A tuple
+    of two, named as ``torch.topk``'s are: ``d, i = nearest_prototype(...)`` unpacks it.
+
+    Attributes
+    ----------
+    values : Tensor
+        The distances, recomputed directly from each pair (differentiable where the inputs
+        require grad); for "dot", the products (larger is nearer).
+    indices : Tensor of int64, shaped like ``values``
+        The prototypes or bank rows; ties go to the lower index.
+    """
+
+    values: torch.Tensor
+    indices: torch.Tensor
 
 
 def _check_inputs(
@@ -393,7 +411,7 @@ def nearest_prototype(
     memory: int | str | None = None,
     check_finite: bool = True,
     precision: PrecisionName = "exact",
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Nearest:
     """The `k` nearest prototypes of every pixel, without building the (N, F, H, W) tensor.
 
     Which options fit which job, and what each costs: docs/choosing.md.
@@ -417,12 +435,12 @@ def nearest_prototype(
 
     Returns
     -------
-    distance : Tensor of shape (N, H, W), or (N, k, H, W) for k > 1
-        Recomputed directly from each pixel and its prototype (no expansion error), in the
-        compute dtype (float32, or float64 for float64 inputs). Differentiable with respect to
-        x and prototypes when they require grad.
-    index : Tensor of int64, same shape
-        The prototypes, nearest first; ties go to the lower index.
+    Nearest
+        ``values``: Tensor of shape (N, H, W), or (N, k, H, W) for k > 1, recomputed directly
+        from each pixel and its prototype (no expansion error), in the compute dtype (float32,
+        or float64 for float64 inputs), differentiable with respect to x and prototypes when
+        they require grad. ``indices``: int64, same shape, the prototypes, nearest first; ties go
+        to the lower index. A named tuple: ``d, i = nearest_prototype(...)`` still unpacks it.
 
     Examples
     --------
@@ -507,7 +525,7 @@ def nearest_task(
     return x, p, m, prec, k, resolve_memory(memory, x.device)
 
 
-def nearest_result(value: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+def nearest_result(value: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> Nearest:
     """(N, HW, k) distances and indices as :func:`nearest_prototype` returns them: (N, k, H, W),
     or (N, H, W) for k = 1."""
     n, _d, h, w = shape
@@ -515,8 +533,8 @@ def nearest_result(value: torch.Tensor, index: torch.Tensor, shape: torch.Size) 
     index = index.permute(0, 2, 1).reshape(n, k, h, w)
     value = value.permute(0, 2, 1).reshape(n, k, h, w)
     if k == 1:
-        return value[:, 0], index[:, 0]
-    return value, index
+        return Nearest(value[:, 0], index[:, 0])
+    return Nearest(value, index)
 
 
 class PrototypeDistance(nn.Module):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from . import engine
-from ._distance import nearest_search, nearest_task
+from ._distance import Nearest, nearest_search, nearest_task
 from .checks import as_tensor, check_bool, check_finite
 from .choices import MetricName, PrecisionName
 from .metrics import Metric
@@ -63,7 +63,7 @@ def knn(
     memory: int | str | None = None,
     precision: PrecisionName = "exact",
     check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Nearest:
     """The k nearest rows of ``bank`` of every row of ``queries``, exactly, without the N x M
     distance matrix.
 
@@ -83,11 +83,11 @@ def knn(
 
     Returns
     -------
-    distances : Tensor of shape (N, k)
-        Recomputed directly from each pair, in float32 (float64 for float64 inputs);
-        differentiable with respect to queries and bank.
-    indices : Tensor of shape (N, k), int64
-        Rows of the bank, nearest first; ties to the lower index.
+    Nearest
+        ``values``: Tensor of shape (N, k), recomputed directly from each pair, in float32
+        (float64 for float64 inputs), differentiable with respect to queries and bank.
+        ``indices``: int64, shape (N, k), rows of the bank, nearest first; ties to the lower
+        index. A named tuple: ``d, i = knn(...)`` still unpacks it.
 
     Examples
     --------
@@ -98,7 +98,7 @@ def knn(
     """
     x, p, m, prec, k, budget = _task(queries, bank, metric, k, memory, check_finite, precision)
     value, index = nearest_search(x, p, m, prec, k, budget)
-    return value[0], index[0]
+    return Nearest(value[0], index[0])
 
 
 class KNNIndex:
@@ -145,9 +145,9 @@ class KNNIndex:
         self.prepared = engine.prepare(self.bank.detach(), metric=self.metric, k=1, precision=self._precision)
         self._version = self.bank._version
 
-    def search(self, queries: Any, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(self, queries: Any, k: int = 1) -> Nearest:
         """The k nearest rows of the bank of every row of ``queries`` (N, D): distances and
-        indices of shape (N, k), as :func:`knn` returns them."""
+        indices of shape (N, k), a :class:`densematch.Nearest` as :func:`knn` returns it."""
         if self.bank._version != self._version:  # changed in place since it was prepared
             if self.check_finite:
                 check_finite(self.bank.detach(), "bank")
@@ -155,7 +155,7 @@ class KNNIndex:
         settings = (self.metric.name, k, self.memory, self.check_finite, self.precision)
         x, p, m, prec, k, budget = _task(queries, self.bank, *settings, bank_checked=True)
         value, index = nearest_search(x, p, m, prec, k, budget, prepared=self.prepared)
-        return value[0], index[0]
+        return Nearest(value[0], index[0])
 
     def __repr__(self) -> str:
         m, d = self.bank.shape
