@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -47,6 +48,20 @@ class Nearest(NamedTuple):
 
     values: torch.Tensor
     indices: torch.Tensor
+
+
+@dataclass(frozen=True)
+class NearestTask:
+    """A validated nearest-prototype search (:func:`nearest_task`): the pixels ``x``
+    (N, D, H, W), the ``prototypes`` (F, D), the metric, the resolved precision, k and the
+    working-memory budget in bytes."""
+
+    x: torch.Tensor
+    prototypes: torch.Tensor
+    metric: Metric
+    precision: Precision
+    k: int
+    budget: int
 
 
 def _check_inputs(
@@ -449,27 +464,21 @@ def nearest_prototype(
     >>> d.shape, i.shape
     (torch.Size([2, 3, 5, 7]), torch.Size([2, 3, 5, 7]))
     """
-    x, p, m, prec, k, budget = nearest_task(x, prototypes, metric, k, memory, check_finite, precision)
-    value, index = nearest_search(x, p, m, prec, k, budget)
-    return nearest_result(value, index, x.shape)
+    task = nearest_task(x, prototypes, metric, k, memory, check_finite, precision)
+    value, index = nearest_search(task)
+    return nearest_result(value, index, task.x.shape)
 
 
-def nearest_values(
-    x: torch.Tensor,
-    p: torch.Tensor,
-    m: Metric,
-    prec: Precision,
-    k: int,
-    budget: int,
-    prepared: engine.Prepared | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's top-k of the pixels of x (N, D, H, W) over the prototypes: the metric's
-    values (similarities for cosine and dot; NaN in empty slots) and indices (-1 there), both
-    (N, HW, k), without autograd."""
+def nearest_values(task: NearestTask, prepared: engine.Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's top-k of the task's pixels over its prototypes: the metric's values
+    (similarities for cosine and dot; NaN in empty slots) and indices (-1 there), both
+    (N, HW, k), without autograd. ``prepared``: the prototypes as
+    :func:`densematch.engine.prepare` made them ready."""
+    x, k, prec = task.x, task.k, task.precision
     n, _d, h, w = x.shape
     index = torch.empty((n, h * w, k), dtype=torch.int64, device=x.device)
     value = torch.empty((n, h * w, k), dtype=prec.dtype, device=x.device)
-    pd = p.detach()
+    pd, m, budget = task.prototypes.detach(), task.metric, task.budget
     with torch.autocast(device_type=x.device.type, enabled=False):
         for i in range(n):
             rows = x[i].detach().flatten(1).T  # (HW, D), a view
@@ -482,24 +491,17 @@ def nearest_values(
     return value, index
 
 
-def nearest_search(
-    x: torch.Tensor,
-    p: torch.Tensor,
-    m: Metric,
-    prec: Precision,
-    k: int,
-    budget: int,
-    prepared: engine.Prepared | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k nearest prototypes of the pixels of x (N, D, H, W): distances and indices of shape
-    (N, HW, k), the distances recomputed with autograd where x or p require it. ``prepared``:
-    the prototypes as :func:`densematch.engine.prepare` made them ready."""
-    value, index = nearest_values(x, p, m, prec, k, budget, prepared)
+def nearest_search(task: NearestTask, prepared: engine.Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k nearest prototypes of the task's pixels: distances and indices of shape (N, HW, k),
+    the distances recomputed with autograd where x or the prototypes require it (see
+    :func:`nearest_values` for ``prepared``)."""
+    value, index = nearest_values(task, prepared)
+    x, p, m, dtype = task.x, task.prototypes, task.metric, task.precision.dtype
     with torch.autocast(device_type=x.device.type, enabled=False):
         if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad):
             # the chosen pairs again, with autograd: (N, HW, k, D) gathered rows, never (.., F, ..)
-            xr = x.flatten(2).transpose(1, 2).to(prec.dtype)[:, :, None, :]
-            value = m.pair_value(xr, p.to(prec.dtype)[index])
+            xr = x.flatten(2).transpose(1, 2).to(dtype)[:, :, None, :]
+            value = m.pair_value(xr, p.to(dtype)[index])
     return m.distance(value), index
 
 
@@ -513,7 +515,7 @@ def nearest_task(
     precision: str,
     *,
     bank: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, Metric, Precision, int, int]:
+) -> NearestTask:
     """A validated :func:`nearest_prototype` call: x, the prototypes (F, D), the metric, the
     resolved precision (float64 for float64 inputs), k and the budget. ``bank``: the size of
     the whole bank when ``prototypes`` is one slice of it (which may then be empty); ``k`` is
@@ -522,7 +524,7 @@ def nearest_task(
     check_choice(precision, "precision", RANKINGS)
     prec = resolve_precision(precision, x.device, m, float64=dtype == torch.float64)
     k = check_int(k, "k", 1, p.shape[0] if bank is None else bank)
-    return x, p, m, prec, k, resolve_memory(memory, x.device)
+    return NearestTask(x, p, m, prec, k, resolve_memory(memory, x.device))
 
 
 def nearest_result(value: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> Nearest:

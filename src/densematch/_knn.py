@@ -7,11 +7,9 @@ from typing import Any
 import torch
 
 from . import engine
-from ._distance import Nearest, nearest_search, nearest_task
+from ._distance import Nearest, NearestTask, nearest_search, nearest_task
 from .checks import as_tensor, check_bool, check_finite
 from .choices import MetricName, PrecisionName
-from .metrics import Metric
-from .precision import Precision
 
 __all__ = ["KNNIndex", "knn"]
 
@@ -37,7 +35,7 @@ def _task(
     precision: str,
     *,
     bank_checked: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, Metric, Precision, int, int]:
+) -> NearestTask:
     """Validated queries (as one N x 1 map, a view), bank, metric, precision, k and budget
     (``bank_checked``: the bank's values were checked already, by the index)."""
     finite = check_bool(finite, "check_finite")
@@ -96,8 +94,7 @@ def knn(
     >>> i[:, 0].tolist()
     [0, 1, 2, 3, 4]
     """
-    x, p, m, prec, k, budget = _task(queries, bank, metric, k, memory, check_finite, precision)
-    value, index = nearest_search(x, p, m, prec, k, budget)
+    value, index = nearest_search(_task(queries, bank, metric, k, memory, check_finite, precision))
     return Nearest(value[0], index[0])
 
 
@@ -138,7 +135,8 @@ class KNNIndex:
         if not isinstance(bank, torch.Tensor) or b.is_inference():
             b = b.clone()
         self.memory, self.precision, self.check_finite = memory, precision, check_finite
-        _, self.bank, self.metric, self._precision, _, _ = _task(b[:1], b, metric, 1, memory, check_finite, precision)
+        task = _task(b[:1], b, metric, 1, memory, check_finite, precision)
+        self.bank, self.metric, self._precision = task.prototypes, task.metric, task.precision
         self._prepare()
 
     def _prepare(self) -> None:
@@ -153,8 +151,8 @@ class KNNIndex:
                 check_finite(self.bank.detach(), "bank")
             self._prepare()
         settings = (self.metric.name, k, self.memory, self.check_finite, self.precision)
-        x, p, m, prec, k, budget = _task(queries, self.bank, *settings, bank_checked=True)
-        value, index = nearest_search(x, p, m, prec, k, budget, prepared=self.prepared)
+        task = _task(queries, self.bank, *settings, bank_checked=True)
+        value, index = nearest_search(task, prepared=self.prepared)
         return Nearest(value[0], index[0])
 
     def __repr__(self) -> str:

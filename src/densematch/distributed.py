@@ -210,17 +210,15 @@ def _task_view(task: _match.Task, replicated: dict[str, torch.Tensor | None]) ->
     return view
 
 
-def _nearest_view(
-    x: torch.Tensor, p: torch.Tensor, m: Any, prec: Any, k: int, replicated: dict[str, torch.Tensor]
-) -> dict[str, Any]:
+def _nearest_view(task: _distance.NearestTask, replicated: dict[str, torch.Tensor]) -> dict[str, Any]:
     """What every rank of a sharded nearest_prototype must agree on (see :func:`_task_view`)."""
     view: dict[str, Any] = {
-        "metric": m.name,
-        "k": k,
-        "precision": prec.name,
-        "x's shape": tuple(x.shape),
-        "prototype width": p.shape[1],
-        "dtype": str(x.dtype),
+        "metric": task.metric.name,
+        "k": task.k,
+        "precision": task.precision.name,
+        "x's shape": tuple(task.x.shape),
+        "prototype width": task.prototypes.shape[1],
+        "dtype": str(task.x.dtype),
     }
     view.update({f"{name} (checksum)": checksum(t) for name, t in replicated.items()})
     return view
@@ -459,10 +457,9 @@ def nearest_prototype(
     check_choice(shard, "shard", NEAREST_SHARDS)
     g = _Group(group, timeout, stats)
     if shard == "pixels":
-        x, p, m, prec, k, budget = g.agree(
-            lambda: _distance.nearest_task(x, prototypes, metric, k, memory, check_finite, precision)
-        )
-        g.same(_nearest_view(x, p, m, prec, k, {"x": x, "prototypes": p}))
+        task = g.agree(lambda: _distance.nearest_task(x, prototypes, metric, k, memory, check_finite, precision))
+        x, p, m, prec, k, budget = task.x, task.prototypes, task.metric, task.precision, task.k, task.budget
+        g.same(_nearest_view(task, {"x": x, "prototypes": p}))
         n, _d, h, w = x.shape
         start, stop = g.share(n * h * w)
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -486,14 +483,15 @@ def nearest_prototype(
 
     sizes = g.objects(g.agree(lambda: int(as_tensor(prototypes, "prototypes").shape[0])))
     offset, total = sum(sizes[: g.rank]), sum(sizes)
-    x, p, m, prec, k, budget = g.agree(
+    task = g.agree(
         lambda: _distance.nearest_task(x, prototypes, metric, k, memory, check_finite, precision, bank=total)
     )
-    g.same(_nearest_view(x, p, m, prec, k, {"x": x}))
+    x, m, k = task.x, task.metric, task.k
+    g.same(_nearest_view(task, {"x": x}))
     n, _d, h, w = x.shape
 
     def search() -> tuple[torch.Tensor, torch.Tensor]:
-        value, index = _distance.nearest_values(x, p, m, prec, k, budget)
+        value, index = _distance.nearest_values(task)
         return value, torch.where(index >= 0, index + offset, -1)
 
     value, index = g.agree(search)
