@@ -120,7 +120,17 @@ def local_match(
         offsets, score, valid = best(*tensors, list(radii), list(dilations), sampling, m.name, k, budget, use_c)
         return matches(offsets, score, valid, tensors[2], k, batched)
     win, (ra, rb, moved), batched = prepare(
-        a, b, radius, dilation, flow, sampling, m, layout, mask_a, mask_b, use_c=use_c
+        a,
+        b,
+        radius=radius,
+        dilation=dilation,
+        flow=flow,
+        sampling=sampling,
+        metric=m,
+        layout=layout,
+        mask_a=mask_a,
+        mask_b=mask_b,
+        use_c=use_c,
     )
     k = check_int(k, "k", 1, win.window[0] * win.window[1])
     return topk(win, ra, rb, moved, k, m, resolve_memory(memory, ra.device), batched)

@@ -36,10 +36,18 @@ def _planned(
     metric: str,
     use_c: bool,
 ) -> tuple[Window, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    ry, rx = radius
-    dy, dx = dilation
     win, rows, _ = prepare(
-        a, b, (ry, rx), (dy, dx), flow, sampling, get_metric(metric), "hwc", mask_a, mask_b, use_c=use_c
+        a,
+        b,
+        radius=tuple(radius),
+        dilation=tuple(dilation),
+        flow=flow,
+        sampling=sampling,
+        metric=get_metric(metric),
+        layout="hwc",
+        mask_a=mask_a,
+        mask_b=mask_b,
+        use_c=use_c,
     )
     return win, rows
 

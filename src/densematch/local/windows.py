@@ -229,6 +229,7 @@ def check_maps(
 def prepare(
     a: Any,
     b: Any,
+    *,
     radius: Any,
     dilation: Any,
     flow: Any,
