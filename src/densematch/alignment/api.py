@@ -336,21 +336,13 @@ def align(
 
     with torch.inference_mode():
         t4, x4, level, unit = _centred(t4, x4)
-        found = _search_pairs(
-            t4,
-            x4,
-            mask,
-            (lo_h, hi_h),
-            (lo_w, hi_w),
-            objective,
-            budget,
-            template_mask is None,
-            kernel_setting() != "torch",
+        settings = _Settings(
+            (lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None, kernel_setting() != "torch"
         )
+        found = _search_pairs(t4, x4, mask, settings)
         certificates = None
         if certify:
-            args = ((lo_h, hi_h), (lo_w, hi_w), objective, budget, kernel_setting() != "torch")
-            certificates = _certify_pairs(raw, (t4, x4), mask, found, args, time_limit)
+            certificates = _certify_pairs(raw, (t4, x4), mask, found, settings, time_limit)
     warped = (found.warped / unit + level).reshape(t.shape)
     err = found.error
     # 1 - NCC is never below 0; rounding of a perfect fit may put it a hair under
@@ -449,7 +441,7 @@ def _certify_pairs(
     unit: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
     found: _Found,
-    args: tuple[tuple[float, float], tuple[float, float], str, int, bool],
+    settings: _Settings,
     time_limit: float | None,
 ) -> list[Any]:
     """Each pair's answer in ``found`` certified (the pairs ``raw``, as given), refined from the
@@ -458,7 +450,8 @@ def _certify_pairs(
     The pair's certificates, in order."""
     from .certify import certify_alignment  # certify.py imports this module
 
-    (range_h, range_w, objective, budget, use_c), keys = args, ("scale_h", "scale_w", "shift_y", "shift_x")
+    keys = ("scale_h", "scale_w", "shift_y", "shift_x")
+    objective = settings.objective
     (t, x), (tu, xu) = raw, unit
     h, w = t.shape[-2:]
     certificates = []
@@ -469,17 +462,15 @@ def _certify_pairs(
             left = None if time_limit is None else max(0.0, time_limit - (time.perf_counter() - started))
             cert = certify_alignment(
                 t[i : i + 1], x[i : i + 1], dict(zip(keys, answer, strict=True)),
-                scale_h=range_h, scale_w=range_w, objective=objective, time_limit=left,
+                scale_h=settings.range_h, scale_w=settings.range_w, objective=objective, time_limit=left,
             )  # fmt: skip
             out_of_time = time_limit is not None and time.perf_counter() - started >= time_limit
             if cert.certified or cert.better_fit is None or out_of_time:
                 break
             start = torch.tensor([cert.better_fit], dtype=tu.dtype, device=tu.device)
             owner = torch.zeros(1, dtype=torch.long, device=tu.device)
-            refined, sums = _refine_all(
-                tu[i : i + 1], xu[i : i + 1], mask[i : i + 1], owner, start, range_h, range_w, False, budget, use_c,
-                _TOLERANCE,
-            )  # fmt: skip
+            pair = (tu[i : i + 1], xu[i : i + 1], mask[i : i + 1])
+            refined, sums = _refine_all(*pair, owner, start, settings, _TOLERANCE)
             answer = refined[0].tolist()
             found.error[i] = sums[0, 0 if objective == "l2" else 1] / (mask[i].sum() * tu.shape[1])
         for key, value in zip(keys, answer, strict=True):
@@ -546,6 +537,23 @@ def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dt
     return (m / peak.reshape(-1, 1, 1)).contiguous().reshape(-1, 1, h, w).expand(b, 1, h, w)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """One align call's settings, as every step of its search and refinement reads them."""
+
+    range_h: tuple[float, float]
+    range_w: tuple[float, float]
+    objective: str
+    budget: int
+    uniform: bool  # no template mask: uniform weights, and the grid's sums need none
+    use_c: bool
+
+    @property
+    def photometric(self) -> bool:
+        """Whether the refinement fits a gain and a bias too (NCC's invariance)."""
+        return self.objective == "ncc"
+
+
 @dataclass
 class _Found:
     """What the search found for each pair (B,) at unit amplitude, with the grid it searched."""
@@ -562,7 +570,7 @@ class _Found:
     grid_w: torch.Tensor
 
 
-def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, *args: Any) -> _Found:
+def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
     """:func:`_search` over the pairs, a few at a time on each worker thread: one pair's search is
     a few milliseconds of small steps, which threads inside it would only slow down."""
     b = t.shape[0]
@@ -573,7 +581,7 @@ def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, *args: A
 
     def search(i: int) -> None:
         part = slice(starts[i], starts[i] + step)
-        parts[i] = _search(t[part], x[part], mask[part], *args)
+        parts[i] = _search(t[part], x[part], mask[part], settings)
 
     share_out(range(len(starts)), search, workers, name="densematch-align")
     done = [parts[i] for i in range(len(starts))]
@@ -624,17 +632,7 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor) -> Callable[[int], torch.Tens
     return share
 
 
-def _search(
-    t: torch.Tensor,
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    range_h: tuple[float, float],
-    range_w: tuple[float, float],
-    objective: str,
-    budget: int,
-    uniform: bool,
-    use_c: bool,
-) -> _Found:
+def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
     b, c, h, w = t.shape
     levels = _levels(t, mask)
     pyramid = {1: (t, x, mask)}
@@ -645,33 +643,32 @@ def _search(
         pyramid[f] = (downsample(tb, 2), downsample(xb, 2), m_half.expand(b, *m_half.shape[1:]))
     coarse = levels[0]
     tc, xc, mc = pyramid[coarse]
-    grid_h = scale_grid(*range_h, tc.shape[-2], x.device, x.dtype)
-    grid_w = scale_grid(*range_w, tc.shape[-1], x.device, x.dtype)
+    grid_h = scale_grid(*settings.range_h, tc.shape[-2], x.device, x.dtype)
+    grid_w = scale_grid(*settings.range_w, tc.shape[-1], x.device, x.dtype)
+    weights = None if settings.uniform else mc
     cand, landscape, shifts = grid_search(
-        tc, xc, None if uniform else mc, grid_h, grid_w, objective == "ncc", budget, use_c
+        tc, xc, weights, grid_h, grid_w, settings.photometric, settings.budget, settings.use_c
     )
     m = cand.shape[1]
     cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, coarse, coarse], dtype=cand.dtype, device=cand.device)
     owner = torch.arange(b, device=x.device).repeat_interleave(m)
-    photometric = objective == "ncc"
     for i, f in enumerate(levels):
         # each level refines what the coarser one kept, in its own pixels (shifts scale by 1 / f)
         tf, xf, mf = pyramid[f]
         scale = torch.tensor([1.0, 1.0, f, f], dtype=cand.dtype, device=cand.device)
         tolerance = _TOLERANCE if f == 1 else _COARSE_TOLERANCE
-        args = (range_h, range_w, photometric, budget, use_c)
-        found, sums = _refine_all(tf, xf, mf, owner, cand / scale, *args, tolerance)
+        found, sums = _refine_all(tf, xf, mf, owner, cand / scale, settings, tolerance)
         if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
             cand = found * scale
             keep = _best_per_pair(cand, owner, sums[:, 0], _KEEP[min(i, len(_KEEP) - 1)])
             cand, owner = cand[keep], owner[keep]
         else:
-            cand, owner, sums = _refine_far(tf, xf, mf, owner, cand, found, sums, args)
-    if objective == "ncc":
-        err = objective_at(t, x, mask, owner, (cand[:, 0], cand[:, 1], cand[:, 2], cand[:, 3]), objective)
+            cand, owner, sums = _refine_far(tf, xf, mf, owner, cand, found, sums, settings)
+    if settings.photometric:
+        err = objective_at(t, x, mask, owner, (cand[:, 0], cand[:, 1], cand[:, 2], cand[:, 3]), "ncc")
     else:
         total = (mask.sum((1, 2, 3)) * c)[owner]
-        err = sums[:, 0 if objective == "l2" else 1] / total
+        err = sums[:, 0 if settings.objective == "l2" else 1] / total
     pick = _best_per_pair(cand, owner, err, 1)
     sh, sw, sy, sx = cand[pick].unbind(1)
     warped = warp_batch(x, sh, sw, sy, sx, (h, w))
@@ -686,7 +683,7 @@ def _refine_far(
     start: torch.Tensor,
     found: torch.Tensor,
     sums: torch.Tensor,
-    args: tuple[tuple[float, float], tuple[float, float], bool, int, bool],
+    settings: _Settings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The full-resolution candidates ``found`` (M, 4) from ``start``, with their ``sums`` and
     ``owner``, plus each one that moved over _FAR pixels refined again from where it stopped
@@ -696,8 +693,8 @@ def _refine_far(
     far = ((found - start).abs() * edge).amax(1) > _FAR
     if not bool(far.any()):
         return found, owner, sums
-    blurred, _ = _refine_all(_blur(t), _blur(x), mask, owner[far], found[far], *args, _COARSE_TOLERANCE)
-    again, again_sums = _refine_all(t, x, mask, owner[far], blurred, *args, _TOLERANCE)
+    blurred, _ = _refine_all(_blur(t), _blur(x), mask, owner[far], found[far], settings, _COARSE_TOLERANCE)
+    again, again_sums = _refine_all(t, x, mask, owner[far], blurred, settings, _TOLERANCE)
     return torch.cat((found, again)), torch.cat((owner, owner[far])), torch.cat((sums, again_sums))
 
 
@@ -732,24 +729,20 @@ def _refine_all(
     mask: torch.Tensor,
     owner: torch.Tensor,
     cand: torch.Tensor,
-    range_h: tuple[float, float],
-    range_w: tuple[float, float],
-    photometric: bool,
-    budget: int,
-    use_c: bool,
+    settings: _Settings,
     tolerance: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every candidate refined (M, 4), with its residuals' sums (M, 2), in chunks that fit the budget."""
     _b, c, h, w = t.shape
     hh, ww = x.shape[-2:]
     n = cand.shape[0]
-    n_par = 6 if photometric else 4
+    n_par = 6 if settings.photometric else 4
     # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
     per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
-    step = chunk_rows(budget, per_cand, "the refinement of one candidate")
-    box = (range_h, range_w)
+    step = chunk_rows(settings.budget, per_cand, "the refinement of one candidate")
+    box = (settings.range_h, settings.range_w, settings.photometric)
     parts = []
     for s in range(0, n, step):
         part = slice(s, s + step)
-        parts.append(refine(t, x, mask, owner[part], cand[part], *box, photometric, tolerance=tolerance, use_c=use_c))
+        parts.append(refine(t, x, mask, owner[part], cand[part], *box, tolerance=tolerance, use_c=settings.use_c))
     return torch.cat([p for p, _ in parts]), torch.cat([e for _, e in parts])
