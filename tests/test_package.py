@@ -26,6 +26,54 @@ def test_public_names():
         assert hasattr(densematch, name), name
 
 
+PUBLIC_SURFACE = Path(__file__).with_name("public_surface.txt")
+
+
+def public_surface() -> str:
+    """Every public name of densematch, each function's and class's signature, and each public
+    method's and property's of the classes, one line each: what a user's code may call."""
+    import inspect
+
+    def text(annotation: object) -> str:  # the annotation as written, whatever Python shows it as
+        if isinstance(annotation, str):
+            return annotation
+        return getattr(annotation, "__forward_arg__", None) or inspect.formatannotation(annotation)
+
+    def signature(fn: object) -> str:  # inspect's own form, every annotation as its text
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
+        params = [
+            q if q.annotation is q.empty else q.replace(annotation=text(q.annotation)) for q in sig.parameters.values()
+        ]
+        result = sig.return_annotation
+        return str(sig.replace(parameters=params, return_annotation=result if result is sig.empty else text(result)))
+
+    lines = []
+    for name in sorted(densematch.__all__):
+        obj = getattr(densematch, name)
+        if inspect.isclass(obj):
+            lines.append(f"class {name}{signature(obj)}")
+            for attr, member in sorted(vars(obj).items()):
+                if attr.startswith("_"):
+                    continue
+                if isinstance(member, property):
+                    lines.append(f"    {name}.{attr} (property)")
+                elif inspect.isfunction(member):
+                    lines.append(f"    {name}.{attr}{signature(member)}")
+        elif callable(obj):
+            lines.append(f"def {name}{signature(obj)}")
+        else:
+            lines.append(f"{name}: {type(obj).__name__}")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_public_surface_is_pinned():
+    # a change to what users call (a name, a parameter, its kind or default) is a decision, made
+    # by rewriting the file, from the repository's root:
+    #   python -c "from tests.test_package import public_surface as p; print(p(), end='')" \
+    #     > tests/public_surface.txt
+    assert public_surface() == PUBLIC_SURFACE.read_text()
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [

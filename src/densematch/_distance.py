@@ -585,9 +585,7 @@ class PrototypeDistance(nn.Module):
             x, self.prototypes, self.metric, memory=self.memory, check_finite=self.check_finite, compile=self.compiled
         )
 
-    def nearest(
-        self, x: torch.Tensor, k: int = 1, precision: PrecisionName = "exact"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def nearest(self, x: torch.Tensor, k: int = 1, precision: PrecisionName = "exact") -> Nearest:
         """The k nearest prototypes of every pixel (see :func:`nearest_prototype`)."""
         return nearest_prototype(
             x,
