@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     import densematch
-    from densematch import _soft
+    from densematch.matching import soft as _soft
     sys.path.insert(0, {here!r})
     from _common import measure_in_child
 

@@ -1,7 +1,7 @@
 """The plain softmax's forward + backward on a CPU: the tiles' forward with torch's flash
-backward ("flash") against the tiles' own backward ("tiles"; ``densematch._soft._SDPA``
+backward ("flash") against the tiles' own backward ("tiles"; ``densematch.matching.soft._SDPA``
 switched) and the dense recipe, in one process, alternating: the figures behind
-``_soft._FUSED_WIDTH``.
+``soft._FUSED_WIDTH``.
 
 Run: python benchmarks/soft_paths.py [--sides 64 96] [--channels 64 128 256] [--rounds 3]
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import densematch
-import densematch._soft as soft
+import densematch.matching.soft as soft
 
 
 def run(path: str, a: torch.Tensor, b: torch.Tensor, positions: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ def _files(prefix: str = "") -> list[Path]:
 def test_the_parser_sees_imports_at_every_depth():
     imported = _imports(SOURCE / "app" / "cli.py")
     assert "densematch.distributed" in imported  # imported inside a function
-    assert "densematch._match" in imported and "densematch.app.tasks" in imported
+    assert "densematch.matching.dense" in imported and "densematch.app.tasks" in imported
 
 
 # ``python -m densematch`` is the command's launcher: application too

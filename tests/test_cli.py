@@ -300,8 +300,8 @@ def test_failed_write_leaves_no_file(images, tmp_path, monkeypatch):
     ],
 )
 def test_outputs_are_checked_before_the_work(images, tmp_path, monkeypatch, capsys, flag, where, pattern):
-    from densematch import _match
     from densematch.app import cli
+    from densematch.matching import dense as _match
 
     called = []
     monkeypatch.setattr(_match.engine, "topk", lambda *a, **k: called.append(1))

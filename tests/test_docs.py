@@ -53,6 +53,13 @@ def test_every_name_the_docs_give_resolves_and_imports():
     from densematch import app, synthetic
 
     assert synthetic is app.synthetic and Pair is app.batch.Pair and run is app.batch.run
+    # and a public module that moved into a package
+    from densematch.options import MatchOptions
+
+    from densematch import MatchOptions as exported
+    from densematch import matching, options
+
+    assert options is matching.options and MatchOptions is exported
 
 
 def test_the_choosing_guide_is_linked_from_the_readme_and_every_public_function():

@@ -346,7 +346,7 @@ def test_the_progress_bar_counts_what_is_searched(monkeypatch, mutual, masked):
     # with mutual=True the bar's total was 2 x a's pixels, while the check searches b's
     import contextlib
 
-    from densematch import _match
+    from densematch.matching import dense as _match
 
     seen = {}
 

@@ -153,10 +153,10 @@ def test_the_choices_equal_what_the_runtime_checks():
     import typing
 
     from densematch import choices
-    from densematch._soft import SOFT_MODES
     from densematch.alignment.api import OBJECTIVES
     from densematch.checks import LAYOUTS
     from densematch.local.api import SAMPLINGS
+    from densematch.matching.soft import SOFT_MODES
     from densematch.metrics import METRICS
     from densematch.precision import PRECISIONS
 

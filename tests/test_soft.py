@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from densematch import _soft, soft_match
+from densematch import soft_match
+from densematch.matching import soft as _soft
 
 from .conftest import patch_features
 from .test_memory import peak_extra

@@ -29,10 +29,12 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from . import _distance, _match, engine
+from . import engine
 from .checks import as_tensor, check_choice
+from .distances import prototypes as _distance
 from .engine.merge import order
-from .options import MatchOptions
+from .matching import dense as _match
+from .matching.options import MatchOptions
 from .progress import progress_bar
 
 __all__ = ["init_from_env", "match", "nearest_prototype"]

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ._soft import AUTO_SHARPNESS
+from .matching.soft import AUTO_SHARPNESS
 from .metrics import get_metric
 
 __all__ = ["decompose"]

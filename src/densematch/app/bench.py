@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._distance import nearest_prototype, pairwise_distance
 from .._info import config_report
-from .._match import match
-from .._soft import soft_match
 from ..alignment import align, warp
+from ..distances.prototypes import nearest_prototype, pairwise_distance
 from ..local import local_cost_volume, local_match
+from ..matching.dense import match
+from ..matching.soft import soft_match
 from . import recipes
 from .synthetic import same_scene_pair
 

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from .. import __version__
-from .._match import Matches
-from .._match import run as run_match
-from .._refine import REFINES
 from ..alignment import OBJECTIVES
+from ..matching.dense import Matches
+from ..matching.dense import run as run_match
+from ..matching.options import MatchOptions
+from ..matching.subpixel import REFINES
 from ..metrics import METRICS
-from ..options import MatchOptions
 from ..precision import PRECISIONS, RANKINGS
 from ..progress import say
 from .features import FEATURES

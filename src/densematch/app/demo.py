@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._distance import nearest_prototype, pairwise_distance
-from .._match import match
 from ..alignment import align, shift_landscape, warp
-from ..options import MatchOptions
+from ..distances.prototypes import nearest_prototype, pairwise_distance
+from ..matching.dense import match
+from ..matching.options import MatchOptions
 from .features import dense_features
 from .recipes import blockwise_argmax  # its home before app.recipes, still importable from here
 from .synthetic import pck

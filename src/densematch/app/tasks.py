@@ -17,15 +17,15 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from .._distance import nearest_prototype, pairwise_distance
-from .._match import Matches
-from .._match import run as run_match
 from ..alignment import align, shift_landscape
 from ..budget import chunk_rows
 from ..checks import check_choice
 from ..choices import MetricName, PrecisionName
 from ..config import resolve_memory
-from ..options import MatchOptions
+from ..distances.prototypes import nearest_prototype, pairwise_distance
+from ..matching.dense import Matches
+from ..matching.dense import run as run_match
+from ..matching.options import MatchOptions
 from .features import FEATURES, dense_features
 from .io import atomic_write, is_image, load_any, load_array, load_image
 from .layouts import FILE_LAYOUTS, resolve_layout

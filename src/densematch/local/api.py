@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from .._match import Matches
 from .._oprules import recording, refuse_legacy_onnx
 from ..budget import parse_memory
 from ..checks import (
@@ -23,6 +22,7 @@ from ..checks import (
 )
 from ..choices import LayoutName, MetricName, SamplingName
 from ..config import kernel_setting, resolve_memory
+from ..matching.dense import Matches
 from ..metrics import get_metric
 from .op import best, volume
 from .topk import matches, topk

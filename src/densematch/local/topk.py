@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._match import Matches
+from ..matching.dense import Matches
 from ..metrics import Metric
 from .volume import band, band_rows, values
 from .windows import Window

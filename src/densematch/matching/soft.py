@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._oprules import differentiable, looped, operator, recording, refuse_legacy_onnx
-from .budget import chunk_rows
-from .checks import check_batch_mask, check_choice, check_features, check_finite, check_pair, check_real, compute_dtype
-from .choices import LayoutName, SoftMode
-from .config import resolve_memory
+from .._oprules import differentiable, looped, operator, recording, refuse_legacy_onnx
+from ..budget import chunk_rows
+from ..checks import check_batch_mask, check_choice, check_features, check_finite, check_pair, check_real, compute_dtype
+from ..choices import LayoutName, SoftMode
+from ..config import resolve_memory
 
 __all__ = ["SOFT_MODES", "SoftMatches", "soft_match"]
 

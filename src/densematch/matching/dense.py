@@ -12,9 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import engine
-from ._refine import refine_positions
-from .checks import (
+from .. import engine
+from ..checks import (
     check_batch_mask,
     check_features,
     check_finite,
@@ -22,12 +21,13 @@ from .checks import (
     check_pair,
     compute_dtype,
 )
-from .choices import LayoutName, MetricName, PrecisionName
-from .config import resolve_memory
-from .metrics import Metric, get_metric
+from ..choices import LayoutName, MetricName, PrecisionName
+from ..config import resolve_memory
+from ..metrics import Metric, get_metric
+from ..precision import Precision, resolve_precision
+from ..progress import progress_bar
 from .options import MatchOptions
-from .precision import Precision, resolve_precision
-from .progress import progress_bar
+from .subpixel import refine_positions
 
 __all__ = ["DenseMatcher", "MatchOptions", "Matches", "match"]
 

@@ -4,7 +4,7 @@
 ``densematch match`` and ``batch`` commands, :mod:`densematch.app.tasks` and
 :func:`densematch.distributed.match` all build from their arguments: one list of settings, one
 set of checks, one repr. What depends on the data (``k`` against b's pixels, 2-D grids for the
-placing, masks) is checked when the options meet the features (``densematch._match.validate``).
+placing, masks) is checked when the options meet the features (``densematch.matching.dense.validate``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ._refine import REFINES
-from .budget import parse_memory
-from .checks import LAYOUTS, check_bool, check_choice, check_int, check_real
-from .metrics import get_metric
-from .precision import PRECISIONS
+from ..budget import parse_memory
+from ..checks import LAYOUTS, check_bool, check_choice, check_int, check_real
+from ..metrics import get_metric
+from ..precision import PRECISIONS
+from .subpixel import REFINES
 
 __all__ = ["MatchOptions"]
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from .budget import chunk_rows
-from .checks import compute_dtype
-from .engine.driver import common_scale, peak
-from .metrics import Metric
+from ..budget import chunk_rows
+from ..checks import compute_dtype
+from ..engine.driver import common_scale, peak
+from ..metrics import Metric
 
 __all__ = ["REFINES", "refine_positions"]
 

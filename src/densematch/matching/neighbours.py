@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from . import engine
-from ._distance import Nearest, NearestTask, nearest_search, nearest_task
-from .checks import as_tensor, check_bool, check_finite
-from .choices import MetricName, PrecisionName
+from .. import engine
+from ..checks import as_tensor, check_bool, check_finite
+from ..choices import MetricName, PrecisionName
+from ..distances.prototypes import Nearest, NearestTask, nearest_search, nearest_task
 
 __all__ = ["KNNIndex", "knn"]
 

@@ -18,16 +18,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import checks, engine
-from ._oprules import differentiable, looped, operator, recording, refuse_legacy_onnx
-from .budget import chunk_rows
-from .checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
-from .choices import MetricName, PrecisionName
-from .config import kernel_setting, resolve_memory
-from .kernels import native
-from .metrics import Metric, Minkowski, get_metric
-from .precision import RANKINGS, Precision, resolve_precision
-from .threads import share_out, share_size, workers_for
+from .. import checks, engine
+from .._oprules import differentiable, looped, operator, recording, refuse_legacy_onnx
+from ..budget import chunk_rows
+from ..checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
+from ..choices import MetricName, PrecisionName
+from ..config import kernel_setting, resolve_memory
+from ..kernels import native
+from ..metrics import Metric, Minkowski, get_metric
+from ..precision import RANKINGS, Precision, resolve_precision
+from ..threads import share_out, share_size, workers_for
 
 __all__ = ["Nearest", "PrototypeDistance", "nearest_prototype", "pairwise_distance"]
 
