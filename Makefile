@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -31,6 +31,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+
+# the API reference from the docstrings, warnings as errors, into build/docs
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs/api build/docs
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
