@@ -144,4 +144,6 @@ def test_searches_return_named_values_and_indices():
         assert isinstance(got, densematch.Nearest) and got._fields == ("values", "indices")
         d, i = got
         assert d is got.values and i is got.indices and i.dtype == torch.int64
-    assert torch.equal(densematch.knn(bank[:7], bank).indices[:, 0], torch.arange(7))
+    queries = bank[:7]
+    want = torch.arange(7)[:, None]  # each query's own row, at distance 0
+    assert_same_up_to_ties(queries, bank, densematch.knn(queries, bank).indices, want, "l2")
