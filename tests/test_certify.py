@@ -136,23 +136,30 @@ def test_a_batch_of_one_is_one_pair_and_a_batch_of_two_is_refused():
 def test_the_ranges_hold_every_warp_of_the_cell(seed, scale, ds, dt):
     # the bound's foundation: at any parameters inside a cell, every template pixel's sample lies
     # within the interpolant's exact range over its box, which lies within the whole pixels'
+    # cells place the template's pixel `pivot` (anywhere: its middle in certify_alignment) at
+    # centre (cy, cx): the fit (s, c) is the shift (c + 0.5) s - pivot - 0.5
     img = textured(30, seed).double()
     g = torch.Generator().manual_seed(seed)
     h = w = 16
+    py, px = (float(v) for v in torch.rand(2, generator=g) * 15)
     sh, sw = (torch.tensor([s], dtype=torch.float64) for s in scale)
-    ty = torch.rand(1, generator=g, dtype=torch.float64) * (30 * sh - h - dt).clamp_min(0) + dt
-    tx = torch.rand(1, generator=g, dtype=torch.float64) * (30 * sw - w - dt).clamp_min(0) + dt
-    ys = sample_spans(torch.arange(h), 30, sh, ty, ds, dt)
-    xs = sample_spans(torch.arange(w), 30, sw, tx, ds, dt)
+    cy, cx = (torch.rand(1, generator=g, dtype=torch.float64) * 20 + 5 for _ in range(2))
+    ys = sample_spans(torch.arange(h), 30, sh, cy, ds, dt, pivot=py)
+    xs = sample_spans(torch.arange(w), 30, sw, cx, ds, dt, pivot=px)
     lo, hi = bilinear_range(img, ys, xs)
     wide_lo, wide_hi = pixel_range(img, ys, xs)
     assert (wide_lo <= lo + 1e-12).all() and (hi <= wide_hi + 1e-12).all()
+
+    def shift(s: torch.Tensor, c: torch.Tensor, p: float) -> float:
+        return float((c + 0.5) * s - p - 0.5)
+
     for u in torch.rand(8, 4, generator=g, dtype=torch.float64) * 2 - 1:
-        params = (sh + ds * u[0], sw + ds * u[1], ty + dt * u[2], tx + dt * u[3])
-        v = densematch.warp(img, *(float(p) for p in params), (h, w))
+        s_h, s_w = sh + ds * u[0], sw + ds * u[1]
+        params = (float(s_h), float(s_w), shift(s_h, cy + dt * u[2], py), shift(s_w, cx + dt * u[3], px))
+        v = densematch.warp(img, *params, (h, w))
         assert (lo[0] - 1e-12 <= v).all() and (v <= hi[0] + 1e-12).all()
     if ds == dt == 0:  # a cell of one point: the range is its warp
-        v = densematch.warp(img, float(sh), float(sw), float(ty), float(tx), (h, w))
+        v = densematch.warp(img, float(sh), float(sw), shift(sh, cy, py), shift(sw, cx, px), (h, w))
         torch.testing.assert_close(lo[0], v, rtol=0, atol=1e-12)
         torch.testing.assert_close(hi[0], v, rtol=0, atol=1e-12)
 
@@ -174,17 +181,18 @@ def test_the_c_bound_is_torchs_sum_and_stops_past_the_line(seed, half, exact, sq
     cells = torch.cat([0.8 + 0.4 * torch.rand(m, 2, generator=g), 30 * torch.rand(m, 2, generator=g) - 5], 1)
     cells = cells.double()
     rows = torch.randperm(24, generator=g)
-    ys = sample_spans(torch.arange(24), 40, cells[:, 0], cells[:, 2], half[0], half[2])
-    xs = sample_spans(torch.arange(20), 40, cells[:, 1], cells[:, 3], half[1], half[3])
+    pivot = (11.5, 3.0)
+    ys = sample_spans(torch.arange(24), 40, cells[:, 0], cells[:, 2], half[0], half[2], pivot=pivot[0])
+    xs = sample_spans(torch.arange(20), 40, cells[:, 1], cells[:, 3], half[1], half[3], pivot=pivot[1])
     want = torch.zeros(m, dtype=torch.float64)
     for ch in range(2):
         lo, hi = (bilinear_range if exact else pixel_range)(img[ch], ys, xs)
         gap = (lo - tpl[ch]).clamp_min(0) + (tpl[ch] - hi).clamp_min(0)
         want += (gap.square() if squared else gap).sum((1, 2))
-    full = native.certify_bound(img, tpl, cells, half, rows, exact=exact, squared=squared, stop=math.inf)
+    full = native.certify_bound(img, tpl, cells, half, rows, pivot=pivot, exact=exact, squared=squared, stop=math.inf)
     torch.testing.assert_close(full, want, rtol=1e-12, atol=1e-12)
     stop = float(want.median())
-    part = native.certify_bound(img, tpl, cells, half, rows, exact=exact, squared=squared, stop=stop)
+    part = native.certify_bound(img, tpl, cells, half, rows, pivot=pivot, exact=exact, squared=squared, stop=stop)
     past = full > stop
     assert (part[past] > stop).all() and (part[past] <= full[past] * (1 + 1e-12)).all()
     torch.testing.assert_close(part[~past], full[~past], rtol=0, atol=0)

@@ -428,7 +428,7 @@ class TestBuild:
             "for exact in (False, True):\n"
             "    for sq in (False, True):\n"
             "        b = native.certify_bound(xs[0], t[0], cells, (0.01, 0.02, 0.7, 0.3), torch.arange(20),\n"
-            "                                 exact=exact, squared=sq, stop=float('inf'))\n"
+            "                                 pivot=(9.5, 4.0), exact=exact, squared=sq, stop=float('inf'))\n"
             "        h.update(b.numpy().tobytes())\n"
             # the certified bfloat16 step: whole chunks (AVX2's lanes or the portable ones) and a tail
             "hb = torch.randn(40, 100, generator=g).bfloat16()\n"

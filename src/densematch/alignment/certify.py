@@ -1,9 +1,13 @@
 """A certificate for :func:`densematch.align`'s answer: a branch and bound over the whole search
 space showing that no fit better than the answer lies outside its neighbourhood.
 
-For a cell of parameters (each scale within +-ds, each shift within +-dt of its centre), every
-template pixel samples the image from a box of positions: the warp is separable and monotone in
-each parameter, so two corners of the cell give the box. The mean over pixels of the distance from
+A cell holds two scales and, per axis, the position where the template's middle pixel lands (its
+"centre"), each within a half width of the cell's own: in that frame a scale's spread moves a pixel
+by its distance from the middle, at most half the template's side, where in (scale, shift) it
+moved it by its distance from the image's corner (4x fewer cells for the same boxes, 3-8x less
+time, benchmarks/history/2026-12-05-issue-41-a-pivoted-certificate.md). Every template pixel samples
+the image from a box of positions: the warp is separable and monotone in each parameter, so two
+corners of the cell give the box. The mean over pixels of the distance from
 the template's value to the range the image's bilinear interpolant takes over its box is a lower
 bound on the error of every fit in the cell; a cell whose bound exceeds the answer's error holds
 no better fit. The range is the one of every whole pixel the box touches while the boxes span
@@ -14,8 +18,7 @@ already a lower bound, so the rows most varied are summed first and most cells s
 kernels/certify.c, row by row; torch's path sums a quarter of them first). Cells left are split in
 16 until none is left outside the answer's neighbourhood, or they are too small.
 
-Seconds to minutes per pair on one CPU thread (benchmarks/history/2026-12-02-align-s-answers-certified-in-c-48-of.md):
-an offline check of an answer, not part of :func:`align`.
+A tenth of a second to seconds per pair on one CPU thread (BENCHMARKS.md, ``certify_alignment``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ from .warp import taps_at, warp
 
 __all__ = ["Certificate", "bilinear_range", "certify_alignment", "pixel_range", "sample_spans"]
 
-_ROOT = (0.02, 2.0)  # the first cells' half sizes: scale, shift (px)
+_ROOT = 2.0  # the first cells' half size in the pivot's position (px)
+# a scale's half size, in units of the position's per pixel of lever (the farthest template pixel
+# from the pivot): the box a cell's pixels sample from then widens by as much again at the edges
+_LEVER = 2.0
 Span = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -59,7 +65,7 @@ class Certificate:
         Centres (scale_h, scale_w, shift_y, shift_x) of the cells the bound could not rule out
         at the size the search stopped at (``cell_size``); empty where certified.
     cell_size : tuple of float
-        That size: half widths in scale and in shift (px).
+        That size: half widths in scale and in the position of the template's middle pixel (px).
     within : tuple of float
         What was shown either way: every fit better than the answer lies within this distance of
         it in (scale_h, scale_w, shift_y, shift_x): ``near`` where certified, else the reach of the
@@ -88,15 +94,16 @@ class Certificate:
                 "cells_examined": self.cells_examined, "better_fit": better, "seconds": self.seconds}  # fmt: skip
 
 
-def sample_spans(idx: torch.Tensor, n_in: int, scale: torch.Tensor, shift: torch.Tensor, ds: float, dt: float) -> Span:
-    """Per cell (centres ``scale``, ``shift``: (M,)) and output pixel c in ``idx`` (n,): the
+def sample_spans(
+    idx: torch.Tensor, n_in: int, scale: torch.Tensor, centre: torch.Tensor, ds: float, dc: float, *, pivot: float
+) -> Span:
+    """Per cell (centres ``scale``, ``centre``: (M,)) and output pixel c in ``idx`` (n,): the
     interval [lo, hi] (M, n) of input coordinates its bilinear sample takes over scales
-    scale +- ds and shifts shift +- dt (align's convention, clamped to the input). The
-    coordinate is monotone in each parameter, so the cell's corners bound it."""
-    c = idx.to(scale.dtype)
-    corners = torch.stack(
-        [((c + (shift + et)[:, None] + 0.5) / (scale + es)[:, None] - 0.5) for es in (-ds, ds) for et in (-dt, dt)]
-    )
+    scale +- ds and positions centre +- dc of the output pixel ``pivot`` (align's convention:
+    ``(c - pivot) / scale + centre``, clamped to the input). The coordinate is monotone in each
+    parameter, so the cell's corners bound it."""
+    c = idx.to(scale.dtype) - pivot
+    corners = torch.stack([c / (scale + es)[:, None] + (centre + ec)[:, None] for es in (-ds, ds) for ec in (-dc, dc)])
     return corners.amin(0).clamp(0, n_in - 1), corners.amax(0).clamp(0, n_in - 1)
 
 
@@ -216,32 +223,40 @@ def certify_alignment(
     line = error * (1 + 1e-9)  # a bound must clear the error by more than float64 rounding
     started = time.perf_counter()
     a = torch.tensor(answer, dtype=torch.float64)
-    # half widths per parameter; a scale range of one value stays that value (no width to split)
-    ds = min(_ROOT[0], range_h[0] / 4, range_w[0] / 4)  # every cell's scales positive
-    widths = [ds if hi > lo else 0.0 for lo, hi in (range_h, range_w)] + [_ROOT[1]] * 2
-    half = torch.tensor(widths, dtype=torch.float64)
-    tops = (big_h * range_h[1] - h, big_w * range_w[1] - w)
+    # cells hold (scale_h, scale_w, centre_y, centre_x): where the template's middle pixel lands
+    # (certify.c), so that a scale's spread moves no pixel by more than half a side per unit
+    axes = _Axes(((h - 1) / 2, (w - 1) / 2), (h, w), (big_h, big_w), (range_h, range_w))
+    # half widths per parameter, the scales' tiling their ranges; a range of one value stays
+    # that value (no width to split)
+    ds = min(_LEVER * _ROOT / max(*axes.pivot, 1.0), range_h[0] / 4, range_w[0] / 4)  # scales stay positive
+    widths = [(hi - lo) / (2 * max(1, math.ceil((hi - lo) / (2 * ds) - 1e-9))) for lo, hi in (range_h, range_w)]
+    half = torch.tensor([*widths, _ROOT, _ROOT], dtype=torch.float64)
     rows = _row_order(t)
     in_c = kernel_setting() != "torch" and native.usable(x.device, x.dtype)
-    bound = _bound_in_c(t, x, rows, objective, line, share_out_to=workers_for(x.device)) if in_c else None
+    bound = _bound_in_c(t, x, rows, objective, line, axes.pivot, workers_for(x.device)) if in_c else None
     examined = 0
+
+    def reach(cells: torch.Tensor) -> torch.Tensor:
+        """How far (M, 4) each cell's fits lie from the answer at most, in (scales, shifts)."""
+        lo, hi = axes.shift_extent(cells, half)
+        scales = (cells[:, :2] - a[:2]).abs() + half[:2]
+        return torch.cat([scales, torch.maximum((lo - a[2:]).abs(), (hi - a[2:]).abs())], dim=1)
 
     def prune(cells: torch.Tensor) -> torch.Tensor:
         """The cells of ``cells`` (at the current size) that hold a valid fit outside the answer's
         neighbourhood and whose bound does not exceed the line."""
         nonlocal examined
-        sh, sw, ty, tx = cells.unbind(1)
-        valid = (ty - half[2] <= big_h * (sh + half[0]) - h) & (tx - half[3] <= big_w * (sw + half[1]) - w)
-        # and not wholly past the top of a scale range (the first cells can overhang it)
-        valid &= (sh - half[0] <= range_h[1]) & (sw - half[1] <= range_w[1])
-        gap = (cells - a).abs() + half
+        gap = reach(cells)
         inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
-        cells = cells[valid & ~inside]
+        cells = cells[axes.valid(cells, half) & ~inside]
         examined += len(cells)
         exact = bool(half[2] <= 0.5)
         if bound is not None:
             return cells[bound(cells, tuple(half.tolist()), exact) <= line]
-        kept = [_pruned_in_torch(part, t, x, rows, half, exact, objective, line) for part in _parts(cells, exact, n_c)]
+        kept = [
+            _pruned_in_torch(part, t, x, rows, half, exact, objective, line, axes.pivot)
+            for part in _parts(cells, exact, n_c)
+        ]
         return torch.cat(kept) if kept else cells
 
     def centre_errors(cells: torch.Tensor) -> torch.Tensor:
@@ -250,18 +265,20 @@ def certify_alignment(
         if bound is not None:
             return bound(cells, (0.0,) * 4, True)
         point = torch.zeros(4, dtype=torch.float64)
-        errors = [_bound_in_torch(part, t, x, rows, point, True, objective) for part in _parts(cells, True, n_c)]
+        errors = [
+            _bound_in_torch(part, t, x, rows, point, True, objective, axes.pivot) for part in _parts(cells, True, n_c)
+        ]
         return torch.cat(errors)
 
     def result(left: torch.Tensor, reason: str = "", better: tuple[float, ...] | None = None) -> Certificate:
         seconds = time.perf_counter() - started
         size = (float(half[:2].max()), float(half[2]))
-        reach = ((left - a).abs() + half).amax(0).tolist() if len(left) else [0.0] * 4
-        box = tuple(max(r, n) for r, n in zip(reach, (near[0], near[0], near[1], near[1]), strict=True))
-        return Certificate(not reason, error, reason, examined, left, size, box, better, seconds)
+        far = reach(left).amax(0).tolist() if len(left) else [0.0] * 4
+        box = tuple(max(r, n) for r, n in zip(far, (near[0], near[0], near[1], near[1]), strict=True))
+        return Certificate(not reason, error, reason, examined, axes.fits(left), size, box, better, seconds)
 
     # each size's cells are the children of the last size's survivors, made a group at a time
-    parents, offsets = _first_cells((range_h, range_w), tops, half), torch.zeros(1, 4, dtype=torch.float64)
+    parents, offsets = axes.first_cells(half), torch.zeros(1, 4, dtype=torch.float64)
     while True:
         kept, group = [], max(1, (4096 if bound is not None else 1024) // len(offsets))
         for start in range(0, len(parents), group):
@@ -273,7 +290,7 @@ def certify_alignment(
         if not len(left):
             return result(left)
         # a cell whose very centre is a fit of the space searched and beats the answer settles it
-        sh, sw, ty, tx = left.unbind(1)
+        sh, sw, ty, tx = axes.fits(left).unbind(1)
         fits = (sh >= range_h[0]) & (sh <= range_h[1]) & (sw >= range_w[0]) & (sw <= range_w[1])
         fits &= (ty >= 0) & (ty <= big_h * sh - h) & (tx >= 0) & (tx <= big_w * sw - w)
         better = torch.full((len(left),), math.inf, dtype=torch.float64)
@@ -281,12 +298,13 @@ def certify_alignment(
             better[fits] = centre_errors(left[fits])
         if bool((better < error * (1 - 1e-9)).any()):
             i = int(better.argmin())
-            at = ", ".join(f"{v:.6g}" for v in left[i].tolist())
+            fit = axes.fits(left[i : i + 1])[0].tolist()
+            at = ", ".join(f"{v:.6g}" for v in fit)
             reason = f"a better fit lies at ({at}): error {float(better[i]):.6g} against the answer's {error:.6g}"
-            return result(left, reason, tuple(left[i].tolist()))
+            return result(left, reason, tuple(fit))
         scales_done = bool(((half[:2] > 0) & (half[:2] / 2 < finest[0])).any())
         if scales_done or half[2] / 2 < finest[1]:
-            far = ", ".join(f"{v:.3g}" for v in (left - a).abs().amax(0).tolist())
+            far = ", ".join(f"{v:.3g}" for v in (axes.fits(left) - a).abs().amax(0).tolist())
             return result(left, f"{len(left)} cells left at the finest size, up to ({far}) from the answer")
         half = half / 2
         sh, sw, ty, tx = (torch.tensor([-1.0, 1.0] if v > 0 else [0.0], dtype=torch.float64) for v in half)
@@ -311,15 +329,16 @@ def _pruned_in_torch(
     exact: bool,
     objective: str,
     line: float,
+    pivot: tuple[float, float],
 ) -> torch.Tensor:
     """The cells whose bound (torch's ranges) does not exceed ``line``: the first quarter of
     ``rows`` (the most varied) first, the others for the cells those did not rule out."""
     quarter = (t.shape[1] + 3) // 4
     sparse, dense = rows[:quarter], rows[quarter:]
-    low = _bound_in_torch(cells, t, x, sparse, half, exact, objective)
+    low = _bound_in_torch(cells, t, x, sparse, half, exact, objective, pivot)
     maybe, low = cells[low <= line], low[low <= line]
     if len(maybe) and len(dense):
-        maybe = maybe[low + _bound_in_torch(maybe, t, x, dense, half, exact, objective) <= line]
+        maybe = maybe[low + _bound_in_torch(maybe, t, x, dense, half, exact, objective, pivot) <= line]
     return maybe
 
 
@@ -331,13 +350,15 @@ def _bound_in_torch(
     half: torch.Tensor,
     exact: bool,
     objective: str,
+    pivot: tuple[float, float],
 ) -> torch.Tensor:
-    """Per cell (M,), the sum over ``rows`` of the template ``t`` (C, h, w) of each pixel's term
+    """Per cell (M,) (centres scale_h, scale_w, centre_y, centre_x: where the template pixel
+    ``pivot`` lands), the sum over ``rows`` of the template ``t`` (C, h, w) of each pixel's term
     against ``x``'s (C, H, W) range over its box, divided by every pixel's count."""
     (n_c, h, w), big_h, big_w = t.shape, *x.shape[-2:]
-    sh, sw, ty, tx = cells.unbind(1)
-    ys = sample_spans(rows, big_h, sh, ty, float(half[0]), float(half[2]))
-    xs = sample_spans(torch.arange(w), big_w, sw, tx, float(half[1]), float(half[3]))
+    sh, sw, cy, cx = cells.unbind(1)
+    ys = sample_spans(rows, big_h, sh, cy, float(half[0]), float(half[2]), pivot=pivot[0])
+    xs = sample_spans(torch.arange(w), big_w, sw, cx, float(half[1]), float(half[3]), pivot=pivot[1])
     total = torch.zeros(len(cells), dtype=torch.float64)
     for ch in range(n_c):
         lo, hi = (bilinear_range if exact else pixel_range)(x[ch], ys, xs)
@@ -348,7 +369,13 @@ def _bound_in_torch(
 
 
 def _bound_in_c(
-    t: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, objective: str, line: float, share_out_to: int
+    t: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    objective: str,
+    line: float,
+    pivot: tuple[float, float],
+    share_out_to: int,
 ) -> Callable[[torch.Tensor, tuple[float, ...], bool], torch.Tensor]:
     """The bound per cell in C (:func:`densematch.kernels.native.certify_bound`), over
     ``share_out_to`` threads, each cell's sum stopped once it passes the line."""
@@ -362,7 +389,7 @@ def _bound_in_c(
         def run(start: int) -> None:
             part = cells[start : start + step].contiguous()
             out[start : start + step] = native.certify_bound(
-                x, t, part, half, rows, exact=exact, squared=objective == "l2", stop=stop
+                x, t, part, half, rows, pivot=pivot, exact=exact, squared=objective == "l2", stop=stop
             )
 
         share_out(range(0, len(cells), step), run, share_out_to, name="densematch-certify")
@@ -400,19 +427,70 @@ def _one_answer(alignment: Any) -> tuple[float, float, float, float]:
     return sh, sw, sy, sx
 
 
-def _first_cells(
-    ranges: tuple[tuple[float, float], tuple[float, float]], tops: tuple[float, float], half: torch.Tensor
-) -> torch.Tensor:
-    """Centres (M, 4) of cells of half widths ``half`` (4,) covering the scale ranges and the
-    shifts from 0 to ``tops`` (the largest valid shift on each axis)."""
+@dataclass(frozen=True)
+class _Axes:
+    """The certificate's parameters on both axes (y, x): cells hold (scale_h, scale_w, centre_y,
+    centre_x), a centre being where the template pixel ``pivot`` lands, ``(pivot + shift + 0.5) /
+    scale - 0.5`` in align's convention; ``sides`` the template's, ``image`` the image's, ``ranges``
+    the scale ranges searched."""
 
-    def axis(lo: float, hi: float, width: float) -> torch.Tensor:
-        if width == 0:
-            return torch.tensor([lo], dtype=torch.float64)
-        n = max(1, math.ceil((hi - lo) / (2 * width) - 1e-9))  # not one more for a rounding
-        return lo + width * (2 * torch.arange(n, dtype=torch.float64) + 1)
+    pivot: tuple[float, float]
+    sides: tuple[int, int]
+    image: tuple[int, int]
+    ranges: tuple[tuple[float, float], tuple[float, float]]
 
-    (range_h, range_w), (top_y, top_x) = ranges, tops
-    hs = half.tolist()
-    scales = (axis(*range_h, hs[0]), axis(*range_w, hs[1]))
-    return torch.cartesian_prod(*scales, axis(0.0, max(top_y, 0.0), hs[2]), axis(0.0, max(top_x, 0.0), hs[3]))
+    def _pivots(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(self.pivot, dtype=like.dtype)
+
+    def fits(self, cells: torch.Tensor) -> torch.Tensor:
+        """The fits (M, 4) (scale_h, scale_w, shift_y, shift_x) at the cells' centres."""
+        scales, centres = cells[:, :2], cells[:, 2:]
+        return torch.cat([scales, (centres + 0.5) * scales - self._pivots(cells) - 0.5], dim=1)
+
+    def shift_extent(self, cells: torch.Tensor, half: torch.Tensor) -> Span:
+        """The least and greatest shifts (M, 2) of each cell's fits: a shift is bilinear in the
+        scale and the centre, so the cell's corners hold them."""
+        corners = torch.stack(
+            [
+                (cells[:, 2:] + dc + 0.5) * (cells[:, :2] + ds) - self._pivots(cells) - 0.5
+                for ds in (-half[:2], half[:2])
+                for dc in (-half[2:], half[2:])
+            ]
+        )
+        return corners.amin(0), corners.amax(0)
+
+    def _centre_bounds(self, scale: torch.Tensor | float, axis: int) -> tuple[torch.Tensor | float, ...]:
+        """The centres of the fits at ``scale`` that keep the template inside the image on an
+        axis: from shift 0 to shift ``image * scale - side``."""
+        p, side, n_in = self.pivot[axis], self.sides[axis], self.image[axis]
+        return (p + 0.5) / scale - 0.5, n_in - 0.5 - (side - p - 0.5) / scale
+
+    def valid(self, cells: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+        """Which cells may hold a fit of the space searched: within the scale ranges and with a
+        centre the template fits the image at, taken at the cell's largest scale in range (the
+        widest span of centres)."""
+        ok = torch.ones(len(cells), dtype=torch.bool)
+        for axis, (_, top) in enumerate(self.ranges):
+            scale, centre = cells[:, axis], cells[:, 2 + axis]
+            ok &= scale - half[axis] <= top
+            least, most = self._centre_bounds((scale + half[axis]).clamp(max=top), axis)
+            ok &= (centre + half[2 + axis] >= least) & (centre - half[2 + axis] <= most)
+        return ok
+
+    def first_cells(self, half: torch.Tensor) -> torch.Tensor:
+        """Centres (M, 4) of cells of half widths ``half`` (4,) covering the scale ranges and the
+        centres every fit in them can have."""
+
+        def axis(lo: float, hi: float, width: float) -> torch.Tensor:
+            if width == 0:
+                return torch.tensor([lo], dtype=torch.float64)
+            n = max(1, math.ceil((hi - lo) / (2 * width) - 1e-9))  # not one more for a rounding
+            return lo + width * (2 * torch.arange(n, dtype=torch.float64) + 1)
+
+        hs = half.tolist()
+        scales = [axis(*r, hs[i]) for i, r in enumerate(self.ranges)]
+        centres = []
+        for i, (_, top) in enumerate(self.ranges):
+            least, most = self._centre_bounds(top, i)
+            centres.append(axis(float(least), max(float(most), float(least)), hs[2 + i]))
+        return torch.cartesian_prod(*scales, *centres)

@@ -3,10 +3,13 @@
  * stopped as soon as it passes the line the caller gives (a partial sum is already a bound).
  *
  * Template pixel (r, c) of a fit (scale_h, scale_w, shift_y, shift_x) samples the image
- * bilinearly at y = (r + shift_y + 0.5) / scale_h - 0.5, x likewise, clamped to the image. Over a
- * cell (centre +- half on each parameter) the coordinate is monotone in each parameter, so the
- * cell's corners give each row's and each column's interval of coordinates, and each pixel samples
- * from the box of their product. The range of the image over that box is taken either over every
+ * bilinearly at y = (r + shift_y + 0.5) / scale_h - 0.5, x likewise, clamped to the image. Cells
+ * hold (scale_h, scale_w, centre_y, centre_x): the centres are where the template's pivot pixel
+ * (pivot_y, pivot_x) lands, so y = (r - pivot_y) / scale_h + centre_y, and a scale's spread moves
+ * a pixel by |r - pivot| / scale^2 per unit, at most half the template's side with the pivot in
+ * its middle. Over a cell (centre +- half on each parameter) the coordinate is monotone in each
+ * parameter, so the cell's corners give each row's and each column's interval of coordinates,
+ * and each pixel samples from the box of their product. The range of the image over that box is taken either over every
  * whole pixel it touches ("pixel": cheap, wide) or as the bilinear interpolant's own range
  * ("exact": its extremes lie among the box's corners, the grid lines' crossings of its edges and
  * the grid points inside, so among the products of {lo, the integers between, hi} on each axis).
@@ -24,14 +27,15 @@
 #include "dm_abi.h"
 
 /* the interval [lo, hi] of input coordinates output pixel i samples over a cell (centres scale,
- * shift; half widths ds, dt), clamped to [0, n_in - 1], from the four corners */
-static inline void span(int64_t i, int64_t n_in, double scale, double shift, double ds, double dt, double *lo,
-                        double *hi) {
+ * centre: where the pivot pixel lands; half widths ds, dc), clamped to [0, n_in - 1], from the
+ * four corners */
+static inline void span(int64_t i, int64_t n_in, double pivot, double scale, double centre, double ds, double dc,
+                        double *lo, double *hi) {
     double a = INFINITY, b = -INFINITY;
-    const double es[2] = {-ds, ds}, et[2] = {-dt, dt};
+    const double es[2] = {-ds, ds}, ec[2] = {-dc, dc};
     for (int u = 0; u < 2; u++)
         for (int v = 0; v < 2; v++) {
-            const double y = ((double)i + (shift + et[v]) + 0.5) / (scale + es[u]) - 0.5;
+            const double y = ((double)i - pivot) / (scale + es[u]) + (centre + ec[v]);
             a = y < a ? y : a;
             b = y > b ? y : b;
         }
@@ -65,10 +69,12 @@ static inline double term(double t, double lo, double hi, int squared) {
 
 /* Sums over the template's rows (in the order given) and channels of each cell's terms, into
  * out[m]; a cell stops at the first row after which its sum exceeds stop. image (C, H, W),
- * template (C, h, w), cells (M, 4) centres (scale_h, scale_w, shift_y, shift_x), half (4).
- * Returns 1 where its scratch cannot be allocated. */
+ * template (C, h, w), cells (M, 4) centres (scale_h, scale_w, centre_y, centre_x), half (4),
+ * pivot (2: the template pixel the centres place). Returns 1 where its scratch cannot be
+ * allocated. */
 int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H,
-                     int64_t W, const double *cells, int64_t M, const double *half, const int64_t *rows,
+                     int64_t W, const double *cells, int64_t M, const double *half, const double *pivot,
+                     const int64_t *rows,
                      int64_t n_rows, int exact, int squared, double stop, double *out) {
     const int64_t KX = W + 2, KY = H + 2; /* the most points an interval can hold */
     double *xlo = malloc(sizeof(double) * (size_t)(4 * w + 2 * w * KX + 2 * KY));
@@ -94,7 +100,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
         if (!before || cell[1] != before[1] || cell[3] != before[3]) {
             c_first = W, c_last = 0, K = 1;
             for (int64_t j = 0; j < w; j++) {
-                span(j, W, cell[1], cell[3], half[1], half[3], xlo + j, xhi + j);
+                span(j, W, pivot[1], cell[1], cell[3], half[1], half[3], xlo + j, xhi + j);
                 const int64_t f = (int64_t)floor(xlo[j]), l = (int64_t)ceil(xhi[j]);
                 c_first = f < c_first ? f : c_first;
                 c_last = l > c_last ? l : c_last;
@@ -122,7 +128,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
         for (int64_t q = 0; q < n_rows && !(total > stop); q++) {
             const int64_t i = rows[q];
             double ylo, yhi;
-            span(i, H, cell[0], cell[2], half[0], half[2], &ylo, &yhi);
+            span(i, H, pivot[0], cell[0], cell[2], half[0], half[2], &ylo, &yhi);
             for (int64_t ch = 0; ch < C; ch++) {
                 const double *img = image + ch * H * W, *t = tpl + (ch * h + i) * w;
                 if (exact) {

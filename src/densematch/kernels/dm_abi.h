@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define DM_ABI_VERSION 1
+#define DM_ABI_VERSION 2
 
 int64_t dm_abi_version(void);
 
@@ -53,6 +53,6 @@ void dm_align_best_shifts_f32(const float *score, int64_t M, int64_t ny, int64_t
 void dm_align_best_shifts_f64(const double *score, int64_t M, int64_t ny, int64_t nx, int64_t K, double *best, int64_t *where);
 
 /* certify.c: certify_alignment's bound */
-int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H, int64_t W, const double *cells, int64_t M, const double *half, const int64_t *rows, int64_t n_rows, int exact, int squared, double stop, double *out);
+int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H, int64_t W, const double *cells, int64_t M, const double *half, const double *pivot, const int64_t *rows, int64_t n_rows, int exact, int squared, double stop, double *out);
 
 #endif

@@ -74,7 +74,7 @@ SOURCES = kernel_build.SOURCES
 HEADER = kernel_build.HEADER
 # the dm_abi.h these bindings were written against (DM_ABI_VERSION); a library built from other
 # declarations is refused
-ABI_VERSION = 1
+ABI_VERSION = 2
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 # references per centre where the certified search centres its half rows by groups (DM_GROUP)
 GROUP = 32
@@ -873,16 +873,18 @@ def certify_bound(
     half: tuple[float, ...],
     rows: torch.Tensor,
     *,
+    pivot: tuple[float, float],
     exact: bool,
     squared: bool,
     stop: float,
 ) -> torch.Tensor:
     """certify_alignment's bound (certify.c): per cell of ``cells`` (M, 4) (centres scale_h,
-    scale_w, shift_y, shift_x; half widths ``half``), the sum over the template's ``rows`` (in
-    that order) and channels of each pixel's distance (squared: its square) from its value in
-    ``template`` (C, h, w) to the range of ``image`` (C, H, W) over the box it samples from:
-    whole pixels, or with ``exact`` the bilinear interpolant's own. A cell's sum stops at the first
-    row after which it exceeds ``stop``. (M,) float64, on this thread."""
+    scale_w, centre_y, centre_x: where the template pixel ``pivot`` (y, x) lands; half widths
+    ``half``), the sum over the template's ``rows`` (in that order) and channels of each pixel's
+    distance (squared: its square) from its value in ``template`` (C, h, w) to the range of
+    ``image`` (C, H, W) over the box it samples from: whole pixels, or with ``exact`` the bilinear
+    interpolant's own. A cell's sum stops at the first row after which it exceeds ``stop``. (M,)
+    float64, on this thread."""
     lib = _loaded("certify_bound", image, template, cells, rows)
     c, h, w = template.shape
     _require(
@@ -896,11 +898,12 @@ def certify_bound(
         "image (C, H, W), template (C, h, w) and cells (M, 4) must be contiguous float64, rows template rows",
     )
     rows = rows.contiguous()
-    spread = torch.tensor(half, dtype=torch.float64)
+    spread, at = torch.tensor(half, dtype=torch.float64), torch.tensor(pivot, dtype=torch.float64)
     out = torch.empty(cells.shape[0], dtype=torch.float64)
     failed = lib.dm_certify_bound(
         image.data_ptr(), template.data_ptr(), c, h, w, image.shape[1], image.shape[2], cells.data_ptr(),
-        cells.shape[0], spread.data_ptr(), rows.data_ptr(), rows.numel(), exact, squared, stop, out.data_ptr(),
+        cells.shape[0], spread.data_ptr(), at.data_ptr(), rows.data_ptr(), rows.numel(), exact, squared, stop,
+        out.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("densematch's C kernels: certify_bound could not allocate its scratch")
