@@ -249,6 +249,8 @@ def certify_alignment(
         gap = reach(cells)
         inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
         cells = cells[axes.valid(cells, half) & ~inside]
+        # cells with one scale_w and centre_x in a row share their columns' work in C
+        cells = cells[_lexsort(cells[:, 3], cells[:, 1])]
         examined += len(cells)
         exact = bool(half[2] <= 0.5)
         if bound is not None:
@@ -307,10 +309,16 @@ def certify_alignment(
             far = ", ".join(f"{v:.3g}" for v in (axes.fits(left) - a).abs().amax(0).tolist())
             return result(left, f"{len(left)} cells left at the finest size, up to ({far}) from the answer")
         half = half / 2
-        sh, sw, ty, tx = (torch.tensor([-1.0, 1.0] if v > 0 else [0.0], dtype=torch.float64) for v in half)
-        # children with one scale_w and shift_x in a row: they share their columns' work in C
-        corners = torch.cartesian_prod(sw, tx, sh, ty).reshape(-1, 4)[:, [2, 0, 3, 1]]
-        parents, offsets = left, corners * half
+        signs = [torch.tensor([-1.0, 1.0] if v > 0 else [0.0], dtype=torch.float64) for v in half]
+        parents, offsets = left, torch.cartesian_prod(*signs) * half
+
+
+def _lexsort(*keys: torch.Tensor) -> torch.Tensor:
+    """The order that sorts by the last key, then the one before, and so on (stable)."""
+    order = torch.arange(len(keys[0]))
+    for key in keys:
+        order = order[key[order].argsort(stable=True)]
+    return order
 
 
 def _parts(cells: torch.Tensor, exact: bool, channels: int) -> list[torch.Tensor]:
