@@ -29,13 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import densematch
 from _common import report
-from bench_align_global import cases
-from densematch.app.synthetic import alignment_cases
-
-
-def mask_cases(n: int, seed: int) -> list[dict]:
-    made = alignment_cases(n, seed=seed, kinds=("mask",), noise=(0.0, 0.02), scale_range=(0.8, 1.2))
-    return [{"photo": f"mask {tuple(c.template.shape)} noise {c.noise}", "tpl": c.template, "img": c.image} for c in made]
+from bench_align_global import cases, mask_cases
 
 
 def main() -> None:
@@ -73,7 +67,12 @@ def main() -> None:
         print(rows[-1], flush=True)
     seconds = [r["seconds"] for r in rows]
     certified = sum(r["certified"] == "yes" for r in rows)
-    summary = {"cases": len(rows), "certified": certified, "median s": statistics.median(seconds), "longest s": max(seconds)}
+    summary = {
+        "cases": len(rows),
+        "certified": certified,
+        "median s": statistics.median(seconds),
+        "longest s": max(seconds),
+    }
     report(args.name, rows, summary=summary)
     print(summary)
 

@@ -1,6 +1,7 @@
 """align against OpenCV's ECC on one thread: is the global minimum found, and how fast.
 
-Run: python benchmarks/bench_align_global.py [--per-photo 4] [--threads 1] [--batch 32] [--name NAME]
+Run: python benchmarks/bench_align_global.py [--set photos|masks] [--per-photo 4] [--certify] [--threads 1]
+     [--batch 32] [--name NAME]
 
 Cases (densematch.app.synthetic.alignment_cases, each photograph in turn): 125x125 crops of 12 of
 scikit-image's photographs (grey, 2x2 average-pooled, scaled to 0..1), a 100x100 template warped
@@ -11,6 +12,11 @@ the answer's, so a search that kept the global minimum would have found the trut
 misses that count). OpenCV's findTransformECC (affine motion, a 3-level pyramid, started from
 the identity, as its examples do) is local: its time is the speed class, not a recovery peer.
 Batches: the same pairs in one call of ``align`` against one call each.
+``--set masks``: 48 binary masks instead (unions of random ellipses: issue 41's mask overlap use),
+the three template sizes of :data:`densematch.app.synthetic.SIZES`, noise 0 and 0.02, scales over
+0.8..1.2 (no batch row: the sizes differ). ``--certify``: ``align(certify=True)`` timed beside
+them, each answer certified global (and, where the certificate finds a better fit, refined from
+it and certified again): how many it certified, and how many answers it moved.
 """
 
 from __future__ import annotations
@@ -49,8 +55,21 @@ def cases(per_photo: int, seed: int) -> list[dict]:
     ]
 
 
+def mask_cases(n: int, seed: int) -> list[dict]:
+    made = alignment_cases(n, seed=seed, kinds=("mask",), noise=(0.0, 0.02), scale_range=(0.8, 1.2))
+    return [
+        {
+            "photo": f"mask {tuple(c.template.shape)} noise {c.noise}",
+            "tpl": c.template,
+            "img": c.image,
+            "truth": (c.scale_h, c.scale_w, c.shift_y, c.shift_x),
+        }
+        for c in made
+    ]
+
+
 def l1_at(c: dict, p: tuple[float, ...]) -> float:
-    return float((densematch.warp(c["img"], *p, (100, 100)) - c["tpl"]).abs().mean())
+    return float((densematch.warp(c["img"], *p, tuple(c["tpl"].shape)) - c["tpl"]).abs().mean())
 
 
 def strict(p: tuple[float, ...], truth: tuple[float, ...]) -> bool:
@@ -82,7 +101,9 @@ def ecc(tpl: np.ndarray, img: np.ndarray) -> tuple[float, ...]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", choices=("photos", "masks"), default="photos")
     ap.add_argument("--per-photo", type=int, default=4)
+    ap.add_argument("--certify", action="store_true", help="time align(certify=True) beside")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=32)
@@ -94,10 +115,12 @@ def main() -> None:
         import cv2
 
         cv2.setNumThreads(args.threads)
-    cs = cases(args.per_photo, args.seed)
+    cs = cases(args.per_photo, args.seed) if args.set == "photos" else mask_cases(48, args.seed)
     densematch.align(cs[0]["tpl"], cs[0]["img"])  # warm-up
-    found: dict[str, list] = {"densematch.align": [], "OpenCV ECC": []}
-    times: dict[str, list[float]] = {"densematch.align": [], "OpenCV ECC": []}
+    certified = "densematch.align certify=True"
+    found: dict[str, list] = {"densematch.align": [], certified: [], "OpenCV ECC": []}
+    times: dict[str, list[float]] = {"densematch.align": [], certified: [], "OpenCV ECC": []}
+    verdicts, moved = [], 0
     misses = []
     for i, c in enumerate(cs):
         # alternated, one case at a time, so that a busy spell slows both
@@ -106,6 +129,13 @@ def main() -> None:
         times["densematch.align"].append(time.perf_counter() - t0)
         p = (a.scale_h, a.scale_w, a.shift_y, a.shift_x)
         found["densematch.align"].append(p)
+        if args.certify:
+            t0 = time.perf_counter()
+            b = densematch.align(c["tpl"], c["img"], certify=True)
+            times[certified].append(time.perf_counter() - t0)
+            found[certified].append((b.scale_h, b.scale_w, b.shift_y, b.shift_x))
+            verdicts.append(b.certificate.certified)
+            moved += not strict(found[certified][-1], p)
         if not args.no_ecc:
             tn, xn = c["tpl"].numpy(), c["img"].numpy()
             t0 = time.perf_counter()
@@ -139,25 +169,11 @@ def main() -> None:
                 "max ms": round(1e3 * max(times[method]), 2),
             }
         )
-    n_b = min(args.batch, len(cs))
-    tb = torch.stack([c["tpl"] for c in cs[:n_b]])
-    xb = torch.stack([c["img"] for c in cs[:n_b]])
-    densematch.align(tb[:2], xb[:2])
-    one, many = [], []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for i in range(n_b):
-            densematch.align(tb[i], xb[i])
-        one.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        densematch.align(tb, xb)
-        many.append(time.perf_counter() - t0)
-    batch = {
-        "pairs": n_b,
-        "one call each, pairs/s": round(n_b / statistics.median(one), 1),
-        "one batched call, pairs/s": round(n_b / statistics.median(many), 1),
-        "ratio": round(statistics.median(one) / statistics.median(many), 2),
-    }
+        if method == certified:
+            rows[-1]["method"] += f" ({sum(verdicts)} certified, {moved} answers moved)"
+    batch: dict = {}
+    if len({tuple(c["tpl"].shape) for c in cs}) == 1:
+        batch = batch_rates(cs, args.batch)
     info = machine()
     path = save(
         args.name,
@@ -170,6 +186,29 @@ def main() -> None:
     for m in misses:
         print(f"  {m}")
     print(f"saved {path}")
+
+
+def batch_rates(cs: list[dict], most: int) -> dict:
+    """Pairs per second, the first ``most`` pairs one call each against one batched call."""
+    n_b = min(most, len(cs))
+    tb = torch.stack([c["tpl"] for c in cs[:n_b]])
+    xb = torch.stack([c["img"] for c in cs[:n_b]])
+    densematch.align(tb[:2], xb[:2])
+    one, many = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(n_b):
+            densematch.align(tb[i], xb[i])
+        one.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        densematch.align(tb, xb)
+        many.append(time.perf_counter() - t0)
+    return {
+        "pairs": n_b,
+        "one call each, pairs/s": round(n_b / statistics.median(one), 1),
+        "one batched call, pairs/s": round(n_b / statistics.median(many), 1),
+        "ratio": round(statistics.median(one) / statistics.median(many), 2),
+    }
 
 
 if __name__ == "__main__":
