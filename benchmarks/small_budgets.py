@@ -5,7 +5,7 @@ Run: python benchmarks/small_budgets.py SRC [SRC ...] [--labels A,B] [--rounds 3
 
 SRC is a src/ folder (``git worktree add DIR REV``, then DIR/src for an earlier revision). Cases:
 Gaussian features of (side, side, C) against their flip, l2, k=3 (the shape of
-tests/test_match.py's tiny-budget test), under each memory setting; one thread.
+tests/matching/test_match.py's tiny-budget test), under each memory setting; one thread.
 """
 
 from __future__ import annotations

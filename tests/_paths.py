@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 import densematch
+
+# the device the paths run on: the run's --device (the root conftest.py), cpu by default
+DEVICE = torch.device(os.environ.get("DENSEMATCH_TEST_DEVICE", "cpu"))
 
 # name: (precision=, config_context settings); kernel="torch" keeps the C kernels out too
 PATHS: dict[str, tuple[str, dict[str, str]]] = {
@@ -44,3 +49,9 @@ def on_path(name: str, metric: str = "l2") -> Iterator[str]:
             settings = {**settings, "kernel": "auto"}
     with densematch.config_context(**settings):
         yield precision
+
+
+def on_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on the run's device (:data:`DEVICE`), for a search the tests then judge on
+    the CPU."""
+    return tuple(t.to(DEVICE) for t in tensors)

@@ -151,3 +151,11 @@ def assert_exact_ties_lowest(a: torch.Tensor, b: torch.Tensor, index: torch.Tens
     bad = (index != want).any(1) & sure
     assert not bad.any(), f"{int(bad.sum())} of {int(sure.sum())} sure rows break the lowest-index rule"
     assert_same_up_to_ties(a, b, index, want, metric, tol=tol)
+
+
+def patch_features(image: np.ndarray, size: int = 5) -> torch.Tensor:
+    """(H, W, size*size) local patch features of a grey image, zero-mean per patch."""
+    x = torch.as_tensor(image, dtype=torch.float32)[None, None] / 255.0
+    p = torch.nn.functional.unfold(x, size, padding=size // 2)[0]
+    p = p - p.mean(0, keepdim=True)
+    return p.T.reshape(image.shape[0], image.shape[1], size * size)

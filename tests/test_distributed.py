@@ -25,8 +25,7 @@ from densematch import engine
 from densematch.app.features import dense_features
 from densematch.distributed import _merge
 
-from ._reference import METRICS, assert_same_up_to_ties, decided, reference_scores, tolerance
-from .conftest import patch_features
+from ._reference import METRICS, assert_same_up_to_ties, decided, patch_features, reference_scores, tolerance
 
 WORLD = 2
 

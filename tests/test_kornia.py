@@ -8,8 +8,8 @@ kornia_feature = pytest.importorskip("kornia.feature")
 
 from densematch import kornia as dk  # noqa: E402
 
+from ._memory import peak_extra  # noqa: E402
 from ._reference import assert_same_up_to_ties, tolerance  # noqa: E402
-from .test_memory import peak_extra  # noqa: E402
 
 PLAIN = ["match_nn", "match_mnn", "match_snn", "match_smnn"]
 

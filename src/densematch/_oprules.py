@@ -74,7 +74,7 @@ def read_once(fn: F) -> F:
     graph as a constant. For the settings a public function resolves (budget, precision, kernel)
     from ContextVars, the environment and the device's free memory: Python that Dynamo cannot
     trace. The mark is set here because torch's function imports torch._dynamo (2 s) to set it;
-    tests/test_compile.py checks that it is the mark torch sets."""
+    tests/operators/test_compile.py checks that it is the mark torch sets."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 

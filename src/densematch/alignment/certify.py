@@ -4,8 +4,8 @@ space showing that no fit better than the answer lies outside its neighbourhood.
 A cell holds two scales and, per axis, the position where the template's middle pixel lands (its
 "centre"), each within a half width of the cell's own: in that frame a scale's spread moves a pixel
 by its distance from the middle, at most half the template's side, where in (scale, shift) it
-moved it by its distance from the image's corner (4x fewer cells for the same boxes, 3-8x less
-time, benchmarks/history/2026-12-05-issue-41-a-pivoted-certificate.md). Every template pixel samples
+moved it by its distance from the image's corner (3-7x fewer cells, a fifth of the median time:
+benchmarks/history/2026-12-05-issue-41-a-pivoted-certificate.md). Every template pixel samples
 the image from a box of positions: the warp is separable and monotone in each parameter, so two
 corners of the cell give the box. The mean over pixels of the distance from
 the template's value to the range the image's bilinear interpolant takes over its box is a lower
@@ -40,9 +40,10 @@ from .warp import taps_at, warp
 
 __all__ = ["Certificate", "bilinear_range", "certify_alignment", "pixel_range", "sample_spans"]
 
-_ROOT = 2.0  # the first cells' half size in the pivot's position (px)
-# a scale's half size, in units of the position's per pixel of lever (the farthest template pixel
-# from the pivot): the box a cell's pixels sample from then widens by as much again at the edges
+_ROOT = 2.0  # the first cells' half width in the centres (px)
+# the first scale half width: _LEVER times the centres' over the template's half side, so that a
+# scale's spread moves the pixels at its edges _LEVER times as far as the centre's spread (2: the
+# fewest seconds of 0.5-4, benchmarks/history/2026-12-05-issue-41-a-pivoted-certificate.md)
 _LEVER = 2.0
 Span = tuple[torch.Tensor, torch.Tensor]
 

@@ -16,7 +16,7 @@
  * A pixel's term is its template value's distance to that range (squared for l2).
  *
  * Torch's path (certify.py: sample_spans, pixel_range, bilinear_range) computes the same ranges
- * from the same corners and taps; the two are compared in tests/test_certify.py. What is added
+ * from the same corners and taps; the two are compared in tests/alignment/test_certify.py. What is added
  * here is the row-by-row stop and no per-operation cost, which is what makes millions of small
  * cells affordable.
  */

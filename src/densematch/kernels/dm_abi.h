@@ -1,6 +1,6 @@
 /* densematch's C kernels: every function the library exports, as the Python bindings
  * (densematch/kernels/native.py) call them through ctypes. Each source includes this header, so a
- * definition that drifts from its declaration does not compile; tests/test_native.py checks the
+ * definition that drifts from its declaration does not compile; tests/kernels/test_native.py checks the
  * bindings' argument and result types against these lines, and the loader refuses a library whose
  * dm_abi_version() is not DM_ABI_VERSION (a stale build in a cache, a library of another version).
  * Raise DM_ABI_VERSION whenever a declaration changes. One declaration a line. */

@@ -318,7 +318,7 @@ def _forward_item(
     if auto:  # each row's own temperature, folded into its query row
         q = q * row_scale[:, None]
     # float64 takes the tiles everywhere: torch's fused CPU kernel strayed ~1e-9 from
-    # float64's exact moments (tests/test_soft.py's rounding bound)
+    # float64's exact moments (tests/matching/test_soft.py's rounding bound)
     if not dual and _SDPA and q.dtype != torch.float64 and q.device.type != "cpu":
         fused = _fused(q, k, v, scale, budget)
         if fused is not None:

@@ -17,8 +17,8 @@ import densematch
 from densematch import engine
 from densematch.precision import CANDIDATES, Precision
 
-from ._paths import PATHS, TORCH_PATHS, on_path
-from ._reference import (
+from .._paths import PATHS, TORCH_PATHS, on_device, on_path
+from .._reference import (
     MATRIX,
     assert_exact_ties_lowest,
     assert_same_up_to_ties,
@@ -28,8 +28,11 @@ from ._reference import (
 
 
 def flat_match(a, b, metric, k, path, **kw):
+    """match on the path ``path``, on the run's device (``pytest --device``); the result on the CPU."""
+    a, b = on_device(a, b)
     with on_path(path, metric) as precision:
-        return densematch.match(a, b, metric=metric, k=k, layout="flat", precision=precision, **kw)
+        r = densematch.match(a, b, metric=metric, k=k, layout="flat", precision=precision, **kw)
+    return densematch.Matches(r.index.cpu(), None, r.score.cpu(), r.valid.cpu())
 
 
 def clustered(na, nb, c, seed, spread=0.01, scale=10.0):
@@ -160,7 +163,7 @@ def test_exact_ties_between_different_rows_go_to_the_lowest_index(quantised_sift
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("metric", MATRIX)
 def test_real_photo_features(camera_small, path, metric):
-    from .conftest import patch_features
+    from .._reference import patch_features
 
     f = patch_features(camera_small)
     n = 12 if path.startswith("kernel") else 40

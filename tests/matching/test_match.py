@@ -7,16 +7,16 @@ from hypothesis import strategies as st
 import densematch
 from densematch import match
 
-from ._reference import (
+from .._reference import (
     METRICS,
     assert_same_up_to_ties,
     assert_topk_exact,
     decided,
+    patch_features,
     reference_scores,
     reported,
     tolerance,
 )
-from .conftest import patch_features
 
 
 def brute(a, b, metric):

@@ -8,7 +8,7 @@ import torch
 from densematch import match
 from densematch.app.features import dense_features
 
-from ._reference import assert_same_up_to_ties
+from .._reference import assert_same_up_to_ties
 
 SHIFT = (0.3, -0.4)
 
@@ -135,7 +135,7 @@ def test_the_module_twin_carries_the_placing(shifted):
 @pytest.mark.parametrize("radius", [0.0, 1.0, 1.5, 2.0])
 @pytest.mark.parametrize("metric", ["cosine", "l2"])
 def test_exclude_radius_takes_the_runner_up_beyond_it(radius, metric):
-    from ._reference import decided, reference_scores, reported, tolerance
+    from .._reference import decided, reference_scores, reported, tolerance
 
     g = torch.Generator().manual_seed(3)
     # a smooth field, and a half-pixel shift of it: the best and its neighbour score alike

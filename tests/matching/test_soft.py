@@ -9,8 +9,8 @@ import torch
 from densematch import soft_match
 from densematch.matching import soft as _soft
 
-from .conftest import patch_features
-from .test_memory import peak_extra
+from .._memory import peak_extra
+from .._reference import patch_features
 
 
 def dense(a, b, temperature, mode, mask_b=None):

@@ -16,8 +16,7 @@ from densematch.kernels import native
 from densematch.metrics import get_metric
 from densematch.precision import Precision, query_terms, ref_terms, resolve_precision
 
-from ._reference import MATRIX, assert_same_up_to_ties, assert_topk_exact, reference_scores
-from .conftest import patch_features
+from .._reference import MATRIX, assert_same_up_to_ties, assert_topk_exact, patch_features, reference_scores
 
 BF16 = Precision(half=torch.bfloat16)
 

@@ -4,7 +4,7 @@ import torch
 import densematch
 from densematch import PrototypeDistance, nearest_prototype, pairwise_distance
 
-from ._reference import METRICS, assert_same_up_to_ties
+from .._reference import METRICS, assert_same_up_to_ties
 
 
 def broadcast_reference(x: torch.Tensor, p: torch.Tensor, metric: str) -> torch.Tensor:
@@ -47,7 +47,7 @@ class TestPairwiseDistance:
         torch.testing.assert_close(d.double(), ref, rtol=0, atol=1e-4 * scale)
 
     def test_real_image_patches(self, camera_small):
-        from .conftest import patch_features
+        from .._reference import patch_features
 
         x = patch_features(camera_small).permute(2, 0, 1)[None]  # (1, 25, 64, 64)
         protos = x.flatten(2)[0, :, ::97].T  # real patches as prototypes

@@ -10,7 +10,7 @@ from densematch import engine
 from densematch.engine.plain import PlainSearch
 from densematch.metrics import METRICS, get_metric
 
-from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores, reported, tolerance
+from .._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores, reported, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

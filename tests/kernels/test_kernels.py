@@ -11,8 +11,7 @@ from densematch import engine, kernels
 from densematch.metrics import get_metric
 from densematch.precision import Precision
 
-from ._reference import MATRIX, assert_same_up_to_ties, assert_topk_exact, reference_scores
-from .conftest import patch_features
+from .._reference import MATRIX, assert_same_up_to_ties, assert_topk_exact, patch_features, reference_scores
 
 TORCH = Precision(backend="torch")
 
@@ -75,7 +74,7 @@ def test_kernel_on_photo_features_with_masks(camera_small):
 @pytest.mark.parametrize("metric", ["dot", "l2"])
 def test_exact_ties_go_to_the_lowest_index(metric):
     # +-1 features and 64 reference rows keep every product, norm and mean exact (as in
-    # tests/test_engine.py); C=4 is one chunk, and l2 adds its extra column as a bias
+    # tests/engine/test_engine.py); C=4 is one chunk, and l2 adds its extra column as a bias
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, 2, (30, 4), generator=g).float() * 2 - 1
     b = torch.randint(0, 2, (64, 4), generator=g).float() * 2 - 1

@@ -14,7 +14,7 @@ import torch
 from densematch import warp
 from densematch.app.summary import summary_line
 
-from ._reference import assert_same_up_to_ties
+from .._reference import assert_same_up_to_ties
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ from densematch import align, local_cost_volume, match, soft_match, warp
 from densematch.app import recipes
 from densematch.app.synthetic import alignment_cases
 
-from ._reference import assert_same_up_to_ties
+from .._reference import assert_same_up_to_ties
 
 
 def test_blockwise_loop_picks_match_s_best():

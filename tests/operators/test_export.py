@@ -15,7 +15,7 @@ import densematch
 import densematch.onnx
 from densematch import kornia as dk
 
-from ._reference import assert_same_up_to_ties
+from .._reference import assert_same_up_to_ties
 
 pytestmark = [
     pytest.mark.slow,

@@ -9,7 +9,7 @@ import torch
 import densematch
 from densematch._oprules import read_once
 
-from ._reference import assert_same_up_to_ties
+from .._reference import assert_same_up_to_ties
 
 pytestmark = pytest.mark.slow
 

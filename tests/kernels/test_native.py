@@ -239,7 +239,7 @@ class TestCallers:
 
     @pytest.mark.parametrize("metric", ["l1", "linf"])
     def test_match_and_nearest_prototype_search_with_them(self, metric):
-        from ._reference import assert_topk_exact
+        from .._reference import assert_topk_exact
 
         g = torch.Generator().manual_seed(5)
         a = torch.randn(300, 12, generator=g)

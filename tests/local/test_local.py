@@ -16,9 +16,8 @@ from densematch import LocalCostVolume, LocalMatcher, local_cost_volume, local_m
 from densematch.kernels import native
 from densematch.metrics import get_metric
 
-from ._reference import METRICS, assert_same_up_to_ties, reference_scores, reported, tolerance
-from .conftest import patch_features
-from .test_memory import peak_extra
+from .._memory import peak_extra
+from .._reference import METRICS, assert_same_up_to_ties, patch_features, reference_scores, reported, tolerance
 
 
 def _pair(v):

@@ -17,8 +17,7 @@ from densematch import warp
 from densematch.app import batch
 from densematch.app.batch import RESULTS, read_manifest
 
-from ._reference import assert_same_up_to_ties
-from .conftest import patch_features
+from .._reference import assert_same_up_to_ties, patch_features
 from .test_cli import in_process
 
 # (scale_h, scale_w, shift_y, shift_x) of each good align pair

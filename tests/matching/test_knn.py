@@ -6,8 +6,8 @@ import torch
 import densematch
 from densematch.metrics import Metric
 
-from ._reference import METRICS, assert_same_up_to_ties, reference_scores
-from .test_memory import peak_extra
+from .._memory import peak_extra
+from .._reference import METRICS, assert_same_up_to_ties, reference_scores
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -51,7 +51,7 @@ def test_the_index_prepares_the_bank_once(monkeypatch):
 
 
 def test_real_patch_features_with_duplicates(camera_small):
-    from .conftest import patch_features
+    from .._reference import patch_features
 
     f = patch_features(camera_small, 5).reshape(-1, 25)
     bank, queries = f[::2], f[1::7]

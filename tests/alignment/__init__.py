@@ -1,0 +1,1 @@
+"""align and certify_alignment."""

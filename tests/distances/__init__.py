@@ -1,0 +1,1 @@
+"""pairwise_distance, nearest_prototype and PrototypeDistance."""

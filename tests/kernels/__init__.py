@@ -1,0 +1,1 @@
+"""The C kernels (densematch.kernels.native) and the fused Triton kernel."""

@@ -1,0 +1,1 @@
+"""local_match and local_cost_volume."""

@@ -1,0 +1,1 @@
+"""match, its sub-pixel refinement and filters, soft_match, knn and KNNIndex."""
