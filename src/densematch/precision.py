@@ -28,6 +28,12 @@ score ``>= t`` in float32, so the float32 top k all have ``h + e >= t``. Those a
 re-scored in float32, their best k are the float32 result. A per-pair bound matters for l2 and
 dot, whose rows differ in norm: a low-contrast query's near neighbours have small norms, hence
 small bounds, however large the bound of far-away rows.
+
+References
+----------
+- N. J. Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., SIAM, 2002, chapter
+  3: ``gamma_n = n u / (1 - n u)``, the bound on an inner product of n terms accumulated in a
+  precision of unit roundoff u (:func:`unit_roundoff`).
 """
 
 from __future__ import annotations

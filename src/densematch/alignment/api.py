@@ -313,6 +313,20 @@ def align(
     optimum; refinement then reaches sub-pixel precision. For "l1" the refinement minimises the
     squared error and the candidates are ranked by the absolute error.
 
+    References
+    ----------
+    - K. Levenberg, "A method for the solution of certain non-linear problems in least
+      squares", Quarterly of Applied Mathematics 2(2), 164-168, 1944, and D. W. Marquardt, "An
+      algorithm for least-squares estimation of nonlinear parameters", Journal of the SIAM 11(2),
+      431-441, 1963: the refinement.
+    - J. P. Lewis, "Fast normalized cross-correlation", Vision Interface, 1995: the "ncc"
+      objective's window sums.
+    - A. H. Land and A. G. Doig, "An automatic method of solving discrete programming problems",
+      Econometrica 28(3), 497-520, 1960: the branch and bound of ``certify``.
+    - G. D. Evangelidis and E. Z. Psarakis, "Parametric image alignment using enhanced
+      correlation coefficient maximization", IEEE TPAMI 30(10), 1858-1865, 2008: OpenCV's ECC,
+      the local method of the same speed class (BENCHMARKS.md).
+
     Examples
     --------
     >>> from densematch import warp

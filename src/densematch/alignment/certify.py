@@ -203,6 +203,11 @@ def certify_alignment(
     Returns
     -------
     Certificate
+
+    References
+    ----------
+    - A. H. Land and A. G. Doig, "An automatic method of solving discrete programming problems",
+      Econometrica 28(3), 497-520, 1960: branch and bound.
     """
     objective = check_choice(objective, "objective", ("l1", "l2"))
     for name, pair in (("near", near), ("finest", finest)):

@@ -184,6 +184,14 @@ def match(
     of features centred on b's mean, and each reported score is recomputed directly from the
     two features.
 
+    References
+    ----------
+    - D. G. Lowe, "Distinctive image features from scale-invariant keypoints", International
+      Journal of Computer Vision 60(2), 91-110, 2004: the ratio test (``ratio``).
+    - N. J. Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., SIAM, 2002,
+      chapter 3: the bounds on rounded inner products that certify the half-precision search
+      (``precision="exact"``, docs/precision.md).
+
     Examples
     --------
     >>> f = torch.randn(24, 32, 16)
