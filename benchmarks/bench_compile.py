@@ -43,7 +43,7 @@ def main() -> None:
         n, d, h, w, f = (int(v) for v in size.split("x"))
         x0 = torch.randn(n, d, h, w)
         for metric in args.metrics:
-            layer = densematch.PrototypeDistance(f, d, metric)
+            layer = densematch.PrototypeDistance(f, d, metric=metric)
             heads = {
                 "densematch": lambda x, m=metric, layer=layer: layer(x),
                 "cdist": lambda x, m=metric, layer=layer: cdist_head(x, layer.prototypes, m),

@@ -59,7 +59,7 @@ def worker(rank: int, world: int, init: str, out: str, kind: str, size: tuple[in
         if kind == "match":
             dm.match(a, mine, shard=shard, stats=stats)
         else:
-            dm.nearest_prototype(a, mine, "l2", shard=shard, stats=stats)
+            dm.nearest_prototype(a, mine, metric="l2", shard=shard, stats=stats)
 
     call({})
     times, comm, sent = [], [], []

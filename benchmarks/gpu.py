@@ -193,8 +193,8 @@ def main() -> None:
         checks[f"match {metric}"] = bool(torch.allclose(got.score.cpu(), ref.score, atol=1e-4))
     x, p = torch.randn(2, 16, 20, 20, generator=g), torch.randn(30, 16, generator=g)
     for metric in ("l2", "l1", "cosine"):
-        ref = densematch.pairwise_distance(x, p, metric)
-        got = densematch.pairwise_distance(x.to(dev), p.to(dev), metric)
+        ref = densematch.pairwise_distance(x, p, metric=metric)
+        got = densematch.pairwise_distance(x.to(dev), p.to(dev), metric=metric)
         checks[f"distance {metric}"] = bool(torch.allclose(got.cpu(), ref, atol=1e-4))
     case = next(alignment_cases(1, seed=0, sizes=(((100, 100), (125, 125)),)))
     al = densematch.align(case.template.to(dev), case.image.to(dev))
@@ -220,7 +220,7 @@ def main() -> None:
     pd = torch.randn(f, d, device=dev, requires_grad=True)
     for metric, order in (("l2", 2.0), ("l1", 1.0)):
         for name, fn in (
-            ("densematch", lambda m=metric: densematch.pairwise_distance(xd, pd, m, check_finite=False)),
+            ("densematch", lambda m=metric: densematch.pairwise_distance(xd, pd, metric=m, check_finite=False)),
             ("torch.cdist", lambda o=order: torch.cdist(xd.flatten(2).transpose(1, 2), pd, p=o)),
         ):
             fwd = timeit(lambda fn=fn: fn().detach(), repeats=5)

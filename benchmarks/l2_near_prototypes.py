@@ -20,7 +20,7 @@ def main() -> None:
     near = ref < 0.05
     for name, got in (
         ("torch.cdist", torch.cdist(rows, p)),
-        ("densematch.pairwise_distance", densematch.pairwise_distance(x, p, "l2").flatten(2).transpose(1, 2)),
+        ("densematch.pairwise_distance", densematch.pairwise_distance(x, p, metric="l2").flatten(2).transpose(1, 2)),
     ):
         err = ((got.double() - ref).abs() / ref)[near]
         print(f"{name:30} largest relative error over the {int(near.sum())} near pairs: {float(err.max()):.3g}")

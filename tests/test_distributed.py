@@ -194,10 +194,10 @@ def _nearest_cases(rank: int, report: list[str]) -> None:
     x, p = torch.randn(2, 6, 5, 7, generator=g), torch.randn(23, 6, generator=g)
     for metric in METRICS:
         for k in (1, 4):
-            want = densematch.nearest_prototype(x, p, metric, k=k)
+            want = densematch.nearest_prototype(x, p, metric=metric, k=k)
             for shard, mine in (("pixels", p), ("prototypes", _band(p, rank, [9, 14], 0))):
                 try:
-                    d, i = dm.nearest_prototype(x, mine, metric, k=k, shard=shard)
+                    d, i = dm.nearest_prototype(x, mine, metric=metric, k=k, shard=shard)
                     rows = x.permute(0, 2, 3, 1).reshape(-1, 6)
                     assert_same_up_to_ties(rows, p, _per_pixel(i, k), _per_pixel(want[1], k), metric)
                     same = i == want[1]
@@ -205,8 +205,8 @@ def _nearest_cases(rank: int, report: list[str]) -> None:
                 except AssertionError as err:
                     report.append(f"nearest {shard} {metric} k={k}: {err}")
     try:  # an empty slice of the bank
-        d, i = dm.nearest_prototype(x, _band(p, rank, [23, 0], 0), "l2", k=2)
-        want = densematch.nearest_prototype(x, p, "l2", k=2)
+        d, i = dm.nearest_prototype(x, _band(p, rank, [23, 0], 0), metric="l2", k=2)
+        want = densematch.nearest_prototype(x, p, metric="l2", k=2)
         rows = x.permute(0, 2, 3, 1).reshape(-1, 6)
         assert_same_up_to_ties(rows, p, _per_pixel(i, 2), _per_pixel(want[1], 2), "l2")
     except AssertionError as err:

@@ -1,3 +1,4 @@
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,6 @@ PUBLIC_SURFACE = Path(__file__).with_name("public_surface.txt")
 def public_surface() -> str:
     """Every public name of densematch, each function's and class's signature, and each public
     method's and property's of the classes, one line each: what a user's code may call."""
-    import inspect
 
     def text(annotation: object) -> str:  # the annotation as written, whatever Python shows it as
         if isinstance(annotation, str):
@@ -72,6 +72,32 @@ def test_the_public_surface_is_pinned():
     #   python -c "from tests.test_package import public_surface as p; print(p(), end='')" \
     #     > tests/public_surface.txt
     assert public_surface() == PUBLIC_SURFACE.read_text()
+
+
+def test_options_passed_by_position_still_work_with_a_warning_that_names_them():
+    # issue 43: options after the inputs are keyword-only; the old positional calls keep their
+    # meaning for now, with a FutureWarning naming each keyword, and a clash or an extra is a TypeError
+    x, p = torch.randn(1, 4, 3, 3), torch.randn(5, 4)
+    bank = torch.randn(20, 4)
+    with pytest.warns(FutureWarning, match="metric="):
+        old = densematch.pairwise_distance(x, p, "l1")
+    assert torch.equal(old, densematch.pairwise_distance(x, p, metric="l1"))
+    with pytest.warns(FutureWarning, match="k=, metric="):
+        old_knn = densematch.knn(bank[:3], bank, 2, "cosine")
+    new_knn = densematch.knn(bank[:3], bank, k=2, metric="cosine")
+    assert torch.equal(old_knn.indices, new_knn.indices)
+    with pytest.warns(FutureWarning, match="KNNIndex.search: pass k="):
+        old_search = densematch.KNNIndex(bank).search(bank[:3], 2)
+    assert torch.equal(old_search.indices, densematch.knn(bank[:3], bank, k=2).indices)
+    with pytest.warns(FutureWarning, match="PrototypeDistance.__init__: pass metric="):
+        assert densematch.PrototypeDistance(5, 4, "cosine").metric == "cosine"
+    with pytest.raises(TypeError, match="both by position and by keyword"):
+        densematch.pairwise_distance(x, p, "l1", metric="l2")
+    with pytest.raises(TypeError, match="positional arguments"):
+        densematch.knn(bank[:3], bank, 2, "l2", "64MiB", "exact", True, "extra")
+    for fn in (densematch.pairwise_distance, densematch.nearest_prototype, densematch.knn):
+        kinds = [q.kind for q in inspect.signature(fn).parameters.values()][2:]
+        assert all(kind is inspect.Parameter.KEYWORD_ONLY for kind in kinds), fn.__name__
 
 
 @pytest.mark.parametrize(

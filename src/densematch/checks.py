@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -21,7 +25,10 @@ __all__ = [
     "check_mask",
     "check_pair",
     "check_real",
+    "options_by_keyword",
 ]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 LAYOUTS = ("hwc", "chw", "flat")
 _SHAPES = {
@@ -203,3 +210,39 @@ def check_batch_mask(
         return check_mask(mask, name, grid, device).expand(nbatch, *grid)
     full = (nbatch, *grid) if batched else grid
     return check_mask(mask, name, full, device).reshape(nbatch, *grid)
+
+
+def options_by_keyword(inputs: int) -> Callable[[_F], _F]:
+    """Make the options after a function's first ``inputs`` arguments (``self`` counted)
+    keyword-only, as its signature declares them, while calls that still pass them by position
+    keep working for now with a FutureWarning that names the keywords (scikit-learn's way out
+    of positional options). The function's own signature, read through ``__wrapped__``, is the
+    keyword-only one."""
+
+    def decorate(fn: _F) -> _F:
+        names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > inputs:
+                extra = args[inputs:]
+                if len(extra) > len(names):
+                    raise TypeError(f"{fn.__qualname__} takes {inputs} positional arguments, got {len(args)}")
+                given = names[: len(extra)]
+                twice = [name for name in given if name in kwargs]
+                if twice:
+                    raise TypeError(f"{fn.__qualname__} got {twice[0]!r} both by position and by keyword")
+                keywords = ", ".join(f"{name}=" for name in given)
+                warnings.warn(
+                    f"{fn.__qualname__}: pass {keywords} by keyword; by position it will be an error in a later"
+                    " release",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                kwargs.update(zip(given, extra, strict=True))
+                args = args[:inputs]
+            return fn(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return decorate

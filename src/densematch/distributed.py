@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import engine
-from .checks import as_tensor, check_choice
+from .checks import as_tensor, check_choice, options_by_keyword
 from .distances import prototypes as _distance
 from .engine.merge import order
 from .matching import dense as _match
@@ -418,11 +418,12 @@ def _by_references(
     return forward, backward
 
 
+@options_by_keyword(2)
 def nearest_prototype(
     x: Any,
     prototypes: Any,
-    metric: str = "l2",
     *,
+    metric: str = "l2",
     k: int = 1,
     shard: str = "prototypes",
     group: Any = None,

@@ -39,7 +39,7 @@ class TestPairwiseDistance:
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         p = torch.randn(17, 24, 1, 1, generator=g)
-        d = pairwise_distance(x, p, metric, memory="200KiB")
+        d = pairwise_distance(x, p, metric=metric, memory="200KiB")
         ref = broadcast_reference(x, p, metric)
         assert d.shape == (3, 17, 9, 11) and d.dtype == torch.float32
         assert d.is_contiguous(memory_format=torch.channels_last) == channels_last
@@ -52,7 +52,7 @@ class TestPairwiseDistance:
         x = patch_features(camera_small).permute(2, 0, 1)[None]  # (1, 25, 64, 64)
         protos = x.flatten(2)[0, :, ::97].T  # real patches as prototypes
         for metric in METRICS:
-            d = pairwise_distance(x, protos, metric)
+            d = pairwise_distance(x, protos, metric=metric)
             ref = broadcast_reference(x, protos, metric)
             torch.testing.assert_close(d.double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
 
@@ -60,7 +60,7 @@ class TestPairwiseDistance:
         p = torch.randn(5, 32) * 1000 + 5000  # large norms: the expansion cancels badly
         x = p.T.reshape(1, 32, 1, 5).clone()
         for metric in ["l2", "sqeuclidean"]:
-            d = pairwise_distance(x, p, metric)
+            d = pairwise_distance(x, p, metric=metric)
             diag = d[0, torch.arange(5), 0, torch.arange(5)]
             assert (d >= 0).all() and not d.isnan().any()
             assert diag.abs().max() < 1e-3 * (p.norm(dim=1).max() if metric == "l2" else 1)
@@ -68,9 +68,9 @@ class TestPairwiseDistance:
     def test_l2_gradient_at_zero_distance_is_zero(self):
         p = torch.randn(4, 6, requires_grad=True)
         x = p.detach().T.reshape(1, 6, 2, 2).clone().requires_grad_()
-        pairwise_distance(x, p, "l2").sum().backward()
+        pairwise_distance(x, p, metric="l2").sum().backward()
         assert torch.isfinite(x.grad).all() and torch.isfinite(p.grad).all()
-        d, _ = nearest_prototype(x, p, "l2")
+        d, _ = nearest_prototype(x, p, metric="l2")
         gx, gp = torch.autograd.grad(d.sum(), (x, p))
         assert (gx == 0).all() and (gp == 0).all()
 
@@ -78,7 +78,7 @@ class TestPairwiseDistance:
         x = torch.zeros(1, 4, 2, 2)
         p = torch.randn(3, 4)
         p[1] = 0
-        d = pairwise_distance(x, p, "cosine")
+        d = pairwise_distance(x, p, metric="cosine")
         assert not d.isnan().any() and (d == 1).all()
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -86,7 +86,7 @@ class TestPairwiseDistance:
         g = torch.Generator().manual_seed(1)
         x = (torch.randn(2, 64, 4, 4, generator=g) * 300).to(dtype)  # ||x||^2 ~ 6e6 > fp16 max
         p = (torch.randn(8, 64, generator=g) * 300).to(dtype)
-        d = pairwise_distance(x, p, "l2")
+        d = pairwise_distance(x, p, metric="l2")
         assert d.dtype == dtype and torch.isfinite(d).all()
         ref = broadcast_reference(x, p, "l2")
         torch.testing.assert_close(d.double(), ref, rtol=1e-2, atol=0)
@@ -94,7 +94,7 @@ class TestPairwiseDistance:
     def test_autocast_stays_float32(self):
         x, p = torch.randn(2, 16, 5, 5), torch.randn(7, 16)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            d = pairwise_distance(x, p, "l2")
+            d = pairwise_distance(x, p, metric="l2")
         assert d.dtype == torch.float32
         torch.testing.assert_close(d.double(), broadcast_reference(x, p, "l2"), rtol=0, atol=1e-4)
 
@@ -104,7 +104,7 @@ class TestPairwiseDistance:
         x = torch.randn(2, 5, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
         p = torch.randn(6, 5, dtype=torch.float64, generator=g, requires_grad=True)
         # a tiny budget forces many tiles in both passes
-        assert torch.autograd.gradcheck(lambda x, p: pairwise_distance(x, p, metric, memory=6000), (x, p))
+        assert torch.autograd.gradcheck(lambda x, p: pairwise_distance(x, p, metric=metric, memory=6000), (x, p))
 
     @pytest.mark.parametrize("metric", METRICS)
     def test_gradients_match_the_broadcast_recipe(self, metric):
@@ -112,7 +112,7 @@ class TestPairwiseDistance:
         x = torch.randn(2, 12, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)
         p = torch.randn(9, 12, dtype=torch.float64, generator=g, requires_grad=True)
         w = torch.randn(2, 9, 6, 5, dtype=torch.float64, generator=g)
-        ours = torch.autograd.grad((pairwise_distance(x, p, metric) * w).sum(), (x, p))
+        ours = torch.autograd.grad((pairwise_distance(x, p, metric=metric) * w).sum(), (x, p))
         ref = torch.autograd.grad((broadcast_reference(x, p, metric) * w).sum(), (x, p))
         for a, b in zip(ours, ref, strict=True):
             torch.testing.assert_close(a, b)
@@ -144,7 +144,7 @@ class TestNearestPrototype:
         g = torch.Generator().manual_seed(4)
         x = torch.randn(2, 10, 7, 6, generator=g)
         p = torch.randn(40, 10, generator=g)
-        d, i = nearest_prototype(x, p, metric, k=k, memory="100KiB")
+        d, i = nearest_prototype(x, p, metric=metric, k=k, memory="100KiB")
         ref = broadcast_reference(x, p, metric)
         best = ref.topk(k, dim=1, largest=metric == "dot").values
         got = ref.gather(1, i if k > 1 else i[:, None])
@@ -156,7 +156,7 @@ class TestNearestPrototype:
         g = torch.Generator().manual_seed(5)
         p = torch.randn(50, 16, generator=g) + 3000.0
         x = (p[[3, 17, 42]] + 1e-2 * torch.randn(3, 16, generator=g)).T.reshape(1, 16, 1, 3)
-        d, i = nearest_prototype(x, p, "l2")
+        d, i = nearest_prototype(x, p, metric="l2")
         assert i.reshape(-1).tolist() == [3, 17, 42]
         ref = broadcast_reference(x, p, "l2").amin(1)
         torch.testing.assert_close(d.double(), ref, rtol=1e-3, atol=0)
@@ -164,14 +164,14 @@ class TestNearestPrototype:
     def test_differentiable(self):
         x = torch.randn(1, 4, 3, 3, dtype=torch.float64, requires_grad=True)
         p = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda x, p: nearest_prototype(x, p, "l1")[0], (x, p))
+        assert torch.autograd.gradcheck(lambda x, p: nearest_prototype(x, p, metric="l1")[0], (x, p))
 
     def test_matches_argmin_of_pairwise(self):
         x, p = torch.randn(3, 8, 6, 6), torch.randn(12, 8)
         for metric in ["l2", "l1", "cosine"]:
-            _, i = nearest_prototype(x, p, metric)
+            _, i = nearest_prototype(x, p, metric=metric)
             rows = x.permute(0, 2, 3, 1).reshape(-1, 8)
-            want = pairwise_distance(x, p, metric).argmin(1)
+            want = pairwise_distance(x, p, metric=metric).argmin(1)
             assert_same_up_to_ties(rows, p, i.reshape(-1), want.reshape(-1), metric)
 
 
@@ -230,13 +230,13 @@ class TestCompiledKernel:
             x = x.contiguous(memory_format=torch.channels_last)
         x.requires_grad_()
         p = torch.randn(10, 12, generator=g, requires_grad=True)
-        d = pairwise_distance(x, p, metric, compile=True)
+        d = pairwise_distance(x, p, metric=metric, compile=True)
         ref = broadcast_reference(x, p, metric)
         assert d.is_contiguous(memory_format=torch.channels_last) == channels_last
         torch.testing.assert_close(d.double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
         w = torch.randn(d.shape, generator=g)
         ours = torch.autograd.grad((d * w).sum(), (x, p))
-        want = torch.autograd.grad((pairwise_distance(x, p, metric) * w).sum(), (x, p))
+        want = torch.autograd.grad((pairwise_distance(x, p, metric=metric) * w).sum(), (x, p))
         for a, b in zip(ours, want, strict=True):
             torch.testing.assert_close(a, b)
         assert PrototypeDistance(10, 12, metric=metric, compile=True)(x.detach()).shape == (2, 10, 7, 9)
@@ -263,7 +263,7 @@ def test_gradients_are_the_same_at_any_thread_count(metric):
         for count in (1, 2):
             torch.set_num_threads(count)
             xx, pp = x.clone().requires_grad_(), p.clone().requires_grad_()
-            out = pairwise_distance(xx, pp, metric, memory="4MiB")
+            out = pairwise_distance(xx, pp, metric=metric, memory="4MiB")
             (out * weights).sum().backward()
             got.append((out.detach(), xx.grad, pp.grad))
     finally:

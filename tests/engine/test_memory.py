@@ -38,7 +38,7 @@ x = torch.randn(4, {d}, 64, 64, generator=g, requires_grad=True)
 p = torch.randn(256, {d}, generator=g, requires_grad=True)
 def run(small):
     xs = x[:, :, :4, :4] if small else x
-    d = densematch.pairwise_distance(xs, p, "{metric}", memory="{mib}MiB")
+    d = densematch.pairwise_distance(xs, p, metric="{metric}", memory="{mib}MiB")
     d.backward(torch.ones_like(d))
 """
 
@@ -60,7 +60,7 @@ x = torch.randn(2, 16, 128, 128, generator=g)
 p = torch.randn(4096, 16, generator=g)
 def run(small):
     with densematch.config_context(half="{half}"):
-        densematch.nearest_prototype(x[:, :, :4, :4] if small else x, p, "{metric}", memory="{mib}MiB")
+        densematch.nearest_prototype(x[:, :, :4, :4] if small else x, p, metric="{metric}", memory="{mib}MiB")
 """
 
 

@@ -367,9 +367,9 @@ class TestPrecisionArgument:
     def test_nearest_prototype_precisions_agree(self):
         x = torch.randn(2, 12, 9, 11)
         p = torch.randn(40, 12)
-        want = densematch.nearest_prototype(x, p, "l2", k=2, precision="float32")
+        want = densematch.nearest_prototype(x, p, metric="l2", k=2, precision="float32")
         with densematch.config_context(half="bfloat16"):
-            got = densematch.nearest_prototype(x, p, "l2", k=2)
+            got = densematch.nearest_prototype(x, p, metric="l2", k=2)
         rows = x.permute(0, 2, 3, 1).reshape(-1, 12)
         assert_same_up_to_ties(rows, p, got[1].permute(0, 2, 3, 1), want[1].permute(0, 2, 3, 1), "l2")
         torch.testing.assert_close(got[0], want[0])

@@ -232,7 +232,7 @@ class TestCallers:
         results = []
         for kernel in ("auto", "torch"):
             with densematch.config_context(kernel=kernel):
-                d = densematch.pairwise_distance(x, p, metric, memory="64KiB")
+                d = densematch.pairwise_distance(x, p, metric=metric, memory="64KiB")
                 results.append((d, *torch.autograd.grad((d * w).sum(), (x, p))))
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -246,7 +246,7 @@ class TestCallers:
         b = torch.randn(350, 12, generator=g)
         m = densematch.match(a.reshape(15, 20, 12), b.reshape(14, 25, 12), metric=metric, k=3, memory="256KiB")
         assert_topk_exact(a, b, m.index.reshape(300, 3), metric, 3)
-        d, i = densematch.nearest_prototype(a.T.reshape(1, 12, 15, 20), b, metric, k=2)
+        d, i = densematch.nearest_prototype(a.T.reshape(1, 12, 15, 20), b, metric=metric, k=2)
         index = i.reshape(2, 300).T
         assert_topk_exact(a, b, index, metric, 2)
         want = minkowski_reference(a, b.T, metric == "linf").gather(1, index)
@@ -257,11 +257,11 @@ class TestCallers:
         g = torch.Generator().manual_seed(6)
         x = torch.randn(3, 20, 17, 19, generator=g)
         p = torch.randn(40, 20, generator=g)
-        whole = densematch.pairwise_distance(x, p, "l1")
+        whole = densematch.pairwise_distance(x, p, metric="l1")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            tiled = densematch.pairwise_distance(x, p, "l1", memory="40KiB")
+            tiled = densematch.pairwise_distance(x, p, metric="l1", memory="40KiB")
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(whole, tiled)
@@ -286,7 +286,7 @@ def test_prototype_gradient_does_not_depend_on_which_worker_finishes_first(monke
     for patched in (False, True):
         if patched:
             monkeypatch.setattr(densematch.metrics.Minkowski, "bank_grads", late_every_third)
-        d = densematch.pairwise_distance(x, p, "l1", memory="96KiB")
+        d = densematch.pairwise_distance(x, p, metric="l1", memory="96KiB")
         grads.append(torch.autograd.grad((d * w).sum(), p)[0])
     assert len(calls) > 3 and torch.equal(grads[0], grads[1])
 

@@ -52,9 +52,9 @@ A, B = _astronaut_features(100, 100), _astronaut_features(103, 98)
 A2, B2 = _astronaut_features(200, 150), _astronaut_features(202, 151)
 P = torch.randn(6, 27)
 CASES = {
-    "pairwise_distance": lambda a, b: densematch.pairwise_distance(a, P, "cosine"),
-    "PrototypeDistance": lambda a, b: densematch.PrototypeDistance(6, 27, "l1")(a),
-    "nearest_prototype": lambda a, b: densematch.nearest_prototype(a, P, "l2", k=2),
+    "pairwise_distance": lambda a, b: densematch.pairwise_distance(a, P, metric="cosine"),
+    "PrototypeDistance": lambda a, b: densematch.PrototypeDistance(6, 27, metric="l1")(a),
+    "nearest_prototype": lambda a, b: densematch.nearest_prototype(a, P, metric="l2", k=2),
     "match": lambda a, b: (
         densematch.match(a[0], b[0], layout="chw", mutual=True).index,
         densematch.match(a[0], b[0], layout="chw", mutual=True).score,
@@ -70,7 +70,7 @@ def test_fullgraph_one_graph_and_eager_results_on_new_inputs(name):
     torch.manual_seed(0)
     fn = CASES[name]
     if name == "PrototypeDistance":
-        layer = densematch.PrototypeDistance(6, 27, "l1")
+        layer = densematch.PrototypeDistance(6, 27, metric="l1")
         fn = lambda a, b: layer(a)  # noqa: E731
     compiled, graphs = _compiled(fn)
     compiled(A, B)
@@ -84,7 +84,7 @@ def test_fullgraph_one_graph_and_eager_results_on_new_inputs(name):
 
 
 def test_forward_and_backward_compile_into_one_graph_with_eager_gradients():
-    layer = densematch.PrototypeDistance(6, 27, "l2")
+    layer = densematch.PrototypeDistance(6, 27, metric="l2")
     compiled, graphs = _compiled(lambda x: layer(x).square().mean())
     x = A2.clone().requires_grad_()
     compiled(A.clone().requires_grad_()).backward()
@@ -105,10 +105,10 @@ def test_inductor_matches_eager_and_local_volumes_stay_finite():
     assert not torch.isnan(got).any()  # offsets off the map are inf, as in eager
     torch.testing.assert_close(got, densematch.local_cost_volume(A2, B2, radius=2, metric="l2"), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
-    nearest = torch.compile(lambda a: densematch.nearest_prototype(a, P, "cosine", k=3), fullgraph=True)
+    nearest = torch.compile(lambda a: densematch.nearest_prototype(a, P, metric="cosine", k=3), fullgraph=True)
     value, index = nearest(A2)
     rows = A2[0].flatten(1).T
-    want = densematch.nearest_prototype(A2, P, "cosine", k=3)[1]
+    want = densematch.nearest_prototype(A2, P, metric="cosine", k=3)[1]
     assert_same_up_to_ties(rows, P, index[0].flatten(1).T, want[0].flatten(1).T, "cosine")
     assert torch.isfinite(value).all()
 

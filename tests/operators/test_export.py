@@ -57,7 +57,7 @@ def _photo_maps(n: int, h: int, w: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("metric", METRICS)
 def test_exported_prototype_distance_equals_eager_at_other_sizes(metric):
-    layer = densematch.PrototypeDistance(5, 8, metric)
+    layer = densematch.PrototypeDistance(5, 8, metric=metric)
     program = torch.export.export(layer, (torch.randn(2, 8, 5, 6),), dynamic_shapes=MAPS)
     x = _photo_maps(3, 11, 13)
     want = layer(x)
@@ -236,7 +236,7 @@ def test_traced_descriptor_matcher_and_prototype_distance_equal_eager_at_other_s
     traced = torch.jit.trace(matcher, (torch.randn(10, 16), torch.randn(12, 16)), check_trace=False)
     a, b = torch.randn(30, 16), torch.randn(25, 16)
     assert torch.equal(traced(a, b)[1], matcher(a, b)[1])
-    layer = densematch.PrototypeDistance(4, 8, "l1")
+    layer = densematch.PrototypeDistance(4, 8, metric="l1")
     traced = torch.jit.trace(layer, torch.randn(2, 8, 3, 3))
     saved = io.BytesIO()
     torch.jit.save(traced, saved)

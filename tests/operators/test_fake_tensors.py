@@ -67,4 +67,4 @@ def test_a_dispatch_mode_keeps_the_work_on_this_thread_and_off_c():
         assert traced() and workers_for(cpu) == 1 and not native.usable(cpu, torch.float32)
     # and outside it, the same call on real tensors is what it was
     x, p = torch.randn(1, 3, 4, 4), torch.randn(5, 3)
-    assert densematch.pairwise_distance(x, p, "l1").shape == (1, 5, 4, 4)
+    assert densematch.pairwise_distance(x, p, metric="l1").shape == (1, 5, 4, 4)

@@ -32,7 +32,7 @@ def test_vmap_grad_and_jacrev_through_pairwise_distance(maps, metric):
     x, p = maps
 
     def mine(a, b):
-        return densematch.pairwise_distance(a, b, metric)
+        return densematch.pairwise_distance(a, b, metric=metric)
 
     def theirs(a, b):
         return _reference(a, b, metric)
@@ -56,7 +56,7 @@ def test_second_order_raises_one_clear_error(maps):
     with pytest.raises(NotImplementedError, match="differentiable once"):
         torch.func.grad(lambda a: torch.func.grad(lambda c: densematch.pairwise_distance(c, p).sum())(a).sum())(x)
     x = x.clone().requires_grad_()
-    (gx,) = torch.autograd.grad(densematch.pairwise_distance(x, p, "cosine").sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad(densematch.pairwise_distance(x, p, metric="cosine").sum(), x, create_graph=True)
     with pytest.raises(NotImplementedError, match="differentiable once"):
         gx.sum().backward()
     a = torch.randn(4, 5, 6, dtype=torch.float64)

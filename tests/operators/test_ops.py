@@ -32,7 +32,7 @@ def test_pairwise_distance_op_passes_opcheck(metric, channels_last):
 @pytest.mark.parametrize("metric", ["l2", "cosine", "l1"])
 def test_pairwise_distance_backward_op_passes_opcheck(metric):
     x, p = torch.randn(2, 8, 5, 7), torch.randn(4, 8)
-    out = densematch.pairwise_distance(x, p, metric)
+    out = densematch.pairwise_distance(x, p, metric=metric)
     grad = torch.randn_like(out)
     for need_x in (True, False):
         torch.library.opcheck(

@@ -117,7 +117,7 @@ def _jobs(quick: bool) -> list[Job]:
         ),
         Job(
             "pairwise_distance l2 2x64x64x64, F=128",
-            lambda: pairwise_distance(x, p, "l2"),
+            lambda: pairwise_distance(x, p, metric="l2"),
             "torch.cdist",
             lambda: torch.cdist(flat, p),
             "densematch centres the features on the prototypes' mean and recomputes the pairs whose "
@@ -126,7 +126,7 @@ def _jobs(quick: bool) -> list[Job]:
         ),
         Job(
             "pairwise_distance l1 2x64x64x64, F=128",
-            lambda: pairwise_distance(x, p, "l1"),
+            lambda: pairwise_distance(x, p, metric="l1"),
             "torch.cdist",
             lambda: torch.cdist(flat, p, p=1.0),
             "at this size both are a few milliseconds; densematch's C kernel, which keeps blocks of pairs "
@@ -134,7 +134,7 @@ def _jobs(quick: bool) -> list[Job]:
         ),
         Job(
             "nearest_prototype 2x64x64x64, F=1024",
-            lambda: nearest_prototype(x, bank, "l2"),
+            lambda: nearest_prototype(x, bank, metric="l2"),
             "cdist + argmin",
             lambda: torch.cdist(flat, bank).argmin(-1),
             "as for pairwise_distance l2: centred features and near pairs recomputed",

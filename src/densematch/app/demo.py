@@ -114,8 +114,8 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents:
     pick = torch.randperm(x.shape[2] * x.shape[3], generator=g)[:12]
     protos = x.flatten(2)[0, :, pick].T.contiguous()
     t0 = time.perf_counter()
-    d, i = nearest_prototype(x, protos, "l2")
-    full = pairwise_distance(x, protos, "l2")
+    d, i = nearest_prototype(x, protos, metric="l2")
+    full = pairwise_distance(x, protos, metric="l2")
     seconds = time.perf_counter() - t0
     agree = torch.equal(full.argmin(1), i)
     say(
@@ -123,7 +123,7 @@ def run_demo(out: Path, *, quiet: bool = False, progress: bool = False, parents:
         f"nearest agrees with the full tensor's argmin: {agree}"
     )
     save_figure(distance_figure(coins, i[0].numpy(), d[0].numpy(), "l2"), out / "distance.png")
-    d3, i3 = nearest_prototype(x, protos, "l2", k=3)
+    d3, i3 = nearest_prototype(x, protos, metric="l2", k=3)
     write_page(
         out / "distance.html",
         distance_page(

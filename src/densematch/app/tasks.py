@@ -440,9 +440,9 @@ def distance_pair(
     if layout == "hwc":
         x = x.transpose(0, 3, 1, 2)
     xt, pt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(p))
-    found = search(xt, pt, metric, k=k, memory=memory, precision=precision) if nearest else None
+    found = search(xt, pt, metric=metric, k=k, memory=memory, precision=precision) if nearest else None
     # every distance, held whole: the command's own output (and the page's heat maps)
-    whole = pairwise_distance(xt, pt, metric, memory=memory) if not nearest and to is None and keep else None
+    whole = pairwise_distance(xt, pt, metric=metric, memory=memory) if not nearest and to is None and keep else None
     html = None
     if page:
         from .view import HEAT_VALUES, distance_page, false_colour
@@ -451,12 +451,12 @@ def distance_pair(
         if found is not None and k >= shown:  # the command's own nearest, when it lists enough
             d1, i1 = found[0][:1], found[1][:1]
         else:
-            d1, i1 = nearest_prototype(xt[:1], pt, metric, k=shown, memory=memory, precision=precision)
+            d1, i1 = nearest_prototype(xt[:1], pt, metric=metric, k=shown, memory=memory, precision=precision)
         (picture,) = false_colour(x[0].transpose(1, 2, 0))
         items = f" (the first of {x.shape[0]} maps)" if x.shape[0] > 1 else ""
         every = None  # each prototype's heat map, where the page can carry them
         if pt.shape[0] * x.shape[2] * x.shape[3] <= HEAT_VALUES:
-            first = whole[0] if whole is not None else pairwise_distance(xt[:1], pt, metric, memory=memory)[0]
+            first = whole[0] if whole is not None else pairwise_distance(xt[:1], pt, metric=metric, memory=memory)[0]
             every = first.numpy()
         html = distance_page(
             picture, i1[0].numpy(), d1[0].numpy(), metric, pt.shape[0], f"{features} against {prototypes}{items}", every
@@ -491,7 +491,7 @@ def _distance_slices(
     total, count = 0.0, 0
     for item in range(n):
         for start in range(0, f, band):
-            d = pairwise_distance(x[item : item + 1], p[start : start + band], metric, memory=budget // 2)
+            d = pairwise_distance(x[item : item + 1], p[start : start + band], metric=metric, memory=budget // 2)
             if out is not None:
                 if item == 0 and start == 0:
                     header = {"descr": np.lib.format.dtype_to_descr(d.numpy().dtype), "fortran_order": False}

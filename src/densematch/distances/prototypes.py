@@ -21,7 +21,7 @@ from torch import nn
 from .. import checks, engine
 from .._oprules import differentiable, looped, operator, recording, refuse_legacy_onnx
 from ..budget import chunk_rows
-from ..checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype
+from ..checks import as_tensor, check_bool, check_choice, check_finite, check_int, compute_dtype, options_by_keyword
 from ..choices import MetricName, PrecisionName
 from ..config import kernel_setting, resolve_memory
 from ..kernels import native
@@ -349,11 +349,12 @@ _distance_op.register_vmap(_distance_vmap)
 _distance_backward_op.register_vmap(_distance_backward_vmap)
 
 
+@options_by_keyword(2)
 def pairwise_distance(
     x: Any,
     prototypes: Any,
-    metric: MetricName = "l2",
     *,
+    metric: MetricName = "l2",
     memory: int | str | None = None,
     check_finite: bool = True,
     compile: bool = False,
@@ -417,11 +418,12 @@ def pairwise_distance(
         return out
 
 
+@options_by_keyword(2)
 def nearest_prototype(
     x: Any,
     prototypes: Any,
-    metric: MetricName = "l2",
     *,
+    metric: MetricName = "l2",
     k: int = 1,
     memory: int | str | None = None,
     check_finite: bool = True,
@@ -562,12 +564,13 @@ class PrototypeDistance(nn.Module):
     torch.Size([2, 4, 4])
     """
 
+    @options_by_keyword(3)
     def __init__(
         self,
         num_prototypes: int,
         dim: int,
-        metric: MetricName = "l2",
         *,
+        metric: MetricName = "l2",
         memory: int | str | None = None,
         check_finite: bool = False,
         compile: bool = False,
@@ -582,15 +585,21 @@ class PrototypeDistance(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return pairwise_distance(
-            x, self.prototypes, self.metric, memory=self.memory, check_finite=self.check_finite, compile=self.compiled
+            x,
+            self.prototypes,
+            metric=self.metric,
+            memory=self.memory,
+            check_finite=self.check_finite,
+            compile=self.compiled,
         )
 
-    def nearest(self, x: torch.Tensor, k: int = 1, precision: PrecisionName = "exact") -> Nearest:
+    @options_by_keyword(2)
+    def nearest(self, x: torch.Tensor, *, k: int = 1, precision: PrecisionName = "exact") -> Nearest:
         """The k nearest prototypes of every pixel (see :func:`nearest_prototype`)."""
         return nearest_prototype(
             x,
             self.prototypes,
-            self.metric,
+            metric=self.metric,
             k=k,
             memory=self.memory,
             check_finite=self.check_finite,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import engine
-from ..checks import as_tensor, check_bool, check_finite
+from ..checks import as_tensor, check_bool, check_finite, options_by_keyword
 from ..choices import MetricName, PrecisionName
 from ..distances.prototypes import Nearest, NearestTask, nearest_search, nearest_task
 
@@ -52,12 +52,13 @@ def _task(
     return nearest_task(q.T[None, :, :, None], b, metric, k, memory, False, precision)
 
 
+@options_by_keyword(2)
 def knn(
     queries: Any,
     bank: Any,
+    *,
     k: int = 1,
     metric: MetricName = "l2",
-    *,
     memory: int | str | None = None,
     precision: PrecisionName = "exact",
     check_finite: bool = True,
@@ -122,11 +123,12 @@ class KNNIndex:
     (torch.Size([10, 3]), torch.Size([10, 3]))
     """
 
+    @options_by_keyword(2)
     def __init__(
         self,
         bank: Any,
-        metric: MetricName = "l2",
         *,
+        metric: MetricName = "l2",
         memory: int | str | None = None,
         precision: PrecisionName = "exact",
         check_finite: bool = True,
@@ -143,7 +145,8 @@ class KNNIndex:
         self.prepared = engine.prepare(self.bank.detach(), metric=self.metric, k=1, precision=self._precision)
         self._version = self.bank._version
 
-    def search(self, queries: Any, k: int = 1) -> Nearest:
+    @options_by_keyword(2)
+    def search(self, queries: Any, *, k: int = 1) -> Nearest:
         """The k nearest rows of the bank of every row of ``queries`` (N, D): distances and
         indices of shape (N, k), a :class:`densematch.Nearest` as :func:`knn` returns it."""
         if self.bank._version != self._version:  # changed in place since it was prepared
