@@ -181,8 +181,10 @@ def test_the_choices_equal_what_the_runtime_checks():
     from densematch import choices
     from densematch.alignment.api import OBJECTIVES
     from densematch.checks import LAYOUTS
+    from densematch.config import HALF_SETTINGS, KERNEL_SETTINGS
     from densematch.local.api import SAMPLINGS
     from densematch.matching.soft import SOFT_MODES
+    from densematch.matching.subpixel import REFINES
     from densematch.metrics import METRICS
     from densematch.precision import PRECISIONS
 
@@ -193,5 +195,8 @@ def test_the_choices_equal_what_the_runtime_checks():
         (choices.SoftMode, SOFT_MODES),
         (choices.ObjectiveName, OBJECTIVES),
         (choices.SamplingName, SAMPLINGS),
+        (choices.RefineName, REFINES),
+        (choices.HalfSetting, HALF_SETTINGS),
+        (choices.KernelSetting, KERNEL_SETTINGS),
     ):
         assert typing.get_args(alias) == tuple(runtime)

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["LayoutName", "MetricName", "ObjectiveName", "PrecisionName", "SamplingName", "SoftMode"]
+__all__ = [
+    "HalfSetting",
+    "KernelSetting",
+    "LayoutName",
+    "MetricName",
+    "ObjectiveName",
+    "PrecisionName",
+    "RefineName",
+    "SamplingName",
+    "SoftMode",
+]
 
 MetricName = Literal["cosine", "dot", "l2", "sqeuclidean", "l1", "linf"]
 LayoutName = Literal["hwc", "chw", "flat"]
@@ -14,3 +24,6 @@ PrecisionName = Literal["exact", "float32", "fast", "float64"]
 SoftMode = Literal["softmax", "dual_softmax"]
 ObjectiveName = Literal["l1", "l2", "ncc"]
 SamplingName = Literal["nearest", "bilinear"]
+RefineName = Literal["parabola", "soft", "features"]
+HalfSetting = Literal["auto", "bfloat16", "float16", "off"]
+KernelSetting = Literal["auto", "torch", "triton"]

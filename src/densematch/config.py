@@ -19,6 +19,7 @@ import torch
 
 from ._oprules import read_once
 from .budget import default_budget, parse_memory
+from .choices import HalfSetting, KernelSetting
 
 __all__ = ["HALF_SETTINGS", "KERNEL_SETTINGS", "config_context", "get_config", "resolve_memory"]
 
@@ -86,7 +87,7 @@ def _scoped(var: contextvars.ContextVar[T], value: T | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def config_context(
-    *, memory: int | str | None = None, half: str | None = None, kernel: str | None = None
+    *, memory: int | str | None = None, half: HalfSetting | None = None, kernel: KernelSetting | None = None
 ) -> Iterator[None]:
     """Scope settings for every densematch call inside the block.
 

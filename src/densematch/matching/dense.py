@@ -21,7 +21,7 @@ from ..checks import (
     check_pair,
     compute_dtype,
 )
-from ..choices import LayoutName, MetricName, PrecisionName
+from ..choices import LayoutName, MetricName, PrecisionName, RefineName
 from ..config import resolve_memory
 from ..metrics import Metric, get_metric
 from ..precision import Precision, resolve_precision
@@ -95,7 +95,7 @@ def match(
     memory: int | str | None = None,
     progress: bool = False,
     precision: PrecisionName = "exact",
-    refine: str | None = None,
+    refine: RefineName | None = None,
     stride: float | tuple[float, float] | None = None,
     offset: float | tuple[float, float] | None = None,
     exclude_radius: float | None = None,

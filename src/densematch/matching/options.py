@@ -15,6 +15,7 @@ from typing import Any
 
 from ..budget import parse_memory
 from ..checks import LAYOUTS, check_bool, check_choice, check_int, check_real
+from ..choices import LayoutName, MetricName, PrecisionName, RefineName
 from ..metrics import get_metric
 from ..precision import PRECISIONS
 from .subpixel import REFINES
@@ -46,15 +47,15 @@ class MatchOptions:
     MatchOptions(metric='l2', k=3, layout='hwc', precision='exact', stride=(14.0, 14.0))
     """
 
-    metric: str = "cosine"
+    metric: MetricName = "cosine"
     k: int = 1
     mutual: bool = False
     ratio: float | None = None
-    layout: str = "hwc"
+    layout: LayoutName = "hwc"
     memory: int | str | None = None
     progress: bool = False
-    precision: str = "exact"
-    refine: str | None = None
+    precision: PrecisionName = "exact"
+    refine: RefineName | None = None
     stride: float | tuple[float, float] | None = None
     offset: float | tuple[float, float] | None = None
     exclude_radius: float | None = None
