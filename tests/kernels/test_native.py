@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import densematch
-from densematch.kernels import native
+from densematch.kernels import c_align, c_engine, c_local, loader, native
 
 # where no compiler exists the kernels cannot be built; TestBuild and TestCallers still run there
 needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
@@ -345,7 +345,7 @@ class TestBuild:
         # (the rebuild below compiles, so one compilation covers both)
         source = native.build()
         monkeypatch.setenv("DENSEMATCH_CACHE", str(tmp_path))
-        path = native._cached_path(build.compiler())
+        path = loader._cached_path(build.compiler())
         for suffix in (path.suffix, ".sha256"):
             shutil.copy(source.with_suffix(suffix), path.with_suffix(suffix))
         stamp = path.stat().st_mtime_ns
@@ -786,16 +786,21 @@ def test_wrappers_without_a_dtype_rule_have_one_now():
 
 
 def test_all_names_every_public_binding():
+    # each module's __all__ names every public function and class it defines, and native, the
+    # one name callers use, holds them all
     import inspect
 
-    public = {
-        name
-        for name, v in vars(native).items()
-        if not name.startswith("_")
-        and (inspect.isfunction(v) or inspect.isclass(v))
-        and v.__module__ == native.__name__
-    }
-    assert public <= set(native.__all__), sorted(public - set(native.__all__))
+    for module in (loader, c_engine, c_local, c_align):
+        public = {
+            name
+            for name, v in vars(module).items()
+            if not name.startswith("_")
+            and (inspect.isfunction(v) or inspect.isclass(v))
+            and v.__module__ == module.__name__
+        }
+        assert public <= set(module.__all__), (module.__name__, sorted(public - set(module.__all__)))
+        assert set(module.__all__) <= set(native.__all__)
+        assert all(getattr(native, name) is getattr(module, name) for name in module.__all__)
 
 
 def test_the_header_is_the_one_signature_list():
@@ -807,7 +812,7 @@ def test_the_header_is_the_one_signature_list():
     header = native.HEADER.read_text()
     assert f"#define DM_ABI_VERSION {native.ABI_VERSION}\n" in header
     assert len(declared) == len(re.findall(r"^\w+\s+dm_\w+\(", header, flags=re.M)) > 30
-    source = Path(native.__file__).read_text()
+    source = "".join(Path(m.__file__).read_text() for m in (c_engine, c_local, c_align))
     called = set(re.findall(r"lib\.(dm_\w+)", source))
     for stem in re.findall(r'f"(dm_\w+)_\{_SUFFIX', source):
         called |= {f"{stem}_f32", f"{stem}_f64"}
@@ -823,15 +828,15 @@ def test_the_header_is_the_one_signature_list():
 
 def test_a_header_type_without_a_ctypes_twin_is_refused():
     with pytest.raises(ValueError, match="no ctypes type for 'long double'"):
-        native._ctype("long double", "dm_example")
+        loader._ctype("long double", "dm_example")
 
 
 @needs_library
 def test_a_library_of_another_abi_version_is_refused(monkeypatch):
     # a build of other declarations (a stale cache, another release's library) would be called
     # with the wrong arguments: it is not loaded, and torch's kernels run instead
-    monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION + 1)
-    monkeypatch.setattr(native, "_status", {})
+    monkeypatch.setattr(loader, "ABI_VERSION", loader.ABI_VERSION + 1)
+    monkeypatch.setattr(loader, "_status", {})
     with pytest.warns(RuntimeWarning, match=r"declares ABI version \d+, this package's bindings \d+"):
         assert native.library.__wrapped__() is None
-    assert "ABI version" in native._status["reason"]
+    assert "ABI version" in loader._status["reason"]

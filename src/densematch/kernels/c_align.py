@@ -1,0 +1,145 @@
+"""Bindings of align.c and certify.c (:mod:`densematch.kernels.native` holds them all): the
+alignment's refinement steps, the grid's cross terms and best shifts, and the certificate's
+bound per cell."""
+
+from __future__ import annotations
+
+import torch
+
+from .loader import _SUFFIX, _loaded, _require
+
+__all__ = ["align_best_shifts", "align_cross", "align_refine", "certify_bound"]
+
+
+def align_refine(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    owner: torch.Tensor,
+    params: torch.Tensor,
+    ranges: tuple[float, float, float, float],
+    iterations: int,
+    tolerance: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levenberg-Marquardt for align's candidates (align.c), each from its start to its end.
+
+    ``t`` (B, C, h, w), ``x`` (B, C, H, W) and ``weights`` (B, h, w), or (1, h, w) shared by the
+    pairs, float64; candidate i fits
+    template ``owner[i]`` into its image, starting at ``params[i]`` (M, 4), or (M, 6) with gain
+    and bias; scales kept in ``ranges`` (lo_h, hi_h, lo_w, hi_w). Returns the parameters (M, P)
+    and each one's weighted sums of squared and of absolute residuals (M, 2). On this thread."""
+    lib = _loaded("align_refine", t, x, weights, owner, params)
+    b, c, h, w = t.shape
+    m, n_par = params.shape
+    _require(
+        all(v.dtype == torch.float64 and v.is_contiguous() for v in (t, x, weights, params))
+        and x.shape[:2] == (b, c)
+        and weights.shape in ((b, h, w), (1, h, w))
+        and n_par in (4, 6),
+        "t, x, weights and params must be contiguous float64 (B, C, h, w), (B, C, H, W), (B or 1, h, w), (M, 4 or 6)",
+    )
+    owner = owner.to(torch.int64).contiguous()
+    _require(owner.shape == (m,) and bool(((owner >= 0) & (owner < b)).all()), "owner must hold M pair indices")
+    p = params.clone()
+    out = torch.empty(m, 2, dtype=torch.float64)
+    box = torch.tensor(ranges, dtype=torch.float64)
+    failed = lib.dm_align_refine(
+        t.data_ptr(), x.data_ptr(), weights.data_ptr(), weights.shape[0] != b, c, h, w, x.shape[2], x.shape[3],
+        owner.data_ptr(), m, n_par, box.data_ptr(), iterations, tolerance, p.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("densematch's C kernels: align_refine could not allocate its scratch")
+    return p, out
+
+
+def align_cross(
+    along_y: torch.Tensor, t: torch.Tensor, taps: tuple[torch.Tensor, ...], n_shift: tuple[int, int]
+) -> torch.Tensor:
+    """align's cross term (align.c): (B, nh, nw, n_y, n_x) sums over the template's pixels and
+    channels of T times the stretched image at every integer shift, from ``along_y`` = Ry X
+    (B, C, nh, rows, W), the template ``t`` (B, C, h, w) and Rx's taps (i0, i1, w0, w1), each
+    (nw, cols) (:func:`densematch.alignment.warp.bilinear_taps`). float32 or float64."""
+    lib = _loaded("align_cross", along_y, t, taps)
+    b, c, nh, rows, big_w = along_y.shape
+    h, w = t.shape[-2:]
+    i0, i1, w0, w1 = taps
+    nw, cols = i0.shape
+    ny, nx = n_shift
+    _require(
+        along_y.dtype in _SUFFIX
+        and all(v.dtype == along_y.dtype and v.is_contiguous() for v in (along_y, t, w0, w1))
+        and all(v.dtype == torch.int64 and v.is_contiguous() and v.shape == (nw, cols) for v in (i0, i1))
+        and w0.shape == w1.shape == (nw, cols)
+        and t.shape[:2] == (b, c)
+        and ny + h - 1 <= rows
+        and nx + w - 1 <= cols
+        and bool((i0 >= 0).all() and (i1 >= 0).all() and (i0 < big_w).all() and (i1 < big_w).all()),
+        "along_y (B, C, nh, rows, W), t (B, C, h, w) and taps (nw, cols) must be contiguous, of one float "
+        "dtype, with every shift's window inside rows x cols and taps inside W",
+    )
+    out = torch.empty(b, nh, nw, ny, nx, dtype=along_y.dtype)
+    sizes = (b, c, nh, rows, big_w, h, w, nw, cols, ny, nx)
+    ptrs = (along_y.data_ptr(), t.data_ptr(), *(v.data_ptr() for v in taps))
+    if getattr(lib, f"dm_align_cross_{_SUFFIX[along_y.dtype]}")(*ptrs, *sizes, out.data_ptr()):
+        raise MemoryError("densematch's C kernels: align_cross could not allocate its scratch")
+    return out
+
+
+def align_best_shifts(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scale pair of align's grid ``score`` (..., n_y, n_x), float32 or float64: the ``k``
+    lowest local minima over the shifts (no higher than any of their 8 neighbours), lowest first,
+    ties to the lower flat index, and their flat indices, each (..., k); inf and 0 where fewer."""
+    lib = _loaded("align_best_shifts", score)
+    *lead, ny, nx = score.shape
+    _require(score.dtype in _SUFFIX and score.is_contiguous() and k >= 1, "score must be contiguous float, k >= 1")
+    best = torch.empty(*lead, k, dtype=score.dtype)
+    where = torch.empty(*lead, k, dtype=torch.int64)
+    rows = best.numel() // k
+    getattr(lib, f"dm_align_best_shifts_{_SUFFIX[score.dtype]}")(
+        score.data_ptr(), rows, ny, nx, k, best.data_ptr(), where.data_ptr()
+    )
+    return best, where
+
+
+def certify_bound(
+    image: torch.Tensor,
+    template: torch.Tensor,
+    cells: torch.Tensor,
+    half: tuple[float, ...],
+    rows: torch.Tensor,
+    *,
+    pivot: tuple[float, float],
+    exact: bool,
+    squared: bool,
+    stop: float,
+) -> torch.Tensor:
+    """certify_alignment's bound (certify.c): per cell of ``cells`` (M, 4) (centres scale_h,
+    scale_w, centre_y, centre_x: where the template pixel ``pivot`` (y, x) lands; half widths
+    ``half``), the sum over the template's ``rows`` (in that order) and channels of each pixel's
+    distance (squared: its square) from its value in ``template`` (C, h, w) to the range of
+    ``image`` (C, H, W) over the box it samples from: whole pixels, or with ``exact`` the bilinear
+    interpolant's own. A cell's sum stops at the first row after which it exceeds ``stop``. (M,)
+    float64, on this thread."""
+    lib = _loaded("certify_bound", image, template, cells, rows)
+    c, h, w = template.shape
+    _require(
+        all(v.dtype == torch.float64 and v.is_contiguous() for v in (image, template, cells))
+        and image.ndim == 3
+        and image.shape[0] == c
+        and cells.ndim == 2
+        and cells.shape[1] == 4
+        and rows.dtype == torch.int64
+        and bool(((rows >= 0) & (rows < h)).all()),
+        "image (C, H, W), template (C, h, w) and cells (M, 4) must be contiguous float64, rows template rows",
+    )
+    rows = rows.contiguous()
+    spread, at = torch.tensor(half, dtype=torch.float64), torch.tensor(pivot, dtype=torch.float64)
+    out = torch.empty(cells.shape[0], dtype=torch.float64)
+    failed = lib.dm_certify_bound(
+        image.data_ptr(), template.data_ptr(), c, h, w, image.shape[1], image.shape[2], cells.data_ptr(),
+        cells.shape[0], spread.data_ptr(), at.data_ptr(), rows.data_ptr(), rows.numel(), exact, squared, stop,
+        out.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("densematch's C kernels: certify_bound could not allocate its scratch")
+    return out
