@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml scripts/install-torch.sh scripts/install-browser.sh | $
 	@# chromium for the page tests (skipped, and said so, where it cannot be installed)
 	scripts/install-browser.sh
 	@# the l1 / linf / l2 C kernels, built once per machine (without a compiler torch's kernels run)
-	-$(BIN)/python -m densematch.kernels.native
+	-$(BIN)/python -c 'from densematch.kernels import native; print(native.build())'
 	touch $@
 
 demo: $(STAMP)

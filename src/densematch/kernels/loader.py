@@ -14,7 +14,7 @@ The package ships one library per instruction-set level, built with it
 Where none was shipped (an editable install, a source tree), the same level's library is built
 with the system's C compiler (``$CC``, else ``cc``) the first time it is wanted, about a second,
 and kept in ``$DENSEMATCH_CACHE`` (default ``~/.cache/densematch``); ``make`` builds it while
-setting up (``python -m densematch.kernels.native``). A library whose SHA-256 (written beside
+setting up (:func:`build`). A library whose SHA-256 (written beside
 it by the build) no longer matches is never loaded. Without either (a RuntimeWarning says so
 once), with ``DENSEMATCH_NATIVE=0``, or under ``config_context(kernel="torch")``, callers
 fall back to torch's kernels: :func:`usable` says which applies, :func:`status` why.

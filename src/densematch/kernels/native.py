@@ -7,8 +7,9 @@ candidate listing, the certified bfloat16 step, the values of chosen row pairs),
 ``native.merge(...)``; a new kernel is its C body, its line in ``dm_abi.h`` and its wrapper in
 the binding module of its source.
 
-``python -m densematch.kernels.native`` builds this machine's library (``make`` does, while
-setting up) and prints where it went.
+``python -m densematch.kernels.native`` builds this machine's library and prints where it went
+(``make`` calls :func:`build` itself while setting up: run as a module, this file is imported
+twice, which runpy warns of).
 """
 
 from __future__ import annotations
