@@ -298,7 +298,8 @@ def certify_alignment(
         if not len(left):
             return result(left)
         # a cell whose very centre is a fit of the space searched and beats the answer settles it
-        sh, sw, ty, tx = axes.fits(left).unbind(1)
+        placed = axes.fits(left)  # the cells' centres as (scale, shift) fits
+        sh, sw, ty, tx = placed.unbind(1)
         fits = (sh >= range_h[0]) & (sh <= range_h[1]) & (sw >= range_w[0]) & (sw <= range_w[1])
         fits &= (ty >= 0) & (ty <= big_h * sh - h) & (tx >= 0) & (tx <= big_w * sw - w)
         better = torch.full((len(left),), math.inf, dtype=torch.float64)
@@ -306,13 +307,13 @@ def certify_alignment(
             better[fits] = centre_errors(left[fits])
         if bool((better < error * (1 - 1e-9)).any()):
             i = int(better.argmin())
-            fit = axes.fits(left[i : i + 1])[0].tolist()
+            fit = placed[i].tolist()
             at = ", ".join(f"{v:.6g}" for v in fit)
             reason = f"a better fit lies at ({at}): error {float(better[i]):.6g} against the answer's {error:.6g}"
             return result(left, reason, tuple(fit))
         scales_done = bool(((half[:2] > 0) & (half[:2] / 2 < finest[0])).any())
         if scales_done or half[2] / 2 < finest[1]:
-            far = ", ".join(f"{v:.3g}" for v in (axes.fits(left) - a).abs().amax(0).tolist())
+            far = ", ".join(f"{v:.3g}" for v in (placed - a).abs().amax(0).tolist())
             return result(left, f"{len(left)} cells left at the finest size, up to ({far}) from the answer")
         half = half / 2
         signs = [torch.tensor([-1.0, 1.0] if v > 0 else [0.0], dtype=torch.float64) for v in half]
