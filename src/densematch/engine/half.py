@@ -271,7 +271,8 @@ class HalfSearch(Strategy):
         if finite is None or not bool(finite.any()):
             qh = body.to(self.half)
             return qh, query_terms(body, qh) if bound else None, None
-        centre = body[finite].mean(0)
+        # (a boolean index would copy the whole tile where, as almost always, every row is finite)
+        centre = body.mean(0) if bool(finite.all()) else body[finite].mean(0)
         centred = body - centre
         qh = centred.to(self.half)
         return qh, query_terms(centred, qh, uncentred=body) if bound else None, centre
