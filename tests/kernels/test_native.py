@@ -826,6 +826,25 @@ def test_the_header_is_the_one_signature_list():
             assert (list(fn.argtypes), fn.restype) == (args, result), name
 
 
+def test_the_type_templates_are_headers_included_once_per_type():
+    # no kernel is a multi-line macro any more: each template header is plain C, included by its
+    # source once for float and once for double, and part of the build cache's key
+    import re
+
+    from densematch.kernels import build
+
+    for src in native.SOURCES:
+        text = src.read_text()
+        assert not re.search(r"^#define DEFINE_", text, flags=re.M), src.name
+        for header in re.findall(r'^#include "(\w+_t\.h)"', text, flags=re.M):
+            assert text.count(f'#include "{header}"') == 2, (src.name, header)
+            assert re.findall(r"^#define SUF (\w+)", text, flags=re.M) == ["f32", "f64"], src.name
+    names = {t.name for t in build.TEMPLATES}
+    assert {"native_t.h", "align_t.h", "dm_template.h"} == names
+    for template in build.TEMPLATES:
+        assert not re.search(r"^#define DEFINE_", template.read_text(), flags=re.M), template.name
+
+
 def test_a_header_type_without_a_ctypes_twin_is_refused():
     with pytest.raises(ValueError, match="no ctypes type for 'long double'"):
         loader._ctype("long double", "dm_example")

@@ -294,108 +294,15 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int wt_s
 #else
 #define CROSS_KB 4
 #endif
-#define DEFINE_CROSS(T, SUF)                                                                       \
-    typedef T cvec_##SUF __attribute__((vector_size(64)));                                         \
-    int dm_align_cross_##SUF(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,        \
-                             const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h, \
-                             int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, T *out) {           \
-        enum { L = 64 / sizeof(T), KB = CROSS_KB };                                                \
-        const int64_t span = L + h - 1;                                                            \
-        /* vectors, so aligned to their size (malloc promises only 16 bytes) */                    \
-        cvec_##SUF *P = aligned_alloc(sizeof(cvec_##SUF), sizeof(cvec_##SUF) * (size_t)(W * w));    \
-        T *at = malloc(sizeof(T) * (size_t)(W * span));                                            \
-        if (!P || !at) {                                                                           \
-            free(P);                                                                               \
-            free(at);                                                                              \
-            return 1;                                                                              \
-        }                                                                                          \
-        for (int64_t b = 0; b < B; b++)                                                            \
-            for (int64_t n = 0; n < nh; n++)                                                       \
-                for (int64_t y0 = 0; y0 < ny; y0 += L) {                                           \
-                    memset(P, 0, sizeof(cvec_##SUF) * (size_t)(W * w));                            \
-                    for (int64_t c = 0; c < C; c++) {                                              \
-                        const T *ac = a + ((b * C + c) * nh + n) * rows * W;                       \
-                        const T *tc = t + (b * C + c) * h * w;                                     \
-                        for (int64_t v = 0; v < W; v++) /* A's column v, rows y0 .. y0 + span - 1 */ \
-                            for (int64_t j = 0; j < span; j++)                                     \
-                                at[v * span + j] = y0 + j < rows ? ac[(y0 + j) * W + v] : 0;       \
-                        for (int64_t v = 0; v < W; v++) /* KB columns of T at a time, in registers */ \
-                            for (int64_t k0 = 0; k0 < w; k0 += KB) {                               \
-                                const int kn = w - k0 < KB ? (int)(w - k0) : KB;                   \
-                                cvec_##SUF acc[KB];                                                \
-                                for (int kk = 0; kk < KB; kk++) acc[kk] = P[v * w + k0 + (kk < kn ? kk : 0)]; \
-                                for (int64_t r = 0; r < h; r++) {                                  \
-                                    cvec_##SUF col;                                                \
-                                    memcpy(&col, at + v * span + r, sizeof col);                   \
-                                    const T *tr = tc + r * w + k0;                                 \
-                                    if (kn == KB)                                                  \
-                                        for (int kk = 0; kk < KB; kk++) acc[kk] += tr[kk] * col;   \
-                                    else                                                           \
-                                        for (int kk = 0; kk < kn; kk++) acc[kk] += tr[kk] * col;   \
-                                }                                                                  \
-                                for (int kk = 0; kk < kn; kk++) P[v * w + k0 + kk] = acc[kk];      \
-                            }                                                                      \
-                    }                                                                              \
-                    const int64_t ys = ny - y0 < L ? ny - y0 : L;                                  \
-                    for (int64_t s = 0; s < nw; s++) {                                             \
-                        const int64_t *p0 = i0 + s * cols, *p1 = i1 + s * cols;                    \
-                        const T *q0 = w0 + s * cols, *q1 = w1 + s * cols;                          \
-                        T *o = out + ((b * nh + n) * nw + s) * ny * nx;                            \
-                        for (int64_t x = 0; x < nx; x++) {                                         \
-                            cvec_##SUF acc = {0};                                                  \
-                            for (int64_t k = 0; k < w; k++) {                                      \
-                                const int64_t j = x + k;                                           \
-                                acc += q0[j] * P[p0[j] * w + k] + q1[j] * P[p1[j] * w + k];        \
-                            }                                                                      \
-                            for (int64_t l = 0; l < ys; l++) o[(y0 + l) * nx + x] = acc[l];        \
-                        }                                                                          \
-                    }                                                                              \
-                }                                                                                  \
-        free(P);                                                                                   \
-        free(at);                                                                                  \
-        return 0;                                                                                  \
-    }
+/* the kernels for float, then for double (align_t.h) */
+#define T float
+#define SUF f32
+#include "align_t.h"
+#undef T
+#undef SUF
 
-DEFINE_CROSS(float, f32)
-DEFINE_CROSS(double, f64)
-
-/* align's grid search: per scale pair, the K lowest local minima over the shifts of score
- * (M x ny x nx; a local minimum is no higher than any of its 8 neighbours), lowest first, ties
- * to the lower flat index; where fewer than K, inf and index 0 fill the rest. One pass, where
- * torch takes a padded copy, four minimum passes and a top-k. */
-#define DEFINE_BEST_SHIFTS(T, SUF)                                                                 \
-    void dm_align_best_shifts_##SUF(const T *score, int64_t M, int64_t ny, int64_t nx, int64_t K, T *best, \
-                                    int64_t *where) {                                              \
-        for (int64_t m = 0; m < M; m++) {                                                          \
-            const T *s = score + m * ny * nx;                                                      \
-            T *bv = best + m * K;                                                                  \
-            int64_t *bi = where + m * K;                                                           \
-            for (int64_t k = 0; k < K; k++) {                                                      \
-                bv[k] = (T)INFINITY;                                                               \
-                bi[k] = 0;                                                                         \
-            }                                                                                      \
-            for (int64_t y = 0; y < ny; y++)                                                       \
-                for (int64_t x = 0; x < nx; x++) {                                                 \
-                    const T v = s[y * nx + x];                                                     \
-                    if (!(v < bv[K - 1])) continue;                                                \
-                    int low = 1;                                                                   \
-                    for (int64_t dy = y > 0 ? -1 : 0; low && dy <= (y + 1 < ny ? 1 : 0); dy++)     \
-                        for (int64_t dx = x > 0 ? -1 : 0; dx <= (x + 1 < nx ? 1 : 0); dx++)       \
-                            if (s[(y + dy) * nx + x + dx] < v) {                                   \
-                                low = 0;                                                           \
-                                break;                                                             \
-                            }                                                                      \
-                    if (!low) continue;                                                            \
-                    int64_t k = K - 1;                                                             \
-                    for (; k > 0 && v < bv[k - 1]; k--) {                                          \
-                        bv[k] = bv[k - 1];                                                         \
-                        bi[k] = bi[k - 1];                                                         \
-                    }                                                                              \
-                    bv[k] = v;                                                                     \
-                    bi[k] = y * nx + x;                                                            \
-                }                                                                                  \
-        }                                                                                          \
-    }
-
-DEFINE_BEST_SHIFTS(float, f32)
-DEFINE_BEST_SHIFTS(double, f64)
+#define T double
+#define SUF f64
+#include "align_t.h"
+#undef T
+#undef SUF

@@ -28,6 +28,9 @@ from pathlib import Path
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native.c", "align.c", "certify.c"))
 # what every source includes: the declarations of the library's functions and its ABI version
 HEADER = Path(__file__).with_name("dm_abi.h")
+# the type templates the sources include once per type (CPython stringlib's way: plain C, which a
+# debugger and git blame see line by line, where a macro would be one line)
+TEMPLATES = tuple(Path(__file__).with_name(name) for name in ("dm_template.h", "native_t.h", "align_t.h"))
 FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11")
 # x86-64 psABI levels, highest first, with the /proc/cpuinfo flags each needs
 X86_LEVELS = {

@@ -112,7 +112,7 @@ def _cached_path(compiler: str) -> Path:
     compiler, so that a shared home directory hands each CPU level its own build."""
     stat = Path(compiler).resolve().stat()
     key = hashlib.sha256()
-    parts = [s.read_bytes() for s in (*SOURCES, HEADER)]
+    parts = [s.read_bytes() for s in (*SOURCES, HEADER, *kernel_build.TEMPLATES)]
     for part in (*parts, " ".join(kernel_build.flags(_level(), here=True)).encode()):
         key.update(part)
     key.update(f"{compiler}:{stat.st_mtime_ns}:{platform.machine()}".encode())
