@@ -18,6 +18,15 @@ def camera_small() -> np.ndarray:
     return (resize(img, (64, 64), anti_aliasing=True, preserve_range=True)).astype(np.uint8)
 
 
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The run's device (``pytest --device cuda`` on a GPU runner; cpu by default): the tests that
+    take this fixture run densematch's operations there and judge them on the CPU."""
+    from ._paths import DEVICE
+
+    return DEVICE
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
