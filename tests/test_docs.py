@@ -77,6 +77,26 @@ def test_the_choosing_guide_is_linked_from_the_readme_and_every_public_function(
     assert quoted and all(q in headings for q in quoted), [q for q in quoted if q not in headings]
 
 
+def test_the_guides_leave_each_argument_to_the_api_reference():
+    # a hand-written table of a function's arguments drifts from its docstring: the guides give
+    # the narrative and the examples, the reference (docs/api, from the docstrings) the arguments
+    import inspect
+
+    import densematch
+
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        assert not re.search(r"^\|\s*(argument|parameter)s?\s*\|", text, flags=re.M | re.I), page.name
+        for name in densematch.__all__:
+            fn = getattr(densematch, name)
+            if not inspect.isfunction(fn):
+                continue
+            params = [p for p in inspect.signature(fn).parameters if len(p) > 1]
+            rows = set(re.findall(r"^\|\s*`(\w+)`", text, flags=re.M))
+            # a few of a function's options in a table of choices is narrative; most of them is its signature again
+            assert len(rows & set(params)) < max(4, len(params) // 2), (page.name, name, sorted(rows & set(params)))
+
+
 def test_benchmarks_are_a_short_reference_over_a_linked_history():
     reference = (ROOT / "BENCHMARKS.md").read_text()
     assert len(reference.splitlines()) <= 300

@@ -133,12 +133,14 @@ def match(
         How `a` and `b` are laid out; sizes are never guessed from.
     mask_a, mask_b : bool Tensor or ndarray, optional
         Pixels to use, of shape (*batch, *grid), or (*grid) to apply to every batch item.
-        Masked-out pixels of a are not matched (valid False, index -1); masked-out pixels of
-        b are never chosen. Masked pixels cost no work.
+        Masked-out pixels of a are not matched (valid False, index -1, coords -1, score NaN);
+        masked-out pixels of b are never chosen. Masked pixels cost no work.
     memory : int or str, optional
         Hard cap on the extra working memory of the call, inputs and outputs aside: bytes or a
         string such as "256MiB" or "2GB". None: :func:`densematch.config_context`, else
-        ``DENSEMATCH_MEMORY``, else half the device's free memory, capped (512 MiB on a CPU).
+        ``DENSEMATCH_MEMORY``, else half the device's free memory (CUDA's ``mem_get_info``, a
+        CPU's available RAM), capped at 512 MiB on a CPU and 8 GiB on a GPU. A budget too small
+        for one tile is a ValueError naming the least that works.
     progress : bool, default=False
         Show a tqdm bar over the query pixels (needs tqdm).
     precision : {"exact", "float32", "fast", "float64"}, default="exact"
