@@ -16,7 +16,23 @@ from ._reference import assert_same_up_to_ties
 
 SOURCE = Path(densematch.__file__).parent
 # below the public functions: handed a budget and a Precision, they read no global setting
-BELOW_BOUNDARY = ("engine", "kernels", "metrics", "threads", "checks", "budget")
+BELOW_BOUNDARY = (
+    "engine",
+    "kernels",
+    "metrics",
+    "threads",
+    "checks",
+    "budget",
+    # align's search, refinement and warps, and local windows' steps: their public functions
+    # (alignment.api, alignment.certify, local.api) read the settings and hand them down
+    "alignment.search",
+    "alignment.refine",
+    "alignment.warp",
+    "local.windows",
+    "local.volume",
+    "local.topk",
+    "local.op",
+)
 
 
 def _module(path: Path) -> str:
