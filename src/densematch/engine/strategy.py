@@ -21,7 +21,7 @@ import torch
 from ..kernels import native
 from ..metrics import Metric
 from ..precision import Precision, product_slack
-from ..threads import share_out
+from ..threads import own_thread, share_out
 from .merge import best_of_candidates, merge_best, merge_topk, order
 from .plan import Dims, TilePlan, device_caps
 from .pool import CandidateList, Pool
@@ -296,6 +296,13 @@ class Strategy:
         with a query's own, they bound how far the compute dtype's product can be from the exact
         one for every pair of the row (:func:`densematch.precision.product_slack`)."""
         c = self.a.shape[1]
+        if self.whole is not None and self.nb:
+            # one pass on this thread alone: tiles this small cost more to hand out, and OpenMP's
+            # threads, once woken, spin on the cores the search's workers are about to take
+            w = self.whole
+            with own_thread():
+                extra = float(torch.linalg.vector_norm(w[:, c:], dim=1).amax()) if w.shape[1] > c else 0.0
+                return float(torch.linalg.vector_norm(w[:, :c], dim=1).amax()), extra
         norms: list[tuple[float, float]] = [(0.0, 0.0)]
 
         def tile(start: int, stop: int) -> None:
