@@ -294,15 +294,12 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int wt_s
 #else
 #define CROSS_KB 4
 #endif
+
 /* the kernels for float, then for double (align_t.h) */
 #define T float
 #define SUF f32
 #include "align_t.h"
-#undef T
-#undef SUF
 
 #define T double
 #define SUF f64
 #include "align_t.h"
-#undef T
-#undef SUF

@@ -1,6 +1,6 @@
 /* align.c's grid-search kernels for one floating type, included by align.c once per type with T
- * (float, double) and SUF (f32, f64: DM_T(name) is name_SUF) defined. No include guard: each
- * inclusion is one instance. */
+ * (float, double) and SUF (f32, f64: DM_T(name) is name_SUF) defined; it undefines them at its
+ * end. No include guard: each inclusion is one instance. */
 #include "dm_template.h"
 
 typedef T DM_T(cvec) __attribute__((vector_size(64)));
@@ -100,3 +100,6 @@ void DM_T(dm_align_best_shifts)(const T *score, int64_t M, int64_t ny, int64_t n
             }
     }
 }
+/* the parameters of this instance, so that the next one defines its own */
+#undef T
+#undef SUF

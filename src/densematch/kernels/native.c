@@ -35,6 +35,7 @@ typedef uint64_t lanes64 __attribute__((vector_size(32))); /* any mask, as four 
 static inline int local_inside(int64_t qy, int64_t qx, int64_t H, int64_t W, const uint8_t *mask_b) {
     return qy >= 0 && qy < H && qx >= 0 && qx < W && (!mask_b || mask_b[qy * W + qx]);
 }
+
 #define PB STEP(T) /* the columns of X a register block spans: two vectors */
 
 /* the kernels for float, then for double (native_t.h) */
@@ -47,14 +48,6 @@ static inline int local_inside(int64_t qy, int64_t qx, int64_t H, int64_t W, con
 #define LDEXP ldexpf
 #define FLOOR floorf
 #include "native_t.h"
-#undef T
-#undef I
-#undef SUF
-#undef ABS
-#undef SQRT
-#undef FREXP
-#undef LDEXP
-#undef FLOOR
 
 #define T double
 #define I int64_t
@@ -65,14 +58,6 @@ static inline int local_inside(int64_t qy, int64_t qx, int64_t H, int64_t W, con
 #define LDEXP ldexp
 #define FLOOR floor
 #include "native_t.h"
-#undef T
-#undef I
-#undef SUF
-#undef ABS
-#undef SQRT
-#undef FREXP
-#undef LDEXP
-#undef FLOOR
 #undef PB
 
 /* The certified bfloat16 search's step for one tile (densematch.engine.half): for the stored

@@ -1,7 +1,8 @@
 /* native.c's kernels for one floating type, CPython stringlib's way: plain C that a debugger and
  * git blame see line by line, included by native.c once per type with T (float, double), I (the
  * integer of T's width), SUF (f32, f64: DM_T(name) is name_SUF), ABS, SQRT, FREXP, LDEXP and FLOOR
- * (T's functions) defined. No include guard: each inclusion is one instance. */
+ * (T's functions) defined; it undefines them at its end. No include guard: each inclusion is one
+ * instance. */
 #include "dm_template.h"
 
 /* Lanes of 32 bytes (one AVX2 register, two SSE or NEON ones) as GCC / Clang vector extensions,
@@ -790,3 +791,12 @@ void DM_T(dm_local_flow_grad)(const T *a, const T *b, int64_t H, int64_t W, int6
 #undef PAIR_SUM
 #undef PAIR_MAX
 #undef LOCAL_ROW
+/* the parameters of this instance, so that the next one defines its own */
+#undef T
+#undef I
+#undef SUF
+#undef ABS
+#undef SQRT
+#undef FREXP
+#undef LDEXP
+#undef FLOOR
