@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,9 +22,11 @@ _SHIFTS = 3  # local minima over the shifts kept per scale pair
 _CPU_CHUNK = 64 * 2**20
 _MAX_STEP = 0.05
 _EDGE_STEP = 1.5
-# geometries kept (sampling matrices, taps, valid shifts, band matrices): a loop over frames of one
-# size rebuilds none of them after the first call
-_KEPT_GEOMETRIES = 32
+# sampling matrices and band matrices kept: a loop over frames of one size builds none of them again
+# after the first call. Only small ones (the coarse levels of images of a few hundred pixels), so
+# that what stays held between calls is a few MiB at most
+_KEPT = 8
+_KEPT_BYTES = 2**20
 
 
 def scale_grid(lo: float, hi: float, n_pixels: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -118,8 +119,16 @@ def _scores(
     uniform = mask is None
     if mask is None:
         mask = torch.ones(b, 1, h, w, dtype=t.dtype, device=t.device)
-    geo = _geometry(tuple(grid_h.tolist()), tuple(grid_w.tolist()), (h, w), (hh, ww), in_c, x.device, x.dtype)
-    rows, cols, (n_y, n_x) = geo.rows, geo.cols, geo.n_shift
+    # rows and columns of the stretched image that any valid crop can touch
+    rows = math.floor(hh * grid_h.max().item())
+    cols = math.floor(ww * grid_w.max().item())
+    # valid integer shifts: 0 <= s <= H * scale - h
+    # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
+    max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
+    max_x = torch.floor(ww * grid_w - w + 1e-6).long().clamp_min(0)
+    n_y, n_x = int(max_y.max().item()) + 1, int(max_x.max().item()) + 1
+    ok_y = torch.arange(n_y, device=x.device) <= max_y[:, None]  # (nh, n_y)
+    ok_x = torch.arange(n_x, device=x.device) <= max_x[:, None]  # (nw, n_x)
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
@@ -136,7 +145,8 @@ def _scores(
     held = item * (nh * rows * hh + nw * cols * ww) + (nw * cols * 2 * (8 + item) if in_c else 0)
     chunk_rows(budget, per_pair, what, fixed=held, fix="raise memory or narrow the scale ranges")
     budget -= held
-    ry, rx, taps, ok_y, ok_x = geo.ry, geo.rx, geo.taps, geo.ok_y, geo.ok_x
+    key = (tuple(grid_h.tolist()), tuple(grid_w.tolist()), (rows, cols), (hh, ww), in_c, x.device, x.dtype)
+    ry, rx, taps = (_kept_samplers if held <= _KEPT_BYTES else _samplers)(*key)
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
     pairs = chunk_rows(cap, per_pair, what)
@@ -158,53 +168,30 @@ def _scores(
     return chunks(), n_x
 
 
-class _Geometry(NamedTuple):
-    """What a grid of scales over an image and template size fixes, whatever the pixels."""
-
-    rows: int  # rows of the stretched image that any valid crop can touch
-    cols: int
-    n_shift: tuple[int, int]  # (n_y, n_x): the integer shifts of the largest scales
-    ry: torch.Tensor  # (nh, rows, H) sampling matrices
-    rx: torch.Tensor  # (nw, cols, W)
-    taps: tuple[torch.Tensor, ...] | None  # Rx's two taps per row, for the C cross term
-    ok_y: torch.Tensor  # (nh, n_y): which shifts of each scale_h are valid
-    ok_x: torch.Tensor  # (nw, n_x)
-
-
-@functools.lru_cache(maxsize=_KEPT_GEOMETRIES)
-def _geometry(
+def _samplers(
     scales_h: tuple[float, ...],
     scales_w: tuple[float, ...],
-    size: tuple[int, int],
+    out: tuple[int, int],
     image: tuple[int, int],
     in_c: bool,
     device: torch.device,
     dtype: torch.dtype,
-) -> _Geometry:
-    """The grid search's geometry for the scales ``scales_h`` x ``scales_w``, a template of
-    ``size`` and an image of ``image`` pixels: built once per such call, read-only after (made
-    outside inference mode, so a later call with autograd on may read it too)."""
-    (h, w), (hh, ww) = size, image
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """The grid's sampling matrices Ry (nh, rows, H) and Rx (nw, cols, W) of the image's ``out``
+    = (rows, cols) stretched by the scales ``scales_h`` x ``scales_w``, and for C Rx's two taps
+    per row; read-only (:func:`_kept_samplers` keeps small ones, made outside inference mode
+    so that a later call with autograd on may read them too)."""
+    (rows, cols), (hh, ww) = out, image
     with torch.inference_mode(False):
         grid_h = torch.tensor(scales_h, dtype=dtype, device=device)
         grid_w = torch.tensor(scales_w, dtype=dtype, device=device)
-        rows, cols = math.floor(hh * max(scales_h)), math.floor(ww * max(scales_w))
-        # valid integer shifts: 0 <= s <= H * scale - h
-        # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
-        max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
-        max_x = torch.floor(ww * grid_w - w + 1e-6).long().clamp_min(0)
-        n_y, n_x = int(max_y.max().item()) + 1, int(max_x.max().item()) + 1
         zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
-        return _Geometry(
-            rows,
-            cols,
-            (n_y, n_x),
-            sampling_matrix(rows, hh, grid_h, zeros_h),
-            sampling_matrix(cols, ww, grid_w, zeros_w),
-            bilinear_taps(cols, ww, grid_w, zeros_w) if in_c else None,
-            torch.arange(n_y, device=device) <= max_y[:, None],
-            torch.arange(n_x, device=device) <= max_x[:, None],
-        )
+        ry = sampling_matrix(rows, hh, grid_h, zeros_h)
+        rx = sampling_matrix(cols, ww, grid_w, zeros_w)
+        return ry, rx, bilinear_taps(cols, ww, grid_w, zeros_w) if in_c else None
+
+
+_kept_samplers = functools.lru_cache(maxsize=_KEPT)(_samplers)
 
 
 def _fast_length(n: int) -> int:
@@ -232,16 +219,19 @@ def _window_sums(v: torch.Tensor, size: tuple[int, int], n_shift: tuple[int, int
 
 
 def _band(n: int, width: int, n_shift: int, like: torch.Tensor) -> torch.Tensor:
-    """(n, n_shift): 1 where j lies in the window [s, s + width) of shift s (read-only: kept)."""
-    return _kept_band(n, width, n_shift, like.device, like.dtype)
+    """(n, n_shift): 1 where j lies in the window [s, s + width) of shift s (read-only)."""
+    small = n * n_shift * like.element_size() <= _KEPT_BYTES
+    return (_kept_band if small else _build_band)(n, width, n_shift, like.device, like.dtype)
 
 
-@functools.lru_cache(maxsize=_KEPT_GEOMETRIES)
-def _kept_band(n: int, width: int, n_shift: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    with torch.inference_mode(False):
+def _build_band(n: int, width: int, n_shift: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    with torch.inference_mode(False):  # kept ones may be read later with autograd on
         j = torch.arange(n, device=device)[:, None]
         s = torch.arange(n_shift, device=device)[None, :]
         return ((j >= s) & (j < s + width)).to(dtype)
+
+
+_kept_band = functools.lru_cache(maxsize=_KEPT)(_build_band)
 
 
 def _shift_scores(
