@@ -265,6 +265,35 @@ def test_same_scene_rows_over_the_cap_are_searched_again_exactly(same_scene, ker
     assert_same_up_to_ties(a, b, got, want, metric)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+@pytest.mark.parametrize(("metric", "k"), [("cosine", 1), ("cosine", 8), ("l2", 1)])
+def test_a_few_rows_over_the_cap_are_searched_again_uncapped(same_scene, monkeypatch, kernel, metric, k):
+    # a handful of same-scene rows among noise: the few that overrun are searched again with
+    # every reference in one product and every candidate listed (no cap, no second pass)
+    from densematch.engine.half import HalfSearch
+
+    fa, fb = same_scene
+    a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
+    g = torch.Generator().manual_seed(0)
+    q = torch.cat([a[:12], a.mean(0) + a.std() * torch.randn(500, 64, generator=g)])
+    caps: list[int | None] = []
+    rank_exact = HalfSearch._rank_exact
+
+    def spy(self, *args):  # type: ignore[no-untyped-def]
+        caps.append(args[7] if len(args) > 7 else None)
+        return rank_exact(self, *args)
+
+    monkeypatch.setattr(HalfSearch, "_rank_exact", spy)
+    stats: dict[str, int] = {}
+    precision = Precision(half=torch.bfloat16, backend=kernel)
+    with densematch.config_context(kernel=kernel):
+        _, got = engine.topk(q, b, metric=metric, k=k, budget=2**26, precision=precision, stats=stats)
+    assert 0 < stats["fallback"] <= 12 and caps and set(caps) == {b.shape[0]}
+    assert_topk_exact(q, b, got, metric, k)
+    _, want = engine.topk(q, b, metric=metric, k=k, budget=2**26)
+    assert_same_up_to_ties(q, b, got, want, metric)
+
+
 @pytest.mark.parametrize("path", TORCH_PATHS)
 @pytest.mark.parametrize("metric", ["cosine", "dot"])
 def test_zero_query_rows_tie_every_reference(path, metric):

@@ -513,14 +513,20 @@ class HalfSearch(Strategy):
         of :meth:`_resolve_shape`, each reference block one matrix product, near-ties settled by
         the direct form (:meth:`Strategy._rank_exact`). A row over the cap costs one float32
         product row, never a direct score per pair inside the half-precision bound."""
-        k = best_v.shape[1]
-        group, width = self._groups(q.shape[0], redo.numel())
+        k, r = best_v.shape[1], redo.numel()
+        group, width = self._groups(q.shape[0], r)
+        cap = None
+        rows, cols = self._resolve_shape(q.shape[0])
+        if r * self.nb <= min(rows * cols, q.shape[0] * self.cap_rows):
+            # a few rows: every reference in one product, every candidate listed (no cap to
+            # outgrow, so no second pass), within the bytes of the block and of the tile's list
+            group, width, cap = r, self.nb, self.nb
         block = torch.empty(group * width, dtype=self.dtype, device=q.device)
-        for g in range(0, redo.numel(), group):
+        for g in range(0, r, group):
             sel = redo[g : g + group]
             v = torch.empty((sel.numel(), k), dtype=self.dtype, device=q.device)
             i = torch.empty((sel.numel(), k), dtype=torch.int64, device=q.device)
-            self._rank_exact(q.index_select(0, sel), sel, v, i, start, block, width)
+            self._rank_exact(q.index_select(0, sel), sel, v, i, start, block, width, cap)
             best_v[sel], best_i[sel] = v, i
 
     def _settle(

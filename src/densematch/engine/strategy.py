@@ -324,10 +324,12 @@ class Strategy:
         start: int,
         buf: torch.Tensor,
         width: int,
+        cap: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top k of prepared query rows ``q`` (rows ``tile_rows`` of the query tile at
         ``start``; None: the whole tile) from products in the compute dtype, near-ties settled by
-        the direct form, references in blocks of ``width`` columns scored into ``buf``.
+        the direct form, references in blocks of ``width`` columns scored into ``buf``, at most
+        ``cap`` candidates listed per row (default: the search's cap; ``nb`` lists every one).
 
         Each product is within ``slack`` (``self.ref_norms``) of the exact one, so the exact top k
         all score at least the k-th best minus twice that: the candidates. They are listed during
@@ -345,10 +347,11 @@ class Strategy:
         # on a CPU one C call per block merges and lists (native.merge); else the torch merge
         # finds the rows that reach their floor and the pool lists them
         listed: CandidateList
+        cap = self.cap_rows if cap is None else cap
         if self._native(best_v, best_i, self.dtype):
-            listed = native.Candidates(m, self.cap_rows, self.dtype)
+            listed = native.Candidates(m, cap, self.dtype)
         else:
-            listed = pool = Pool(m, self.cap_rows, q.device, self.dtype, lazy=True)
+            listed = pool = Pool(m, cap, q.device, self.dtype, lazy=True)
         for j in range(0, self.nb, width):
             n = min(width, self.nb - j)
             s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n), use_c=self.use_c)
