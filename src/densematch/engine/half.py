@@ -510,9 +510,10 @@ class HalfSearch(Strategy):
     ) -> None:
         """The top k of the rows ``redo`` of the query tile at ``start`` (``q``: its prepared
         rows), whose candidates outgrew the cap, searched again from float32 products: in groups
-        of :meth:`_resolve_shape`, each reference block one matrix product, near-ties settled by
-        the direct form (:meth:`Strategy._rank_exact`). A row over the cap costs one float32
-        product row, never a direct score per pair inside the half-precision bound."""
+        of :meth:`_resolve_shape`, each reference block one matrix product (a handful of rows: all
+        of them against every reference at once, uncapped), near-ties settled by the direct form
+        (:meth:`Strategy._rank_exact`). A row over the cap costs about one float32 product row,
+        never a direct score per pair inside the half-precision bound."""
         k, r = best_v.shape[1], redo.numel()
         group, width = self._groups(q.shape[0], r)
         cap = None
