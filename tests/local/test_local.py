@@ -103,20 +103,23 @@ def same_picks(a, b, got, want, metric):
         assert_same_up_to_ties(a[i].reshape(-1, c), b[i].reshape(-1, c), got[i], want[i], metric)
 
 
-def check_topk(a, b, radius, metric, k=1, dilation=1, flow=None, mask_b=None):
+def check_topk(a, b, radius, metric, k=1, dilation=1, flow=None, mask_b=None, device=None):
+    """local_match of a and b (on ``device``, default theirs) against the windowed reference."""
     h, w, c = a.shape
-    got = local_match(a, b, radius, dilation=dilation, flow=flow, metric=metric, k=k, mask_b=mask_b)
+    on = (lambda v: v) if device is None else (lambda v: None if v is None else v.to(device))
+    got = local_match(on(a), on(b), radius, dilation=dilation, flow=on(flow), metric=metric, k=k, mask_b=on(mask_b))
     vol = window_reference(a, b, radius, dilation, flow, metric=metric, mask_b=mask_b)
     want = offset_index(ranked_reference(vol, metric, k), radius, dilation, h, w, flow)
-    index = got.index.reshape(h * w, k)
+    index = got.index.cpu().reshape(h * w, k)
     # a tie inside the window is a tie: judge with the same near-tie rule as the global search
     assert_same_up_to_ties(a.reshape(-1, c), b.reshape(-1, c), index, want, metric)
     chosen = reported(reference_scores(a.reshape(-1, c), b.reshape(-1, c), metric), metric)
     ok = index >= 0
     expect = chosen.gather(1, index.clamp_min(0))[ok]
-    assert torch.allclose(got.score.reshape(h * w, k)[ok].double(), expect, atol=tolerance(a, b, metric), rtol=1e-5)
-    assert torch.equal(got.valid.reshape(h * w, k), ok)
-    coords = got.coords.reshape(h * w, k, 2)
+    score = got.score.cpu().reshape(h * w, k)[ok].double()
+    assert torch.allclose(score, expect, atol=tolerance(a, b, metric), rtol=1e-5)
+    assert torch.equal(got.valid.cpu().reshape(h * w, k), ok)
+    coords = got.coords.cpu().reshape(h * w, k, 2)
     assert torch.equal(coords[ok], torch.stack((index // w, index % w), -1)[ok])
 
 

@@ -515,13 +515,14 @@ class HalfSearch(Strategy):
         (:meth:`Strategy._rank_exact`). A row over the cap costs about one float32 product row,
         never a direct score per pair inside the half-precision bound."""
         k, r = best_v.shape[1], redo.numel()
-        group, width = self._groups(q.shape[0], r)
-        cap = None
         rows, cols = self._resolve_shape(q.shape[0])
+        cap: int | None = None
         if r * self.nb <= min(rows * cols, q.shape[0] * self.cap_rows):
             # a few rows: every reference in one product, every candidate listed (no cap to
             # outgrow, so no second pass), within the bytes of the block and of the tile's list
             group, width, cap = r, self.nb, self.nb
+        else:
+            group, width = self._groups(q.shape[0], r)
         block = torch.empty(group * width, dtype=self.dtype, device=q.device)
         for g in range(0, r, group):
             sel = redo[g : g + group]

@@ -296,13 +296,6 @@ class Strategy:
         with a query's own, they bound how far the compute dtype's product can be from the exact
         one for every pair of the row (:func:`densematch.precision.product_slack`)."""
         c = self.a.shape[1]
-        if self.whole is not None and self.nb:
-            # one pass on this thread alone: tiles this small cost more to hand out, and OpenMP's
-            # threads, once woken, spin on the cores the search's workers are about to take
-            w = self.whole
-            with own_thread():
-                extra = float(torch.linalg.vector_norm(w[:, c:], dim=1).amax()) if w.shape[1] > c else 0.0
-                return float(torch.linalg.vector_norm(w[:, :c], dim=1).amax()), extra
         norms: list[tuple[float, float]] = [(0.0, 0.0)]
 
         def tile(start: int, stop: int) -> None:
@@ -312,7 +305,14 @@ class Strategy:
             with self.lock:
                 norms.append((body, extra))
 
-        self._each_ref_tile(tile)
+        if self.whole is not None:
+            # every reference prepared: one pass on this thread alone (tiles this small cost more
+            # to hand out, and OpenMP's threads, once woken, spin on the cores the search's
+            # workers are about to take)
+            with own_thread():
+                tile(0, self.nb)
+        else:
+            self._each_ref_tile(tile)
         return max(n[0] for n in norms), max(n[1] for n in norms)
 
     def _rank_exact(
