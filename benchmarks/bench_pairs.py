@@ -20,7 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, save, table
+from densematch.kernels.c_ops import C_OPS
 from densematch.metrics import get_metric
+from densematch.ops import TORCH_OPS
 
 
 def main() -> None:
@@ -40,9 +42,9 @@ def main() -> None:
         metric = get_metric(name)
         times: dict[str, list[float]] = {"C kernel": [], "torch, gathered": []}
         for _ in range(args.repeats + 1):  # the first round warms up
-            for path, use_c in (("C kernel", True), ("torch, gathered", False)):
+            for path, ops in (("C kernel", C_OPS), ("torch, gathered", TORCH_OPS)):
                 t0 = time.perf_counter()
-                metric.pair_values(q, r, idx, use_c=use_c)
+                metric.pair_values(q, r, idx, ops=ops)
                 times[path].append(time.perf_counter() - t0)
         ms = {path: statistics.median(t[1:]) * 1e3 for path, t in times.items()}
         for path, value in ms.items():

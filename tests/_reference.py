@@ -159,3 +159,16 @@ def patch_features(image: np.ndarray, size: int = 5) -> torch.Tensor:
     p = torch.nn.functional.unfold(x, size, padding=size // 2)[0]
     p = p - p.mean(0, keepdim=True)
     return p.T.reshape(image.shape[0], image.shape[1], size * size)
+
+
+def minkowski_reference(y: torch.Tensor, x: torch.Tensor, linf: bool) -> torch.Tensor:
+    """(F, P) distances of the rows of y (F, D) to the columns of x (D, P), in float64."""
+    diff = (y.double()[:, :, None] - x.double()[None]).abs()
+    return diff.amax(1) if linf else diff.sum(1)
+
+
+def assert_sums_close(got: torch.Tensor, want: torch.Tensor, terms: int, dtype: torch.dtype) -> None:
+    """``got`` (computed in ``dtype``) equals the float64 ``want`` within the rounding of a sum of
+    ``terms`` non-negative terms in ``dtype``, whatever their order."""
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), want, rtol=terms * eps, atol=terms * eps * want.abs().max().item())

@@ -27,6 +27,19 @@ def device() -> torch.device:
     return DEVICE
 
 
+@pytest.fixture(scope="session", params=["torch", "c"])
+def ops(request: pytest.FixtureRequest) -> object:
+    """Each implementation of :class:`densematch.ops.Ops` in turn: torch's, and C's where the
+    library is built (every machine with a C compiler; CI has one)."""
+    from densematch.kernels import native
+    from densematch.kernels.c_ops import C_OPS
+    from densematch.ops import TORCH_OPS
+
+    if request.param == "c" and native.library() is None:
+        pytest.skip("no C compiler on this machine")
+    return C_OPS if request.param == "c" else TORCH_OPS
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

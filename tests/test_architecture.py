@@ -32,6 +32,9 @@ BELOW_BOUNDARY = (
     "local.volume",
     "local.topk",
     "local.op",
+    # the prototype distances' tiled work (distances.prototypes reads the settings)
+    "distances.tiles",
+    "ops",
 )
 
 
@@ -84,6 +87,21 @@ def test_the_core_never_imports_the_application_layer(path):
 @pytest.mark.parametrize("path", [p for name in BELOW_BOUNDARY for p in _files(f".{name}")], ids=_module)
 def test_nothing_below_the_boundary_reads_the_config(path):
     assert "densematch.config" not in _imports(path), f"{_module(path)} imports densematch.config"
+
+
+@pytest.mark.parametrize("name", ["metrics", "ops"])
+def test_the_metrics_and_the_operations_import_nothing_from_the_kernels(name):
+    # the metrics hold the mathematics and call the Ops they are handed: no type cycle with kernels
+    below = {m for m in _imports(SOURCE / f"{name}.py") if m.startswith("densematch.kernels")}
+    assert not below, f"densematch.{name} imports {sorted(below)}"
+
+
+def test_whether_c_may_and_can_run_is_asked_in_one_place():
+    # kernels.ops_for answers it once per call; every other module takes the answer handed down
+    askers = sorted(
+        _module(p) for p in _files() if not _module(p).startswith("densematch.kernels") and "usable(" in p.read_text()
+    )
+    assert askers == [], f"{askers} ask native.usable themselves: take the call's Ops (kernels.ops_for) instead"
 
 
 class _Unread:

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import native
-from .threads import scratch
+from .ops import TORCH_OPS, Ops, l2_pair_weights
 
 __all__ = ["METRICS", "Bank", "Metric", "get_metric", "row_norms", "unit_rows"]
 
@@ -193,10 +192,10 @@ class Metric:
         return out.copy_(x)
 
     def score_tile(
-        self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None, *, use_c: bool = False
+        self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None, *, ops: Ops = TORCH_OPS
     ) -> torch.Tensor:
-        """Scores of shape (len(q), len(r)), higher is better, of prepared rows (``use_c``:
-        whether the C kernels may run, as in :meth:`pair_values`)."""
+        """Scores of shape (len(q), len(r)), higher is better, of prepared rows (``ops``: the
+        call's operations, :mod:`densematch.ops`)."""
         return q @ r.T if out is None else torch.mm(q, r.T, out=out)
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -233,7 +232,7 @@ class Metric:
         """
         raise NotImplementedError
 
-    pair_kind: str | None = None  # the reduction of the C kernel of pairs (native.pair_values)
+    pair_kind: str | None = None  # the reduction of the kernel of pairs (Ops.pair_values)
 
     def pair_values(
         self,
@@ -242,7 +241,7 @@ class Metric:
         idx: torch.Tensor,
         *,
         q_rows: torch.Tensor | None = None,
-        use_c: bool = False,
+        ops: Ops = TORCH_OPS,
         r_terms: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`pair_value` of the pairs (q[q_rows[i]], r[idx[i, j]]), for the engine's last
@@ -258,17 +257,17 @@ class Metric:
             Rows of ``r``.
         q_rows : Tensor of int64, shape (m,), optional
             Rows of ``q`` (default: row i for row i of ``idx``).
-        use_c : bool, default=False
-            Whether the C kernels may run (:attr:`densematch.precision.Precision.c_kernels`);
-            they do where they can (:func:`densematch.kernels.native.usable`).
+        ops : Ops, default=TORCH_OPS
+            The call's operations (:func:`densematch.kernels.ops_for`): C's kernel of pairs
+            where they are C's.
         r_terms : Tensor, optional
-            :meth:`pair_terms` of ``r``, for the C kernel (the same values, faster).
+            :meth:`pair_terms` of ``r``, for the kernel of pairs (the same values, faster).
 
         Returns
         -------
         Tensor of shape (m, k)
         """
-        v = self._pair_kernel(q, r, idx, q_rows, use_c, r_terms)
+        v = self._pair_kernel(q, r, idx, q_rows, ops, r_terms)
         return self.kernel_value(v) if v is not None else self.pair_value(*self._pairs(q, r, idx, q_rows))
 
     def direct_scores(
@@ -278,12 +277,12 @@ class Metric:
         idx: torch.Tensor,
         *,
         q_rows: torch.Tensor | None = None,
-        use_c: bool = False,
+        ops: Ops = TORCH_OPS,
         r_terms: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`direct_score` of the pairs (q[q_rows[i]], r[idx[i, j]]), arguments as in
         :meth:`pair_values`, through the C kernel where it runs."""
-        v = self._pair_kernel(q, r, idx, q_rows, use_c, r_terms)
+        v = self._pair_kernel(q, r, idx, q_rows, ops, r_terms)
         if v is not None:
             return v if self.higher_is_better else v.neg_()
         return self.direct_score(*self._pairs(q, r, idx, q_rows))
@@ -303,22 +302,20 @@ class Metric:
         r: torch.Tensor,
         idx: torch.Tensor,
         q_rows: torch.Tensor | None,
-        use_c: bool,
+        ops: Ops,
         r_terms: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The C kernel's reduction of the pairs, or None where it does not run."""
-        if not use_c or self.pair_kind is None or r.dtype != q.dtype or not native.usable(q.device, q.dtype):
+        """The kernel of pairs' reduction of the pairs (:meth:`Ops.pair_values`), or None where
+        the operations have none."""
+        if self.pair_kind is None or r.dtype != q.dtype:
             return None
-        return native.pair_values(q, r, idx, self.pair_kind, q_rows=q_rows, r_terms=r_terms)
+        return ops.pair_values(q, r, idx, self.pair_kind, q_rows=q_rows, r_terms=r_terms)
 
-    def pair_terms(self, x: torch.Tensor, *, use_c: bool = False) -> torch.Tensor | None:
-        """What the C kernel of pairs would compute for a reference row ``x`` (n, C) at each of its
-        pairs (:func:`densematch.kernels.native.cosine_terms`: cosine's scale and norm), computed
-        once for :meth:`pair_values`' ``r_terms``; None where the kernel needs none or does not
-        run."""
-        if not use_c or self.pair_kind != "cosine" or not native.usable(x.device, x.dtype) or x.dim() != 2:
-            return None
-        return native.cosine_terms(x) if x.stride(1) == 1 or x.shape[1] <= 1 else None
+    def pair_terms(self, x: torch.Tensor, *, ops: Ops = TORCH_OPS) -> torch.Tensor | None:
+        """What the kernel of pairs would compute for a reference row ``x`` (n, C) at each of its
+        pairs (:meth:`Ops.cosine_terms`: cosine's scale and norm), computed once for
+        :meth:`pair_values`' ``r_terms``; None where the kernel needs none or has none."""
+        return ops.cosine_terms(x) if self.pair_kind == "cosine" else None
 
     def kernel_value(self, v: torch.Tensor) -> torch.Tensor:
         """The reported value from the C kernel's reduction of :attr:`pair_kind` (in place)."""
@@ -347,18 +344,18 @@ class Metric:
         rows = p.detach().to(dtype).contiguous()
         return Bank(rows, rows, rows.new_empty(0), rows.new_zeros(rows.shape[1]))
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, ops: Ops = TORCH_OPS) -> None:
         """Distances (F, m) of the columns of ``xt`` (D, m) to the prototypes, into ``out``
         (contiguous, unless :meth:`bank_writes_strided`)."""
         raise NotImplementedError
 
-    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype, *, use_c: bool = False) -> bool:
-        """Whether :meth:`bank_distances` writes an ``out`` of any strides itself (the C kernels
-        do), so that the caller needs no contiguous tile of its own."""
+    def bank_writes_strided(self, ops: Ops) -> bool:
+        """Whether :meth:`bank_distances` with ``ops`` writes an ``out`` of any strides itself
+        (:attr:`Ops.writes_strided`), so that the caller needs no contiguous tile of its own."""
         return False
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, ops: Ops = TORCH_OPS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients for the columns ``xt`` (D, m) and the bank (F, D), from the output's
         gradient ``g`` and the distances ``d``, both (F, m)."""
@@ -392,11 +389,11 @@ class Dot(Metric):
     def direct_score(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vecdot(a, b)
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, ops: Ops = TORCH_OPS) -> None:
         torch.mm(bank.rows, xt, out=out)
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, ops: Ops = TORCH_OPS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return bank.rows.T @ g, g @ xt.T
 
@@ -442,11 +439,11 @@ class Cosine(Metric):
         rows = super().bank(p, dtype).rows
         return Bank(rows, unit_rows(rows, dim=1), row_norms(rows, dim=1)[:, 0], rows.new_zeros(rows.shape[1]))
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, ops: Ops = TORCH_OPS) -> None:
         torch.mm(bank.body, unit_rows(xt, dim=0), out=out).neg_().add_(1.0)
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, ops: Ops = TORCH_OPS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         nx = row_norms(xt, dim=0)[0]
         xn = unit_rows(xt, dim=0)
@@ -496,7 +493,7 @@ class Euclidean(Metric):
 
     def pair_grads(self, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = a - b
-        ga = d * (2 * g[..., None] if not self.root else self._pair_weights(g, row_norms(d)[..., 0])[..., None])
+        ga = d * (2 * g[..., None] if not self.root else l2_pair_weights(g, row_norms(d)[..., 0], root=True)[..., None])
         return ga, -ga
 
     pair_kind = "sqdiff"
@@ -516,23 +513,11 @@ class Euclidean(Metric):
         body = rows - centre
         return Bank(rows, body, body.square().sum(1), centre)
 
-    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype, *, use_c: bool = False) -> bool:
-        return use_c and native.usable(device, dtype)
+    def bank_writes_strided(self, ops: Ops) -> bool:
+        return ops.writes_strided
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
-        if use_c and native.usable(xt.device, xt.dtype):
-            # tiles of this thread's own for the centred columns and the products, then one pass
-            # adds, clamps, roots and writes
-            xc = torch.sub(xt, bank.centre[:, None], out=scratch("l2-centred", xt.shape, xt.dtype, xt.device))
-            xx = native.sqnorms(xc)
-            products = scratch("l2-products", out.shape, out.dtype, out.device)
-            smallest = native.l2_finish(torch.mm(bank.body, xc, out=products), bank.norms, xx, out, root=self.root)
-        else:
-            xc = xt - bank.centre[:, None]
-            xx = torch.linalg.vecdot(xc, xc, dim=0)
-            torch.addmm(bank.norms[:, None], bank.body, xc, alpha=-2.0, out=out).add_(xx)
-            smallest = out.amin(0)
-            self._finish(out.clamp_min_(0.0))
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, ops: Ops = TORCH_OPS) -> None:
+        xc, xx, smallest = ops.l2_bank(bank.body, bank.norms, bank.centre, xt, out, root=self.root)
         # columns with a near prototype have lost digits: recompute them directly, in chunks
         # no larger than ``out``
         close = (smallest < _CLOSE * (xx + bank.norms.max())).nonzero().squeeze(1)
@@ -542,21 +527,11 @@ class Euclidean(Metric):
             diff = bank.body[:, :, None] - xc[:, cols][None]
             out[:, cols] = self._finish(diff.square_().sum(1))
 
-    def _pair_weights(self, g: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """d = ||x - p||: the gradient is (x - p) g / d per pair, and 0 where d = 0 (the
-        subgradient that keeps training finite)."""
-        return torch.div(g, d).masked_fill_(d == 0, 0.0)
-
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, ops: Ops = TORCH_OPS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         scale = 1.0 if self.root else 2.0
-        if use_c and native.usable(xt.device, xt.dtype):
-            w = scratch("l2-weights", g.shape, g.dtype, g.device)
-            w, per_col, per_row = native.l2_weights(g, d, w, root=self.root)
-        else:
-            w = self._pair_weights(g, d)
-            per_col, per_row = w.sum(0), w.sum(1)
+        w, per_col, per_row = ops.l2_weights(g, d, root=self.root)
         gx = torch.addmm(xt * per_col, bank.rows.T, w, alpha=-1.0)
         gp = torch.addmm(bank.rows * per_row[:, None], w, xt.T, alpha=-1.0)
         return gx.mul_(scale), gp.mul_(scale)
@@ -578,10 +553,6 @@ class SquaredEuclidean(Euclidean):
     def ratio_distance(self, value: torch.Tensor) -> torch.Tensor:
         return value.clamp_min(0.0).sqrt()
 
-    def _pair_weights(self, g: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """d = ||x - p||^2: the gradient is 2 (x - p) g per pair (the 2 applied by the caller)."""
-        return g
-
 
 class Minkowski(Metric):
     """l1 (p=1) and linf (p=inf): no matrix form. Tiles go through densematch's C kernels where
@@ -601,16 +572,9 @@ class Minkowski(Metric):
         return self.order == float("inf")
 
     def score_tile(
-        self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None, *, use_c: bool = False
+        self, q: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None, *, ops: Ops = TORCH_OPS
     ) -> torch.Tensor:
-        if use_c and native.usable(q.device, q.dtype):
-            out = torch.empty((q.shape[0], r.shape[0]), dtype=q.dtype) if out is None else out
-            return native.minkowski(q, r.T, out, linf=self.linf, scale=-1.0)
-        if out is None:
-            return torch.cdist(q, r, p=self.order).neg_()
-        # torch.cdist has no out=; its kernel does, and writing into the caller's reused buffer
-        # keeps the allocator from churning one fresh block per tile
-        return torch.ops.aten._cdist_forward.out(q, r, self.order, None, out=out).neg_()
+        return ops.minkowski_scores(q, r, out, p=self.order)
 
     @property
     def pair_kind(self) -> str:  # type: ignore[override]
@@ -634,25 +598,16 @@ class Minkowski(Metric):
         """The distance from absolute differences along ``dim``: their sum (l1) or maximum."""
         return diff.sum(dim) if self.order == 1.0 else diff.amax(dim)
 
-    def bank_writes_strided(self, device: torch.device, dtype: torch.dtype, *, use_c: bool = False) -> bool:
-        return use_c and native.usable(device, dtype)
+    def bank_writes_strided(self, ops: Ops) -> bool:
+        return ops.writes_strided
 
-    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, use_c: bool = False) -> None:
-        if use_c and native.usable(xt.device, xt.dtype):
-            native.minkowski(bank.rows, xt, out, linf=self.linf)
-        else:
-            torch.ops.aten._cdist_forward.out(bank.rows, xt.T.contiguous(), self.order, None, out=out)
+    def bank_distances(self, bank: Bank, xt: torch.Tensor, out: torch.Tensor, *, ops: Ops = TORCH_OPS) -> None:
+        ops.minkowski_bank(bank.rows, xt, out, p=self.order)
 
     def bank_grads(
-        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, use_c: bool = False
+        self, bank: Bank, xt: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, ops: Ops = TORCH_OPS
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if use_c and native.usable(xt.device, xt.dtype):
-            return native.minkowski_grad(bank.rows, xt, g, d, linf=self.linf)
-        # torch's own kernel, on one tile: its buffer of (m, F, D) stays inside the plan
-        rows = xt.T.contiguous()
-        gx = torch.ops.aten._cdist_backward(g.T.contiguous(), rows, bank.rows, self.order, d.T.contiguous()).T
-        gp = torch.ops.aten._cdist_backward(g.contiguous(), bank.rows, rows, self.order, d.contiguous())
-        return gx, gp
+        return ops.minkowski_bank_grads(bank.rows, xt, g, d, p=self.order)
 
 
 METRICS: dict[str, Metric] = {

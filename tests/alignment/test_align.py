@@ -9,7 +9,7 @@ from densematch import shift_landscape as densematch_shift_landscape
 from densematch.alignment.refine import refine
 from densematch.alignment.search import _best_shifts, pick_candidates
 from densematch.app.synthetic import PHOTOS, SIZES, alignment_cases, reference_warp
-from densematch.kernels import native
+from densematch.kernels import native, ops_for
 
 needs_c = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 
@@ -175,10 +175,10 @@ class TestAlign:
         # the sampling matrices, about 80 KiB, beside the chunks)
         tc, xc = downsample(t[:, None], 4), downsample(x[:, None], 4)
         grid = scale_grid(0.8, 1.2, 25, x.device, x.dtype)
-        for use_c in (False, True):
-            whole = grid_search(tc, xc, None, grid, grid, False, 2**30, use_c)
+        for in_c in (False, ops_for(True, x.device, x.dtype).c):  # and C where it runs
+            whole = grid_search(tc, xc, None, grid, grid, False, 2**30, in_c)
             for budget in (190 * 2**10, 110 * 2**10):
-                torch.testing.assert_close(grid_search(tc, xc, None, grid, grid, False, budget, use_c), whole)
+                torch.testing.assert_close(grid_search(tc, xc, None, grid, grid, False, budget, in_c), whole)
         with pytest.raises(ValueError, match=r"memory=1048576 bytes cannot hold the refinement of one candidate"):
             align(t, x, memory="1MiB")
         with pytest.raises(ValueError, match=r"memory=8192 bytes cannot hold the search of one scale pair"):
@@ -284,7 +284,7 @@ class TestSearch:
         start = truth[owner] + moved
         box = ((0.8, 1.2), (0.8, 1.2))
         p_torch, sums_torch = refine(t, x, mask, owner, start, *box, photometric)
-        p_c, sums_c = refine(t, x, mask, owner, start, *box, photometric, use_c=True)
+        p_c, sums_c = refine(t, x, mask, owner, start, *box, photometric, in_c=ops_for(True, x.device, x.dtype).c)
         torch.testing.assert_close(p_c, p_torch, atol=2e-3, rtol=0)
         torch.testing.assert_close(sums_c, sums_torch, atol=1e-4, rtol=1e-3)
         assert (p_c - truth[owner]).abs().max() < 0.05  # and both found the truth

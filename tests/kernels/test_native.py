@@ -17,21 +17,10 @@ from hypothesis import strategies as st
 import densematch
 from densematch.kernels import c_align, c_engine, c_local, loader, native
 
+from .._reference import assert_sums_close, minkowski_reference
+
 # where no compiler exists the kernels cannot be built; TestBuild and TestCallers still run there
 needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
-
-
-def minkowski_reference(y: torch.Tensor, x: torch.Tensor, linf: bool) -> torch.Tensor:
-    """(F, P) distances of the rows of y (F, D) to the columns of x (D, P), in float64."""
-    diff = (y.double()[:, :, None] - x.double()[None]).abs()
-    return diff.amax(1) if linf else diff.sum(1)
-
-
-def assert_sums_close(got: torch.Tensor, want: torch.Tensor, terms: int, dtype: torch.dtype) -> None:
-    """``got`` (computed in ``dtype``) equals the float64 ``want`` within the rounding of a sum of
-    ``terms`` non-negative terms in ``dtype``, whatever their order."""
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(got.double(), want, rtol=terms * eps, atol=terms * eps * want.abs().max().item())
 
 
 @needs_library
@@ -198,24 +187,6 @@ class TestPairValues:
         for kind in ("dot", "sqdiff", "absdiff", "maxabs"):
             v = native.pair_values(q[:1], r[:2], idx[:1, :2], kind)
             assert v.isnan().all(), kind
-
-    @pytest.mark.parametrize("metric", ["cosine", "dot", "l2", "sqeuclidean", "l1", "linf"])
-    def test_metric_pair_values_match_the_direct_form(self, metric):
-        m = densematch.metrics.get_metric(metric)
-        g = torch.Generator().manual_seed(8)
-        q, r = torch.randn(7, 50, generator=g), torch.randn(11, 50, generator=g)
-        idx = torch.randint(0, 11, (7, 4), generator=g)
-        got = m.pair_values(q, r, idx, use_c=True)
-        torch_path = m.pair_values(q, r, idx)  # the metric runs C only when told it may
-        torch.testing.assert_close(got, torch_path, rtol=1e-5, atol=1e-5)
-        want = m.pair_value(q.double()[:, None, :], r.double()[idx])
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-        # the scores that settle near-ties, higher is better, query rows named
-        rows = torch.tensor([6, 0, 0, 3, 6, 1, 2])
-        scores = m.direct_scores(q, r, idx, q_rows=rows, use_c=True)
-        want = m.direct_score(q.double()[rows][:, None, :], r.double()[idx])
-        torch.testing.assert_close(scores.double(), want, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(m.direct_scores(q, r, idx, q_rows=rows), scores, rtol=1e-5, atol=1e-4)
 
 
 class TestCallers:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import densematch
 from densematch import LocalCostVolume, LocalMatcher, local_cost_volume, local_match
 from densematch.kernels import native
+from densematch.kernels.c_ops import C_OPS
 from densematch.metrics import get_metric
 
 from .._memory import peak_extra
@@ -155,7 +156,7 @@ def test_the_c_windows_value_each_pair_as_the_engine_does(metric):
     for slot, (oy, ox) in enumerate((i, j) for i in range(-2, 3) for j in range(-3, 4)):
         inside = (y + oy >= 0) & (y + oy < 7) & (x + ox >= 0) & (x + ox < 9)
         idx = ((y + oy) * 9 + x + ox)[inside][:, None]
-        engine = m.pair_values(ra, rb, idx, q_rows=torch.arange(63)[inside], use_c=True)[:, 0]
+        engine = m.pair_values(ra, rb, idx, q_rows=torch.arange(63)[inside], ops=C_OPS)[:, 0]
         assert torch.equal(vol[slot][inside], engine), (metric, oy, ox)
         assert vol[slot][~inside].isnan().all()
 

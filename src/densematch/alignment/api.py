@@ -33,6 +33,7 @@ from ..budget import chunk_rows
 from ..checks import as_tensor, check_bool, check_choice, check_finite, check_real, compute_dtype
 from ..choices import ObjectiveName
 from ..config import kernel_setting, resolve_memory
+from ..kernels import ops_for
 from ..threads import share_out, share_size, workers_for
 from .refine import objective_at, refine
 from .search import downsample, grid_search, scale_grid, shift_errors
@@ -350,9 +351,8 @@ def align(
 
     with torch.inference_mode():
         t4, x4, level, unit = _centred(t4, x4)
-        settings = _Settings(
-            (lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None, kernel_setting() != "torch"
-        )
+        in_c = ops_for(kernel_setting() != "torch", x4.device, x4.dtype).c
+        settings = _Settings((lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None, in_c)
         found = _search_pairs(t4, x4, mask, settings)
         certificates = None
         if certify:
@@ -443,8 +443,8 @@ def shift_landscape(
     with torch.inference_mode():
         t4, x4, _level, unit = _centred(t4, x4)
         weights = None if template_mask is None else mask
-        use_c = kernel_setting() != "torch"
-        errors = shift_errors(t4, x4, weights, sh, sw, objective == "ncc", budget, use_c)
+        in_c = ops_for(kernel_setting() != "torch", x4.device, x4.dtype).c
+        errors = shift_errors(t4, x4, weights, sh, sw, objective == "ncc", budget, in_c)
     if objective != "ncc":
         errors = errors / unit**2
     return errors[0] if t.ndim == 2 else errors
@@ -560,7 +560,7 @@ class _Settings:
     objective: str
     budget: int
     uniform: bool  # no template mask: uniform weights, and the grid's sums need none
-    use_c: bool
+    in_c: bool  # whether the C kernels run (:func:`densematch.kernels.ops_for`), resolved once
 
     @property
     def photometric(self) -> bool:
@@ -661,7 +661,7 @@ def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Set
     grid_w = scale_grid(*settings.range_w, tc.shape[-1], x.device, x.dtype)
     weights = None if settings.uniform else mc
     cand, landscape, shifts = grid_search(
-        tc, xc, weights, grid_h, grid_w, settings.photometric, settings.budget, settings.use_c
+        tc, xc, weights, grid_h, grid_w, settings.photometric, settings.budget, settings.in_c
     )
     m = cand.shape[1]
     cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, coarse, coarse], dtype=cand.dtype, device=cand.device)
@@ -758,5 +758,5 @@ def _refine_all(
     parts = []
     for s in range(0, n, step):
         part = slice(s, s + step)
-        parts.append(refine(t, x, mask, owner[part], cand[part], *box, tolerance=tolerance, use_c=settings.use_c))
+        parts.append(refine(t, x, mask, owner[part], cand[part], *box, tolerance=tolerance, in_c=settings.in_c))
     return torch.cat([p for p, _ in parts]), torch.cat([e for _, e in parts])

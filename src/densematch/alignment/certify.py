@@ -33,7 +33,7 @@ import torch
 
 from ..checks import check_choice, check_finite, check_real
 from ..config import kernel_setting
-from ..kernels import native
+from ..kernels import native, ops_for
 from ..threads import share_out, workers_for
 from .api import Alignment, _check_range, checked_images
 from .warp import taps_at, warp
@@ -238,7 +238,7 @@ def certify_alignment(
     widths = [(hi - lo) / (2 * max(1, math.ceil((hi - lo) / (2 * ds) - 1e-9))) for lo, hi in (range_h, range_w)]
     half = torch.tensor([*widths, _ROOT, _ROOT], dtype=torch.float64)
     rows = _row_order(t)
-    in_c = kernel_setting() != "torch" and native.usable(x.device, x.dtype)
+    in_c = ops_for(kernel_setting() != "torch", x.device, x.dtype).c
     bound = _bound_in_c(t, x, rows, objective, line, axes.pivot, workers_for(x.device)) if in_c else None
     examined = 0
 

@@ -24,17 +24,17 @@ def refine(
     photometric: bool,
     *,
     tolerance: float = 1e-3,
-    use_c: bool = False,
+    in_c: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Levenberg-Marquardt on (scale_h, scale_w, shift_y, shift_x) [+ gain, bias], batched.
 
     Candidate i starts at ``start[i]`` (M, 4) and fits template ``owner[i]`` into its image.
     Returns the warps (M, 4) and, at each, the weighted sums of squared and of absolute residuals
     (M, 2) of the model fitted (after gain and bias where ``photometric``). A candidate is done
-    once a step moves no template pixel by ``tolerance`` pixels or more. ``use_c``: each
-    candidate in C (kernels/align.c, the same iteration) where the C kernels can run; torch's
-    batched steps otherwise (and on a GPU)."""
-    if use_c and native.usable(x.device, x.dtype):
+    once a step moves no template pixel by ``tolerance`` pixels or more. ``in_c``: each
+    candidate in C (kernels/align.c, the same iteration), as the public call resolved it
+    (:func:`densematch.kernels.ops_for`); torch's batched steps otherwise (and on a GPU)."""
+    if in_c:
         return _refine_c(t, x, mask, owner, start, range_h, range_w, photometric, tolerance)
     m = owner.numel()
     h, w = t.shape[-2:]

@@ -58,13 +58,12 @@ def grid_search(
     grid_w: torch.Tensor,
     ncc: bool,
     budget: int,
-    use_c: bool = False,
+    in_c: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x), the landscape (B, nh, nw)
     and each scale pair's best integer shift (B, nh, nw, 2) as (shift_y, shift_x), NaN where
-    the pair has no valid shift. ``use_c``: the cross term and the best shifts in C
-    (kernels/align.c) where the C kernels run."""
-    in_c = use_c and native.usable(x.device, x.dtype)
+    the pair has no valid shift. ``in_c``: the cross term and the best shifts in C
+    (kernels/align.c), as the public call resolved it (:func:`densematch.kernels.ops_for`)."""
     parts, n_x = _scores(t, x, mask, grid_h, grid_w, ncc, budget, in_c)
     # the chunks come pair by pair, then scale_h by scale_w: nested in that order again
     grouped: dict[int, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -90,13 +89,14 @@ def shift_errors(
     scale_w: float,
     ncc: bool,
     budget: int,
-    use_c: bool = False,
+    in_c: bool = False,
 ) -> torch.Tensor:
     """(B, n_y, n_x): the grid search's score (weighted squared error, or 1 - NCC) at every
-    integer shift of one scale pair: the landscape over the shifts, for pictures."""
+    integer shift of one scale pair: the landscape over the shifts, for pictures (``in_c``: as
+    in :func:`grid_search`)."""
     grid_h = torch.tensor([scale_h], dtype=x.dtype, device=x.device)
     grid_w = torch.tensor([scale_w], dtype=x.dtype, device=x.device)
-    parts, _ = _scores(t, x, mask, grid_h, grid_w, ncc, budget, use_c and native.usable(x.device, x.dtype))
+    parts, _ = _scores(t, x, mask, grid_h, grid_w, ncc, budget, in_c)
     return torch.cat([score[:, 0, 0] for _, score in parts])  # one scale pair: chunks of pairs, in order
 
 

@@ -179,7 +179,16 @@ def prepare(
     with torch.inference_mode():
         top = peak(b, rows_b, plan.tile_b)
         inputs = Inputs(
-            b[:0], b, None, rows_b, metric, precision, k, common_scale(top), strategy.cap(precision, metric, k, nb)
+            b[:0],
+            b,
+            None,
+            rows_b,
+            metric,
+            precision,
+            k,
+            common_scale(top),
+            strategy.cap(precision, metric, k, nb),
+            ops=kernels.ops_for(precision.c_kernels, b.device, precision.dtype),
         )
         return strategy(inputs, plan).prepared(top)
 
@@ -280,7 +289,8 @@ def topk(
                 prepared = None
         if prepared is None:
             scale = common_scale(max(top_a, peak(b, rows_b, plan.tile_a, workers)))
-        inputs = Inputs(a, b, rows_a, rows_b, metric, precision, k, scale, dims.cap, stats, prepared, workers)
+        ops = kernels.ops_for(precision.c_kernels, device, precision.dtype)
+        inputs = Inputs(a, b, rows_a, rows_b, metric, precision, k, scale, dims.cap, stats, prepared, workers, ops)
         search = strategy(inputs, plan)
         if workers > 1:
             # tiles small enough that a worker slowed by other processes leaves little behind

@@ -120,7 +120,7 @@ class HalfSearch(Strategy):
             and self.cap_rows > 0
             and self.half == torch.bfloat16
             and self.dtype == torch.float32
-            and self._c(self.b.device, self.dtype)
+            and self.ops.c
         )
         if inputs.prepared is not None:
             state = inputs.prepared.state
@@ -428,12 +428,7 @@ class HalfSearch(Strategy):
     def _native_certified(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
         """Whether each tile's bounds, merge and listing run as one C call
         (:func:`densematch.kernels.native.merge_certified`): bfloat16 products on a CPU."""
-        return (
-            self.half == torch.bfloat16
-            and self._c(best_v.device, self.dtype)
-            and best_v.is_contiguous()
-            and best_i.is_contiguous()
-        )
+        return self.half == torch.bfloat16 and self.ops.c and best_v.is_contiguous() and best_i.is_contiguous()
 
     def _rank_native(
         self,

@@ -20,6 +20,7 @@ import torch
 
 from ..kernels import native
 from ..metrics import Metric
+from ..ops import TORCH_OPS, Ops
 from ..precision import Precision, product_slack
 from ..threads import own_thread, share_out
 from .merge import best_of_candidates, merge_best, merge_topk, order
@@ -104,6 +105,9 @@ class Inputs:
         The references already prepared (by this strategy, at this scale).
     workers : int
         Threads the call's work is shared out over (:func:`densematch.threads.share_out`).
+    ops : Ops
+        The call's kernel operations (:func:`densematch.kernels.ops_for`): where they are C's,
+        the strategies' own C steps run too (merges, candidate lists, the certified step).
     """
 
     a: torch.Tensor
@@ -118,6 +122,7 @@ class Inputs:
     stats: dict[str, int] | None = None
     prepared: Prepared | None = None
     workers: int = 1
+    ops: Ops = TORCH_OPS
 
     @property
     def nb(self) -> int:
@@ -170,7 +175,7 @@ class Strategy:
         self.inputs = inputs
         self.a, self.b, self.rows_a, self.rows_b = inputs.a, inputs.b, inputs.rows_a, inputs.rows_b
         self.metric, self.dtype, self.scale = inputs.metric, inputs.precision.dtype, inputs.scale
-        self.use_c = inputs.precision.c_kernels
+        self.ops = inputs.ops
         self.tile_b, self.nb, self.cap_rows = plan.tile_b, inputs.nb, inputs.cap
         self.merge = merge_best if inputs.k == 1 else merge_topk
         self.lock = threading.Lock()  # for what query tiles on several threads update together
@@ -180,7 +185,7 @@ class Strategy:
         self.ref_terms: torch.Tensor | None = None
         na = self.a.shape[0] if self.rows_a is None else self.rows_a.numel()
         if self.scale == 1.0 and self.b.dtype == self.dtype and na * inputs.k >= self.b.shape[0]:
-            self.ref_terms = self.metric.pair_terms(self.b, use_c=self.use_c)
+            self.ref_terms = self.metric.pair_terms(self.b, ops=self.ops)
         if inputs.prepared is not None:
             self.centre, self.whole = inputs.prepared.centre, inputs.prepared.whole
             return
@@ -262,7 +267,7 @@ class Strategy:
         merge = native.merge if self._native(best_v, best_i) else self.merge
         for j in range(0, self.nb, self.tile_b):
             n = min(self.tile_b, self.nb - j)
-            s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n), use_c=self.use_c)
+            s = self.metric.score_tile(q, refs(j, j + n), out=buf[: m * n].view(m, n), ops=self.ops)
             merge(s, j, best_v, best_i)
 
     def _native(self, best_v: torch.Tensor, best_i: torch.Tensor, tiles: torch.dtype | None = None) -> bool:
@@ -270,23 +275,14 @@ class Strategy:
         kernel (:func:`densematch.kernels.native.merge`): float32, float64 or bfloat16 scores on a
         CPU, into a contiguous running top-k."""
         tiles = tiles or self.inputs.precision.half or self.dtype
-        return (
-            tiles != torch.float16
-            and self._c(best_v.device, best_v.dtype)
-            and best_v.is_contiguous()
-            and best_i.is_contiguous()
-        )
-
-    def _c(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether the C kernels run here: the precision lets them, and they can."""
-        return self.use_c and native.usable(device, dtype)
+        return tiles != torch.float16 and self.ops.c and best_v.is_contiguous() and best_i.is_contiguous()
 
     def _best_of(
         self, rows: torch.Tensor, cols: torch.Tensor, score: torch.Tensor, best_v: torch.Tensor, best_i: torch.Tensor
     ) -> None:
         """Re-scored candidates (``rows`` of ``best_v``, columns, scores) into the emptied running
         top-k: by the C kernel where it runs (one insertion per pair), else by sorting."""
-        if self._c(best_v.device, best_v.dtype) and best_v.is_contiguous() and best_i.is_contiguous():
+        if self.ops.c and best_v.is_contiguous() and best_i.is_contiguous():
             native.merge_pairs(rows, cols, score, best_v, best_i)
         else:
             best_of_candidates(rows, cols, score, best_v, best_i)
@@ -354,7 +350,7 @@ class Strategy:
             listed = pool = Pool(m, cap, q.device, self.dtype, lazy=True)
         for j in range(0, self.nb, width):
             n = min(width, self.nb - j)
-            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n), use_c=self.use_c)
+            s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n), ops=self.ops)
             if isinstance(listed, native.Candidates):
                 native.merge(s, j, best_v, best_i, twice, listed)
                 continue
@@ -409,7 +405,7 @@ class Strategy:
             return v, i
         group, width = self._groups(q.shape[0], r)
         limit = max(width, q.shape[0] * self.cap_rows)
-        merge = native.merge if self._c(device, self.dtype) else self.merge
+        merge = native.merge if self.ops.c else self.merge
         for g in range(0, r, group):
             sel, fg = rows[g : g + group], floor[g : g + group, None]
             gv, gi = v[g : g + group], i[g : g + group]
@@ -420,9 +416,7 @@ class Strategy:
             zero = (side == 0).all(1) if not self.metric.extra_columns else None
             exact = zero.nonzero().squeeze(1) if zero is not None and bool(zero.any()) else None
             for j in range(0, self.nb, width):
-                block = self.metric.score_tile(
-                    side, self._prepare_refs(j, j + min(width, self.nb - j)), use_c=self.use_c
-                )
+                block = self.metric.score_tile(side, self._prepare_refs(j, j + min(width, self.nb - j)), ops=self.ops)
                 reach = block >= fg
                 products = None
                 if exact is not None:
@@ -468,9 +462,7 @@ class Strategy:
         for s in range(0, rows.numel(), step):
             q, q_rows = self._pair_rows(self.a, queries[s : s + step])
             r, idx, terms = self._ref_pair_rows(refs[s : s + step, None])
-            score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows, use_c=self.use_c, r_terms=terms)[
-                :, 0
-            ]
+            score[s : s + step] = self.metric.direct_scores(q, r, idx, q_rows=q_rows, ops=self.ops, r_terms=terms)[:, 0]
         return score
 
     def _reads_in_place(self) -> bool:
@@ -480,7 +472,7 @@ class Strategy:
             self.metric.pair_kind is not None
             and self.scale == 1.0
             and all(x.dtype == self.dtype and (x.stride(1) == 1 or x.shape[1] <= 1) for x in (self.a, self.b))
-            and self._c(self.a.device, self.dtype)
+            and self.ops.c
         )
 
     def _pair_rows(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -509,7 +501,7 @@ class Strategy:
             queries = self.rows_a[queries]
         q, q_rows = self._pair_rows(self.a, queries)
         r, idx, terms = self._ref_pair_rows(local)
-        v = self.metric.pair_values(q, r, idx, q_rows=q_rows, use_c=self.use_c, r_terms=terms)
+        v = self.metric.pair_values(q, r, idx, q_rows=q_rows, ops=self.ops, r_terms=terms)
         missing = math.inf if self.metric.higher_is_better else -math.inf
         v, i = order(torch.where(found, v, -missing), best_i, descending=self.metric.higher_is_better)
         if self.scale != 1.0 and self.metric.degree:

@@ -8,6 +8,8 @@
 - :mod:`densematch.kernels.native` (C, built once per machine, called through ctypes): l1/linf
   distances and their gradients, the passes around l2's product, the engine's tile merge with
   the near-tie listing, the certified bfloat16 step, and the values of chosen pairs.
+- :func:`ops_for` (:mod:`densematch.kernels.c_ops`): the one answer to "may the C kernels run,
+  and can they?", as the :class:`densematch.ops.Ops` a call hands down.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .c_ops import ops_for
+
 if TYPE_CHECKING:
     from ..metrics import Metric
 
-__all__ = ["MAX_K", "interpreting", "triton_available", "wanted"]
+__all__ = ["MAX_K", "interpreting", "ops_for", "triton_available", "wanted"]
 
 # The kernel keeps the running top-k in registers: k slots per row, merged k times per tile.
 MAX_K = 8

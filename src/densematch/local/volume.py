@@ -163,7 +163,7 @@ def band(
     no candidate, and where it has one."""
     nb, _, w, _ = win.shape
     whole_window = all(isinstance(oy, int) for oy, _ in offsets)  # not per-pixel picks
-    if win.kernel is not None and whole_window and native.usable(ra.device, ra.dtype):
+    if win.kernel is not None and whole_window:
         return _band_c(win, ra, rb, flow, y0, y1, offsets)
     vals = ra.new_full((nb, len(offsets), y1 - y0, w), math.nan)
     valid = torch.zeros(vals.shape, dtype=torch.bool, device=vals.device)
@@ -216,7 +216,7 @@ def _dot_grad_in_c(
 ) -> bool:
     """Whether a band's backward runs in C: dot products (dot, cosine of unit rows) of whole
     windows (not per-pixel picks), shifted or moved by a flow."""
-    return win.kernel == "dot" and all(isinstance(oy, int) for oy, _ in offsets) and native.usable(ra.device, ra.dtype)
+    return win.kernel == "dot" and all(isinstance(oy, int) for oy, _ in offsets)
 
 
 def _grad_c(

@@ -25,7 +25,7 @@ from ..checks import (
     check_pair,
     compute_dtype,
 )
-from ..kernels import native
+from ..kernels import native, ops_for
 from ..metrics import Metric, get_metric, unit_rows
 
 __all__ = ["SAMPLINGS", "Offsets", "Read", "Window", "pair_int", "prepare"]
@@ -73,7 +73,7 @@ class Window:
     pairing: Metric  # how a pair is valued: the metric, or dot for cosine of unit rows
     device: torch.device
     linear: bool = False  # the pair's value is a plain dot product (dot, and cosine of unit rows)
-    # the C kernel's reduction of a pair where it may run (shifted windows of float rows on a
+    # the C kernel's reduction of a pair where it runs (shifted windows of float rows on a
     # CPU: :func:`densematch.kernels.native.local_values`), and how its value is finished
     kernel: str | None = None
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -242,7 +242,9 @@ def prepare(
 ) -> tuple[Window, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], bool]:
     """The validated call, and its inputs as (B, H, W, C) rows in the compute dtype (unit rows for cosine,
     masked-out pixels zeroed, so they pass no NaN into values or gradients). ``use_c``: whether
-    the C kernels may value shifted windows (read from the config by the public call)."""
+    the C kernels may value shifted windows (read from the config by the public call); the
+    window's ``kernel`` is set only where they also can (:func:`densematch.kernels.ops_for`),
+    so that the steps after this one never ask again."""
     ra, rb, grid, batched, masks = check_maps(a, b, layout, mask_a, mask_b)
     ry, rx = pair_int(radius, "radius", 0)
     dy, dx = pair_int(dilation, "dilation", 1)
@@ -256,7 +258,8 @@ def prepare(
     blended = moved is not None and moved.is_floating_point()
     linear = metric.name == "dot" or (metric.name == "cosine" and not blended)
     kernel = None
-    if use_c and not (metric.name == "cosine" and blended):  # the cosine of a blend: torch's
+    c = ops_for(use_c, ra.device, dtype).c
+    if c and not (metric.name == "cosine" and blended):  # the cosine of a blend: torch's
         kernel = "dot" if linear else metric.pair_kind
     prepared = []
     for rows, mk, unit in ((ra, masks[0], True), (rb, masks[1], not blended)):
@@ -268,7 +271,7 @@ def prepare(
         prepared.append(x.reshape(nb, h, w, -1))
     # channels-first maps stay where they lie for the C kernels of shifted windows, which read
     # them in place; every other path reads channels-last rows, a pixel's feature one run
-    in_place = kernel is not None and moved is None and native.usable(ra.device, dtype)
+    in_place = kernel is not None and moved is None
     if not (in_place and nb and all(native.planar(x[0]) for x in prepared)):
         prepared = [x.contiguous() for x in prepared]
     pairing = get_metric("dot") if metric.name == "cosine" and not blended else metric
