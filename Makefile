@@ -38,7 +38,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
-	$(BIN)/python benchmarks/bench_match.py
+	$(BIN)/python benchmarks/suites/bench_match.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

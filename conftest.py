@@ -16,7 +16,7 @@ def _device_asked() -> str:
 
 
 # On a CPU the tests check the Triton kernel under Triton's interpreter, on every machine (a GPU's
-# timings are benchmarks/gpu.py's); with --device cuda it compiles for the GPU. The variable must
+# timings are benchmarks/suites/gpu.py's); with --device cuda it compiles for the GPU. The variable must
 # be set before a kernel module is imported, since @triton.jit reads it when it decorates.
 if not _device_asked().startswith("cuda"):
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -202,7 +202,7 @@ def photo_features(h: int, w: int, c: int, *, photo: str = "astronaut", shift: t
     return tuple(patch_descriptor(torch.from_numpy(np.ascontiguousarray(x)), size) @ proj for x in crops)
 
 
-# Loads that other programs put on the machine while a benchmark runs (benchmarks/bench_load.py
+# Loads that other programs put on the machine while a benchmark runs (benchmarks/suites/bench_load.py
 # says why these two): another PyTorch program with its own OpenMP pool plus a busy loop, or two
 # plain busy loops.
 TORCH_LOAD = "import torch\nx = torch.randn(384, 384)\nwhile True:\n    x = torch.tanh(x @ x)\n"

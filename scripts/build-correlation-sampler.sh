@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs spatial-correlation-sampler 0.5.0, a peer in benchmarks/bench_local.py, into the
+# Installs spatial-correlation-sampler 0.5.0, a peer in benchmarks/suites/bench_local.py, into the
 # project's virtual environment on CPU-only torch. Its setup.py always builds the CUDA extension
 # and its C++ interface includes a CUDA header unconditionally, so a plain `pip install` fails
 # without CUDA. This fetches the sdist (checked against its published sha256), switches the

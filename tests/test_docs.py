@@ -114,10 +114,18 @@ def test_benchmarks_are_a_short_reference_over_a_linked_history():
     assert "## GPU" in reference  # says plainly what is not measured
 
 
-def test_every_benchmark_script_is_listed_in_its_readme():
+def test_every_benchmark_script_is_listed_in_its_readme_under_its_folder():
     listed = (ROOT / "benchmarks" / "README.md").read_text()
-    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
-    assert [name for name in scripts if f"| {name} |" not in listed] == []
+    sections = dict(zip(("suites", "studies"), listed.split("## Studies"), strict=True))
+    assert "## Suites" in sections["suites"]
+    loose = [p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")]
+    assert loose == [], f"{loose}: a benchmark goes in suites/ (a public comparison) or studies/"
+    for folder, text in sections.items():
+        scripts = sorted(p.name for p in (ROOT / "benchmarks" / folder).glob("*.py"))
+        assert scripts, folder
+        assert [name for name in scripts if f"| {name} |" not in text] == [], folder
+        # the command beside each names the script where it is
+        assert [name for name in scripts if f"benchmarks/{folder}/{name}" not in text] == [], folder
 
 
 def test_the_api_reference_builds_without_warnings_and_names_every_public_name(tmp_path):

@@ -32,7 +32,7 @@ _UNITS = {
 }
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
-# Past these, larger tiles stop being faster (measured in benchmarks/bench_match.py): on a CPU
+# Past these, larger tiles stop being faster (measured in benchmarks/suites/bench_match.py): on a CPU
 # the tiles should stay near the caches; a GPU wants big tiles but needs no more than a few GiB.
 DEFAULT_CAP_CPU = 512 * 1024**2
 DEFAULT_CAP_CUDA = 8 * 1024**3

@@ -47,7 +47,7 @@ _KEEP = (4, 2)  # candidates each pair keeps after the grid's level, then after 
 # of those, one this close to a better one in both scales and both shifts (full-resolution
 # pixels) is the same candidate again (most pairs hand two identical ones on): refined once, and
 # not replaced. Near ones stay: two starts pinned 0.002 and 0.3 px apart at a coarse scale bound
-# parted at the next level (a rocket case of benchmarks/bench_align.py)
+# parted at the next level (a rocket case of benchmarks/suites/bench_align.py)
 _SAME = (1e-3, 0.1)
 # refinement done once a step moves no template pixel this far (in the level's pixels): coarse
 # levels only hand a start to the next

@@ -1,7 +1,7 @@
 """Alignment cases with a known answer, from real photographs and random binary masks, and
 same-scene feature pairs for matching (:func:`same_scene_pair`).
 
-Used by the tests and benchmarks/bench_align.py; photographs come from scikit-image's bundled
+Used by the tests and benchmarks/suites/bench_align.py; photographs come from scikit-image's bundled
 samples (no network), so this module needs scikit-image for kind="photo".
 """
 

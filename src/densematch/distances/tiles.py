@@ -42,7 +42,7 @@ def _compiled_minkowski(metric: Minkowski, rows_last: bool) -> Any:
 
 # Tile boundaries never depend on the thread count, so neither do the gradients' sums (the
 # prototypes' gradient adds the tiles' parts in order): tiles are cut as for this many workers
-# whatever the count (more cost 2-4x at 4x64x48x48 against 32 prototypes, benchmarks/bench_compile.py)
+# whatever the count (more cost 2-4x at 4x64x48x48 against 32 prototypes, benchmarks/suites/bench_compile.py)
 _TILE_SHARES = 2
 _MIN_TILE = 128
 

@@ -14,7 +14,7 @@ __all__ = ["MAX_TILES", "Dims", "TilePlan", "fit_tiles"]
 
 # Tile caps (query rows, reference rows). On a CPU a block of about 2 MB won: with the C merge
 # and two workers, 1024 x 512 ran 1.25-1.34x faster than 4096 x 512 at C=64, and level at C=384
-# (benchmarks/bench_match.py --sweep-tiles,
+# (benchmarks/suites/bench_match.py --sweep-tiles,
 # benchmarks/history/2026-12-01-tile-shapes-again-and-int8-products-measured.md).
 MAX_TILES = {"cpu": (1024, 512), "cuda": (8192, 16384)}
 

@@ -75,7 +75,7 @@ def _cpu_flags() -> set[str]:
 def flags(name: str, *, here: bool = False) -> tuple[str, ...]:
     """The compiler flags of one level; ``here``: scheduled for this machine's CPU too
     (``-mtune=native``: l1 tiles at C=32 20-30% faster on an AVX-512 Xeon than with the
-    generic tuning of x86-64-v4, benchmarks/bench_build_flags.py), for a build that runs where
+    generic tuning of x86-64-v4, benchmarks/studies/bench_build_flags.py), for a build that runs where
     it is compiled. Tuning picks and orders instructions, never the arithmetic: the bits stay
     the same."""
     tuned = FLAGS if name == "generic" else (*FLAGS, f"-march={name}")

@@ -33,7 +33,7 @@ from . import interpreting
 __all__ = ["BLOCKS", "topk_launch"]
 
 # (BLOCK_M, BLOCK_N, BLOCK_C, num_warps) on a GPU: a common shape for Triton matrix products on
-# tensor cores, not yet tuned on one (benchmarks/gpu.py times the alternatives in
+# tensor cores, not yet tuned on one (benchmarks/suites/gpu.py times the alternatives in
 # DENSEMATCH_KERNEL_BLOCKS, e.g. "128,64,64,4").
 BLOCKS = tuple(int(v) for v in os.environ.get("DENSEMATCH_KERNEL_BLOCKS", "128,128,64,8").split(","))
 

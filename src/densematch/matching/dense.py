@@ -148,7 +148,7 @@ def match(
         search where the device multiplies half precision faster (GPUs; CPUs with AMX or AVX-512 BF16), else
         float32. "float32" / "float64": plain accumulation in that dtype. "fast": ranks by
         half-precision scores where that is faster, without re-scoring: approximate. Measured
-        (benchmarks/bench_match.py): 1.9-2.1% of pixels get another match than "float32" on
+        (benchmarks/suites/bench_match.py): 1.9-2.1% of pixels get another match than "float32" on
         noise and 5.3-9.2% on photo patch features in bfloat16; 0.3-1.0% in float16 (see
         docs/precision.md). Scores are always recomputed in float32 (float64).
     refine : {"parabola", "soft", "features"}, optional

@@ -26,7 +26,7 @@ __all__ = ["SOFT_MODES", "SoftMatches", "soft_match"]
 
 SOFT_MODES = ("softmax", "dual_softmax")
 # temperature="auto": each pixel's temperature is its best cosine's lead over its mean cosine,
-# divided by this. Chosen on synthetic.match_pairs() (benchmarks/bench_soft_temperature.py): PCK@1
+# divided by this. Chosen on synthetic.match_pairs() (benchmarks/studies/bench_soft_temperature.py): PCK@1
 # near the hard argmax's with the built-in patch, color and dsift features, where a fixed 0.1
 # gave 0%
 AUTO_SHARPNESS = 256.0
