@@ -26,7 +26,7 @@ __all__ = ["MatchOptions"]
 _ALWAYS_SHOWN = ("metric", "k", "layout", "precision")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MatchOptions:
     """The settings of :func:`densematch.match`, validated and normalised at construction.
 
