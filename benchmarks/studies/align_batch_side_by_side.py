@@ -70,6 +70,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.src[0])))
         return
+    sys.path.insert(0, HERE)
     from _common import alternate_trees, report
 
     rounds = alternate_trees(__file__, args.src, args.labels, args.rounds)

@@ -99,6 +99,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.src[0], args.cases, args.ks, args.metrics, args.threads)))
         return
+    sys.path.insert(0, HERE)
     from _common import alternate_trees, report
 
     child = ["--cases", *args.cases, "--ks", *map(str, args.ks), "--metrics", *args.metrics]

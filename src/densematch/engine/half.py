@@ -34,7 +34,7 @@ from ..precision import (
     ref_terms,
     unit_roundoff,
 )
-from ..threads import share_out
+from ..threads import share_out, share_size
 from .plan import Dims, TilePlan
 from .pool import CandidateList, Pool
 from .strategy import Inputs, Strategy, resolve_bytes
@@ -134,18 +134,23 @@ class HalfSearch(Strategy):
         # the same amount, so no ranking; features that all look alike (raw patches: cosines
         # near 0.9999) keep only their differences, which half precision then resolves
         if self.metric.shiftable and self.half != self.dtype:
-            total = torch.zeros(self.b.shape[1], dtype=self.dtype, device=self.b.device)
-            for j in range(0, self.nb, self.tile_b):
-                total += self._prepare_refs(j, j + self.tile_b).sum(0)
-            shift = total / self.nb
             if self.whole is not None:
+                shift = self.whole.sum(0) / self.nb
                 self.whole -= shift
+            else:
+                total = torch.zeros(self.b.shape[1], dtype=self.dtype, device=self.b.device)
+                for j in range(0, self.nb, self.tile_b):
+                    total += self._prepare_refs(j, j + self.tile_b).sum(0)
+                shift = total / self.nb
             self.shift = shift
-        if grouped and self._group_centres():
+        # with every reference prepared, the grouping's pass leaves the grouped rows here
+        rows = torch.empty_like(self.whole) if grouped and self.whole is not None else None
+        if grouped and self._group_centres(rows):
             self.rounding += _GROUP_ROUNDING
+        else:
+            rows = self.whole
         self.whole_h = self.whole_t = None
-        if self.whole is not None:
-            rows = self._grouped(self.whole, 0)
+        if rows is not None:
             self.whole_h = rows.to(self.half)
             if self.cap_rows:
                 self.whole_t = self._terms(rows, self.whole_h)
@@ -168,10 +173,12 @@ class HalfSearch(Strategy):
         """The columns of prepared rows that the half product reads (the l2 column apart)."""
         return rows[:, : rows.shape[1] - 1] if self.split else rows
 
-    def _group_centres(self) -> bool:
+    def _group_centres(self, grouped: torch.Tensor | None = None) -> bool:
         """The centres of the groups of native.GROUP consecutive references (their prepared
         body rows' means), and each group's largest norms before and after its centring; kept
         (and True returned) where a tenth of the groups lose at least a quarter of their norm.
+        ``grouped`` (the shape of every prepared reference, where they all are): filled with
+        the references less their group's centre, as :meth:`_grouped` makes them.
 
         Two views of one scene have, in every smooth region, dozens of references within a
         half type's resolution of a query's best; neighbouring pixels (a group) look alike, so
@@ -179,6 +186,8 @@ class HalfSearch(Strategy):
         bound, which scales with the norm of the rows multiplied, shrinks with it (issue 39)."""
         size = native.GROUP
         step = max(size, self.tile_b // size * size)
+        if grouped is not None:  # the rows are there already: one block per worker
+            step = -(-share_size(self.nb, self.inputs.workers) // size) * size
         parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
         def block(j: int) -> None:  # references j:j + step, a whole number of groups from j
@@ -187,7 +196,8 @@ class HalfSearch(Strategy):
             t = group_centres(body, size)
             both = torch.zeros(t.shape[0] * size, 2, dtype=body.dtype, device=body.device)
             torch.linalg.vector_norm(body, dim=1, out=both[: body.shape[0], 0])
-            d = self._body(self._grouped(refs, 0, t))  # row j starts a group
+            # row j starts a group
+            d = self._body(self._grouped(refs, 0, t, None if grouped is None else grouped[j : j + refs.shape[0]]))
             torch.linalg.vector_norm(d, dim=1, out=both[: body.shape[0], 1])
             # rows holding NaN or inf bound nothing (their own products do); a finite row's norm
             # that overflows stays inf
@@ -213,15 +223,18 @@ class HalfSearch(Strategy):
         self.body_norms = torch.cat(body_norms) if self.whole is not None else None
         return True
 
-    def _grouped(self, refs: torch.Tensor, start: int, centres: torch.Tensor | None = None) -> torch.Tensor:
+    def _grouped(
+        self, refs: torch.Tensor, start: int, centres: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Prepared references ``refs`` (rows start onwards) as the half product reads them:
-        their body less their group's centre where the search groups them (a copy), else
-        themselves. ``centres``: the groups' from ``start``'s on (default: the search's)."""
+        their body less their group's centre where the search groups them (a copy, into ``out``
+        where given), else themselves. ``centres``: the groups' from ``start``'s on (default:
+        the search's)."""
         if centres is None:
             if self.centres is None:
                 return refs
             centres, start = self.centres[start // native.GROUP :], start % native.GROUP
-        out = refs.clone()
+        out = refs.clone() if out is None else out.copy_(refs)
         body, size = self._body(out), native.GROUP
         # the rows of the group start lies in, the whole groups after them, and the last rows
         head = min(body.shape[0], -start % size)
