@@ -222,6 +222,42 @@ def test_references_are_grouped_only_where_their_neighbours_look_alike(monkeypat
     assert seen == [True, False]
 
 
+def test_group_products_made_in_blocks_equal_each_tiles_own():
+    from densematch.engine.half import _GroupProducts
+
+    g = torch.Generator().manual_seed(0)
+    centres, rows = torch.randn(50, 8, generator=g), torch.randn(6, 8, generator=g)
+    products = _GroupProducts(centres, tile_b=7)  # blocks of 7 groups
+    # outward from the middle on both sides, a tile across two blocks, the last partial block
+    for first, last in [(21, 24), (24, 28), (14, 21), (28, 35), (6, 8), (35, 42), (0, 7), (49, 50)]:
+        got = products(rows, first, last)
+        torch.testing.assert_close(got, rows @ centres[first:last].T)
+        assert got.is_contiguous() and len(products.kept) <= 2
+    keep = torch.tensor([0, 2, 5])  # rows that went over the cap leave
+    products.take(keep)
+    for first, last in [(49, 50), (43, 47)]:
+        torch.testing.assert_close(products(rows[keep], first, last), rows[keep] @ centres[first:last].T)
+
+
+@pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="needs the C kernels")
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_grouped_search_is_exact_over_many_blocks_of_group_products(metric):
+    # reference tiles of 40 (not whole groups of 32), so blocks of 40 groups: 72 groups make two
+    # blocks, visited from both sides, and rows leave the blocks once over the cap
+    from densematch.app.synthetic import same_scene_pair
+
+    fa, fb = same_scene_pair(48, 48, 16)
+    a, b = fa.reshape(-1, 16), fb.reshape(-1, 16)
+    stats: dict[str, int] = {}
+    with densematch.config_context(kernel="auto"):
+        _, got = engine.topk(
+            a, b, metric=metric, k=2, budget=2**26, precision=Precision(half=torch.bfloat16, candidates=8),
+            tiles=(300, 40), stats=stats,
+        )  # fmt: skip
+    assert_topk_exact(a, b, got, metric, 2)
+    assert stats["fallback"] > 0  # some rows went over the cap
+
+
 @pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="needs the C kernels")
 def test_grouped_references_send_fewer_same_scene_rows_over_the_cap(monkeypatch):
     # raw patches under l2 (not normalised): neighbouring references share most of their norm,
