@@ -95,10 +95,10 @@ class HalfSearch(Strategy):
             if cls.centre_groups:
                 # the groups' centres and terms, the grouped copy of the references
                 # (`_grouped`), the query rows' centred copy and terms, the two blocks of group
-                # products kept (`_GroupProducts`)
+                # products kept (`_GroupProducts`) and a tile's copy of its part
                 groups = d.nb // native.GROUP + 1
                 held += groups * (d.c + 3) * d.item + d.ref_rows(tb, whole_b) * (d.cp + 2) * d.item
-                held += ta * (d.c + 5 + 2 * min(groups, _GroupProducts.span(tb))) * d.item
+                held += ta * (d.c + 5 + 2 * min(groups, _GroupProducts.span(tb)) + tb // native.GROUP + 2) * d.item
         return held
 
     def __init__(self, inputs: Inputs, plan: TilePlan) -> None:
