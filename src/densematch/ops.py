@@ -4,8 +4,9 @@ Every public function answers "may densematch's C kernels run, and can they?" on
 ``kernel`` setting (:attr:`densematch.precision.Precision.c_kernels`), the device and the compute
 dtype (:func:`densematch.kernels.ops_for`), and hands the answer down as an :class:`Ops`. The
 layers call it and never ask again. :class:`Ops` is torch's implementation, written here;
-:class:`densematch.kernels.c_ops.COps` is C's, with the same methods and the same answers (the
-same bits where the C kernel sums in torch's order, within a few ulps elsewhere).
+:class:`densematch.kernels.c_ops.COps` is C's, with the same methods and the same answers up to
+the rounding of their sums (each sums in a fixed order of its own: tests/kernels/test_ops.py
+holds both to one float64 reference).
 
 The metrics hold the mathematics (what a distance is, its gradient, its direct form) and call
 these for the passes that have a C kernel: l1 / linf tiles and their gradients, the elementwise
