@@ -572,7 +572,7 @@ class HalfSearch(Strategy):
 class _GroupProducts:
     """Query rows' float32 products with the reference groups' centres, made a block of
     :meth:`span` groups at a time: one matrix product per block rather than one per tile, whose
-    few columns (a tile's 16 groups) ran at a fifth of the product's speed. Tiles are visited
+    few columns (a tile's 16 groups) ran at about half the product's speed. Tiles are visited
     outward from the query tile's place on both sides (:meth:`HalfSearch._tile_order`), so with
     the two blocks last used kept, each block is made once."""
 
