@@ -113,7 +113,7 @@ def value_grads(
         y1 = min(h, y0 + rows)
         band_offsets = offsets(y0, y1)
         g_band = grad[:, :, y0:y1] if places is None else grad[:, places, y0:y1]  # (B, m, rows, W)
-        if _dot_grad_in_c(win, ra, flow, band_offsets):
+        if _dot_grad_in_c(win, band_offsets):
             _grad_c(win, ra, rb, flow, y0, y1, band_offsets, g_band, grads)
             continue
         for j, (oy, ox) in enumerate(band_offsets):
@@ -211,9 +211,7 @@ def _band_c(
     return vals, valid
 
 
-def _dot_grad_in_c(
-    win: Window, ra: torch.Tensor, flow: torch.Tensor | None, offsets: Sequence[tuple[Any, Any]]
-) -> bool:
+def _dot_grad_in_c(win: Window, offsets: Sequence[tuple[Any, Any]]) -> bool:
     """Whether a band's backward runs in C: dot products (dot, cosine of unit rows) of whole
     windows (not per-pixel picks), shifted or moved by a flow."""
     return win.kernel == "dot" and all(isinstance(oy, int) for oy, _ in offsets)
