@@ -4,9 +4,10 @@ Run: python benchmarks/studies/align_grid_parts.py [--pairs 16] [--rounds 5] [--
 
 The coarse level of a 100x100 template in a 125x125 image (25x25 in 31x31, 9 x 9 scale pairs, the
 default range), random values, one thread, one call for all the pairs as align makes it: the cross
-term (``_cross_by_products`` against ``native.align_cross``), the window moments (torch only, for
-scale) and the best shifts per scale pair (``_best_shifts`` in torch and in C). Alternated, medians
-of the rounds, in ms per pair.
+term (``_cross_by_products`` against ``native.align_cross``), the window moments in torch, the whole
+score in torch (``_shift_scores`` without taps: the products, the moments and the arithmetic) against
+C's one pass (``native.align_scores``, the cross term included), and the best shifts per scale pair
+(``_best_shifts`` in torch and in C). Alternated, medians of the rounds, in ms per pair.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import report
-from densematch.alignment.search import _best_shifts, _cross_by_products, _window_moments, scale_grid
+from densematch.alignment.search import _best_shifts, _cross_by_products, _shift_scores, _window_moments, scale_grid
 from densematch.alignment.warp import bilinear_taps, sampling_matrix
 from densematch.kernels import native
 
@@ -47,11 +48,14 @@ def main() -> None:
     taps = bilinear_taps(cols, big_w, grid, zeros)
     shifts = (rows - h + 1, cols - w + 1)
     along_y = torch.einsum("hrH,bcHW->bchrW", ry, x).contiguous()
+    ones = torch.ones(b, 1, h, w)
     score = torch.rand(b, grid.numel(), grid.numel(), *shifts, generator=gen)
     runs: dict[str, Callable[[], object]] = {
         "cross term, torch": lambda: _cross_by_products(t, along_y, rx, shifts),
         "cross term, C": lambda: native.align_cross(along_y, t, taps, shifts),
         "window moments, torch": lambda: _window_moments(along_y, rx, (h, w), shifts, False),
+        "scores, torch": lambda: _shift_scores(t, x, ones, ry, rx, (0, 0), shifts, False, True, True),
+        "scores, C": lambda: native.align_scores(along_y, t, taps, shifts, False),
         "best shifts, torch": lambda: _best_shifts(score),
         "best shifts, C": lambda: _best_shifts(score, True),
     }

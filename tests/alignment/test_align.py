@@ -318,6 +318,38 @@ class TestSearch:
         torch.testing.assert_close(by_c.double(), reference, atol=tol * h * w * c, rtol=0)
         torch.testing.assert_close(by_c, _cross_by_products(t, along_y, rx, (n_y, n_x)), atol=tol * h * w * c, rtol=0)
 
+    @needs_c
+    @pytest.mark.parametrize("ncc", [False, True])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    @pytest.mark.parametrize("shape", [(2, 1, 25, 25, 31, 31), (2, 3, 20, 27, 33, 29), (1, 2, 7, 5, 40, 9)])
+    def test_the_c_scores_are_the_torch_scores(self, shape, dtype, ncc):
+        # the grid's scores of uniform weights in one pass of C against the torch path's products
+        # and band sums, and the squared error against a float64 sum over each stretched window;
+        # row shifts past one vector, channels, images whose last column is a clamped tap
+        from densematch.alignment.search import _shift_scores, scale_grid
+        from densematch.alignment.warp import bilinear_taps, sampling_matrix
+
+        b, c, h, w, big_h, big_w = shape
+        gen = torch.Generator().manual_seed(sum(shape) + ncc)
+        t = torch.rand(b, c, h, w, generator=gen, dtype=dtype)
+        x = torch.rand(b, c, big_h, big_w, generator=gen, dtype=dtype)
+        gh, gw = scale_grid(0.8, 1.2, h, x.device, dtype), scale_grid(0.7, 1.3, w, x.device, dtype)
+        rows, cols = int(big_h * gh.max()), int(big_w * gw.max())
+        ry = sampling_matrix(rows, big_h, gh, torch.zeros_like(gh))
+        rx = sampling_matrix(cols, big_w, gw, torch.zeros_like(gw))
+        shifts = (rows - h + 1, cols - w + 1)
+        taps = bilinear_taps(cols, big_w, gw, torch.zeros_like(gw))
+        ones = torch.ones(b, 1, h, w, dtype=dtype)
+        args = (t, x, ones, ry, rx, (0, 0), shifts, ncc, True, True)
+        by_c, by_torch = _shift_scores(*args, taps), _shift_scores(*args)
+        tol = 2e-5 if dtype == torch.float32 else 1e-10
+        torch.testing.assert_close(by_c, by_torch, atol=tol, rtol=tol)
+        if not ncc:
+            stretched = torch.einsum("hrH,bcHW,wkW->bchwrk", ry.double(), x.double(), rx.double())
+            windows = stretched.unfold(4, h, 1).unfold(5, w, 1)  # (B, C, nh, nw, n_y, n_x, h, w)
+            reference = (windows - t.double()[:, :, None, None, None, None]).square().mean((1, 6, 7))
+            torch.testing.assert_close(by_c.double(), reference, atol=tol, rtol=tol)
+
     def test_one_mask_for_a_batch_is_each_pairs_copy(self):
         # a (h, w) mask (or none) is broadcast over the batch, never copied per pair: the C
         # refinement then reads one weight array for every pair; the same answers to the bit

@@ -385,13 +385,16 @@ class TestBuild:
             "    start = torch.tensor([[1.05, 0.97, 2.3, 3.1, 1.0, 0.0][:n]], dtype=torch.float64)\n"
             "    for v in native.align_refine(t, xs, w, torch.zeros(1), start, (0.8, 1.2, 0.8, 1.2), 25, 1e-3):\n"
             "        h.update(v.numpy().tobytes())\n"
-            # align's grid: the cross term (vectors of row shifts, two blocks and a tail) and best shifts
+            # align's grid: the cross term (vectors of row shifts, two blocks and a tail), scores and best shifts
             "from densematch.alignment.warp import bilinear_taps\n"
             "a, tt = torch.rand(2, 2, 3, 30, 17, generator=g), torch.rand(2, 2, 11, 9, generator=g)\n"
             "i0, i1, w0, w1 = bilinear_taps(20, 17, torch.tensor([0.8, 1.0, 1.2]), torch.zeros(3))\n"
             "for dt in (torch.float32, torch.float64):\n"
             "    out = native.align_cross(a.to(dt), tt.to(dt), (i0, i1, w0.to(dt), w1.to(dt)), (20, 12))\n"
             "    h.update(out.numpy().tobytes())\n"
+            "    for ncc in (False, True):\n"
+            "        out = native.align_scores(a.to(dt), tt.to(dt), (i0, i1, w0.to(dt), w1.to(dt)), (20, 12), ncc)\n"
+            "        h.update(out.numpy().tobytes())\n"
             "for v in native.align_best_shifts(torch.rand(4, 13, 13, generator=g), 3):\n"
             "    h.update(v.numpy().tobytes())\n"
             # certify_alignment's bound: both ranges, both objectives, whole sums

@@ -254,18 +254,17 @@ def _shift_scores(
     sizes its chunks by it): the cross term and the window sums of S and S^2 from Ry X and
     Rx's taps (:func:`_cross_by_products`, :func:`_window_moments`), no stretched image built.
     Otherwise: the cross term an FFT correlation, the sums of S^2 (and S) window sums of the
-    stretched image, or correlations with the weights. With Rx's ``taps``, the cross term of
-    uniform weights in C (:func:`densematch.kernels.native.align_cross`).
+    stretched image, or correlations with the weights. With Rx's ``taps``, uniform weights'
+    scores in C (:func:`densematch.kernels.native.align_scores`: the same sums in one pass).
     """
     _b, c, h, w = t.shape
     along_y = torch.einsum("hrH,bcHW->bchrW", ry, x)  # (B, C, nh, rows, W)
+    if products and taps is not None:  # every term and the score in one pass of C
+        return native.align_scores(along_y.contiguous(), t.contiguous(), taps, n_shift, ncc)
     wt = mask * t
     if products:
-        # nothing stretched is built: every sum comes from along_y and Rx's two taps per column
-        if taps is not None:  # in C, from Rx's two taps per column
-            cross = native.align_cross(along_y.contiguous(), t.contiguous(), taps, n_shift)  # sum_w T S
-        else:
-            cross = _cross_by_products(t, along_y, rx, n_shift)
+        # nothing stretched is built: every sum comes from along_y and Rx's columns
+        cross = _cross_by_products(t, along_y, rx, n_shift)
         energy, plain = _window_moments(along_y, rx, (h, w), n_shift, ncc)  # sum_w S^2, sum_w S
     else:
         # stretched images (B, C, nh, nw, rows, cols)

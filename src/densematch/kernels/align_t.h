@@ -64,6 +64,103 @@ int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_
     return 0;
 }
 
+/* align's grid scores for uniform weights: the cross term (dm_align_cross), then per scale pair
+ * the window sums of S^2 (and of S, for NCC) at every shift, and the score there: the mean
+ * squared error, or 1 - NCC. S's column k blends A's columns j = i0 and i1 (= j or j + 1), so over
+ * a window of rows and the channels sum S_k^2 = w0^2 V2_j + 2 w0 w1 Vx_j + w1^2 V2_i1 and sum S_k
+ * = w0 V1_j + w1 V1_i1, where V2, Vx and V1 are the window sums of A_j^2, A_j A_(j+1) and A_j (one
+ * set per scale_h, from prefix sums down the rows); a window of columns is then a difference of
+ * prefix sums along k. In double, every loop element-wise along vectors of row shifts (padded to
+ * whole vectors), so one order on every CPU: the torch path's _window_moments and _shift_scores
+ * in one pass where those take some thirty operations. */
+int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,
+                          const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h,
+                          int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, int ncc, T *out) {
+    if (DM_T(dm_align_cross)(a, t, i0, i1, w0, w1, B, C, nh, rows, W, h, w, nw, cols, ny, nx, out)) return 1;
+    const int64_t reach_y = ny + h - 1, reach_x = nx + w - 1, N = (ny + 7) / 8 * 8;
+    /* prefix sums down the rows of A^2, A_j A_(j+1) and A (reach_y + 1, W) each; their window sums
+     * V2, Vx, V1 as (W, N); prefix sums along the columns of S^2 and S, (reach_x + 1, N) each */
+    const size_t prefix = (size_t)((reach_y + 1) * W), window = (size_t)(W * N), along = (size_t)((reach_x + 1) * N);
+    double *cum = malloc(sizeof(double) * (3 * prefix + 3 * window + 2 * along));
+    if (!cum) return 1;
+    double *cum_x = cum + prefix, *cum_1 = cum_x + prefix, *v2 = cum_1 + prefix, *vx = v2 + window, *v1 = vx + window;
+    double *g2 = v1 + window, *g1 = g2 + along;
+    const double total = (double)(C * h * w);
+    for (int64_t b = 0; b < B; b++) {
+        double tt = 0, ts = 0;
+        for (int64_t i = 0; i < C * h * w; i++) {
+            const double v = (double)t[b * C * h * w + i];
+            tt += v * v;
+            ts += v;
+        }
+        const double mean_t = ts / total, var_t = tt / total - mean_t * mean_t;
+        for (int64_t n = 0; n < nh; n++) {
+            memset(cum, 0, sizeof(double) * 3 * prefix);
+            for (int64_t c = 0; c < C; c++)
+                for (int64_t r = 0; r < reach_y; r++) {
+                    const T *ar = a + (((b * C + c) * nh + n) * rows + r) * W;
+                    double *q2 = cum + (r + 1) * W, *qx = cum_x + (r + 1) * W, *q1 = cum_1 + (r + 1) * W;
+                    for (int64_t j = 0; j < W; j++) {
+                        const double v = (double)ar[j], next = j + 1 < W ? (double)ar[j + 1] : 0.0;
+                        q2[j] += v * v;
+                        qx[j] += v * next;
+                        q1[j] += v;
+                    }
+                }
+            for (int64_t r = 1; r <= reach_y; r++)
+                for (int64_t j = 0; j < W; j++) {
+                    cum[r * W + j] += cum[(r - 1) * W + j];
+                    cum_x[r * W + j] += cum_x[(r - 1) * W + j];
+                    cum_1[r * W + j] += cum_1[(r - 1) * W + j];
+                }
+            for (int64_t j = 0; j < W; j++)
+                for (int64_t y = 0; y < N; y++) {
+                    const int64_t top = (y < ny ? y : 0) * W + j, end = top + h * W;
+                    v2[j * N + y] = cum[end] - cum[top];
+                    vx[j * N + y] = cum_x[end] - cum_x[top];
+                    v1[j * N + y] = cum_1[end] - cum_1[top];
+                }
+            for (int64_t s = 0; s < nw; s++) {
+                const int64_t *p0 = i0 + s * cols, *p1 = i1 + s * cols;
+                const T *q0 = w0 + s * cols, *q1 = w1 + s * cols;
+                for (int64_t y = 0; y < N; y++) g2[y] = g1[y] = 0;
+                for (int64_t k = 0; k < reach_x; k++) {
+                    const double f0 = (double)q0[k], f1 = (double)q1[k];
+                    const double *a2 = v2 + p0[k] * N, *b2 = v2 + p1[k] * N, *a1 = v1 + p0[k] * N, *b1 = v1 + p1[k] * N;
+                    /* i1 = i0 + 1: the pair's own window sums; i1 = i0 (the last column): A_j^2 */
+                    const double *ab = p1[k] == p0[k] ? a2 : vx + p0[k] * N;
+                    const double c2 = f0 * f0, cx = 2 * f0 * f1, d2 = f1 * f1;
+                    double *e = g2 + (k + 1) * N, *u = g1 + (k + 1) * N;
+                    for (int64_t y = 0; y < N; y++) {
+                        e[y] = e[y - N] + ((c2 * a2[y] + cx * ab[y]) + d2 * b2[y]);
+                        u[y] = u[y - N] + (f0 * a1[y] + f1 * b1[y]);
+                    }
+                }
+                T *o = out + ((b * nh + n) * nw + s) * ny * nx;
+                for (int64_t x = 0; x < nx; x++) {
+                    const double *e0 = g2 + x * N, *e1 = g2 + (x + w) * N, *u0 = g1 + x * N, *u1 = g1 + (x + w) * N;
+                    for (int64_t y = 0; y < ny; y++) {
+                        const double cross = (double)o[y * nx + x], energy = e1[y] - e0[y];
+                        double score;
+                        if (ncc) {
+                            const double mean_s = (u1[y] - u0[y]) / total, cov = cross / total - mean_s * mean_t;
+                            const double var_s = energy / total - mean_s * mean_s;
+                            const double denom = sqrt((var_s > 0 ? var_s : 0) * var_t);
+                            score = 1 - cov / (denom > 1e-12 ? denom : 1e-12);
+                        } else {
+                            const double sq = tt - 2 * cross + energy;
+                            score = (sq > 0 ? sq : 0) / total;
+                        }
+                        o[y * nx + x] = (T)score;
+                    }
+                }
+            }
+        }
+    }
+    free(cum);
+    return 0;
+}
+
 /* align's grid search: per scale pair, the K lowest local minima over the shifts of score
  * (M x ny x nx; a local minimum is no higher than any of its 8 neighbours), lowest first, ties
  * to the lower flat index; where fewer than K, inf and index 0 fill the rest. One pass, where

@@ -1,5 +1,5 @@
 """Bindings of align.c and certify.c (:mod:`densematch.kernels.native` holds them all): the
-alignment's refinement steps, the grid's cross terms and best shifts, and the certificate's
+alignment's refinement steps, the grid's cross terms, scores and best shifts, and the certificate's
 bound per cell."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from .loader import _SUFFIX, _loaded, _require
 
-__all__ = ["align_best_shifts", "align_cross", "align_refine", "certify_bound"]
+__all__ = ["align_best_shifts", "align_cross", "align_refine", "align_scores", "certify_bound"]
 
 
 def align_refine(
@@ -59,7 +59,28 @@ def align_cross(
     channels of T times the stretched image at every integer shift, from ``along_y`` = Ry X
     (B, C, nh, rows, W), the template ``t`` (B, C, h, w) and Rx's taps (i0, i1, w0, w1), each
     (nw, cols) (:func:`densematch.alignment.warp.bilinear_taps`). float32 or float64."""
-    lib = _loaded("align_cross", along_y, t, taps)
+    return _grid("align_cross", along_y, t, taps, n_shift)
+
+
+def align_scores(
+    along_y: torch.Tensor, t: torch.Tensor, taps: tuple[torch.Tensor, ...], n_shift: tuple[int, int], ncc: bool
+) -> torch.Tensor:
+    """align's grid scores for uniform weights (align.c), (B, nh, nw, n_y, n_x): at every integer
+    shift the mean squared error between the template and the stretched image's window, or with
+    ``ncc`` 1 - their normalised cross-correlation; operands as :func:`align_cross` takes them."""
+    return _grid("align_scores", along_y, t, taps, n_shift, int(ncc))
+
+
+def _grid(
+    name: str,
+    along_y: torch.Tensor,
+    t: torch.Tensor,
+    taps: tuple[torch.Tensor, ...],
+    n_shift: tuple[int, int],
+    *extra: int,
+) -> torch.Tensor:
+    """align_cross or align_scores, their operands checked once (``extra``: the C call's own)."""
+    lib = _loaded(name, along_y, t, taps)
     b, c, nh, rows, big_w = along_y.shape
     h, w = t.shape[-2:]
     i0, i1, w0, w1 = taps
@@ -73,15 +94,15 @@ def align_cross(
         and t.shape[:2] == (b, c)
         and ny + h - 1 <= rows
         and nx + w - 1 <= cols
-        and bool((i0 >= 0).all() and (i1 >= 0).all() and (i0 < big_w).all() and (i1 < big_w).all()),
+        and bool((i0 >= 0).all() and (i0 < big_w).all() and ((i1 == i0) | (i1 == i0 + 1)).all() and (i1 < big_w).all()),
         "along_y (B, C, nh, rows, W), t (B, C, h, w) and taps (nw, cols) must be contiguous, of one float "
-        "dtype, with every shift's window inside rows x cols and taps inside W",
+        "dtype, with every shift's window inside rows x cols and taps inside W, i1 = i0 or i0 + 1",
     )
     out = torch.empty(b, nh, nw, ny, nx, dtype=along_y.dtype)
     sizes = (b, c, nh, rows, big_w, h, w, nw, cols, ny, nx)
     ptrs = (along_y.data_ptr(), t.data_ptr(), *(v.data_ptr() for v in taps))
-    if getattr(lib, f"dm_align_cross_{_SUFFIX[along_y.dtype]}")(*ptrs, *sizes, out.data_ptr()):
-        raise MemoryError("densematch's C kernels: align_cross could not allocate its scratch")
+    if getattr(lib, f"dm_{name}_{_SUFFIX[along_y.dtype]}")(*ptrs, *sizes, *extra, out.data_ptr()):
+        raise MemoryError(f"densematch's C kernels: {name} could not allocate its scratch")
     return out
 
 
