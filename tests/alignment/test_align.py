@@ -376,6 +376,25 @@ class TestSearch:
                 forced = align(c.template, c.image)
             assert within(default, c) and within(forced, c)
             assert abs(default.scale_w - forced.scale_w) < 1e-3 and abs(default.shift_x - forced.shift_x) < 0.02
+            # the warp of the answer, C's against torch's products at the same parameters
+            at = (default.scale_h, default.scale_w, default.shift_y, default.shift_x)
+            torch.testing.assert_close(default.warped, warp(c.image, *at, c.template.shape), atol=1e-5, rtol=0)
+
+    @needs_c
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    def test_the_c_warp_is_the_products(self, dtype):
+        # bilinear samples in C against warp_batch's Ry X Rx^T: two channels, stretches both ways,
+        # crops reaching the image's last row and column (the clamped tap)
+        from densematch.alignment.warp import warp_batch
+
+        gen = torch.Generator().manual_seed(7)
+        x = torch.rand(3, 2, 23, 31, generator=gen, dtype=dtype)
+        params = torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.83, 1.17, 1.4, 6.25], [1.2, 0.8, 7.6, 0.0]], dtype=dtype)
+        size = (18, 24)
+        params[2, 3] = 31 * 0.8 - size[1]  # the last column
+        by_c = native.align_warp(x, params, size)
+        tol = 1e-5 if dtype == torch.float32 else 1e-13  # torch takes the taps in float32
+        torch.testing.assert_close(by_c, warp_batch(x, *params.unbind(1), size), atol=tol, rtol=0)
 
     def test_every_photo_over_the_whole_default_range(self):
         # the cases: 2x2-pooled photographs, 100x100 from 125x125, scales anywhere in

@@ -395,6 +395,9 @@ class TestBuild:
             "    for ncc in (False, True):\n"
             "        out = native.align_scores(a.to(dt), tt.to(dt), (i0, i1, w0.to(dt), w1.to(dt)), (20, 12), ncc)\n"
             "        h.update(out.numpy().tobytes())\n"
+            "q = torch.tensor([[0.83, 1.17, 1.4, 6.25], [1.2, 0.8, 7.6, 3.0]], dtype=torch.float64)\n"
+            "for dt in (torch.float32, torch.float64):\n"
+            "    h.update(native.align_warp(a[:, :, 0].to(dt).contiguous(), q, (21, 11)).numpy().tobytes())\n"
             "for v in native.align_best_shifts(torch.rand(4, 13, 13, generator=g), 3):\n"
             "    h.update(v.numpy().tobytes())\n"
             # certify_alignment's bound: both ranges, both objectives, whole sums

@@ -33,9 +33,9 @@ from ..budget import chunk_rows
 from ..checks import as_tensor, check_bool, check_choice, check_finite, check_real, compute_dtype
 from ..choices import ObjectiveName
 from ..config import kernel_setting, resolve_memory
-from ..kernels import ops_for
+from ..kernels import native, ops_for
 from ..threads import share_out, share_size, workers_for
-from .refine import objective_at, refine
+from .refine import _ITERATIONS, objective_at, refine
 from .search import downsample, grid_search, scale_grid, shift_errors
 from .warp import as_image, warp_batch
 
@@ -666,27 +666,61 @@ def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Set
     m = cand.shape[1]
     cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, coarse, coarse], dtype=cand.dtype, device=cand.device)
     owner = torch.arange(b, device=x.device).repeat_interleave(m)
-    for i, f in enumerate(levels):
-        # each level refines what the coarser one kept, in its own pixels (shifts scale by 1 / f)
-        tf, xf, mf = pyramid[f]
-        scale = torch.tensor([1.0, 1.0, f, f], dtype=cand.dtype, device=cand.device)
-        tolerance = _TOLERANCE if f == 1 else _COARSE_TOLERANCE
-        found, sums = _refine_all(tf, xf, mf, owner, cand / scale, settings, tolerance)
-        if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
-            cand = found * scale
-            keep = _best_per_pair(cand, owner, sums[:, 0], _KEEP[min(i, len(_KEEP) - 1)])
-            cand, owner = cand[keep], owner[keep]
-        else:
-            cand, owner, sums = _refine_far(tf, xf, mf, owner, cand, found, sums, settings)
+    if settings.in_c:  # every level in one call of C
+        found, owner, cand, sums = _refine_levels_c(pyramid, levels, owner, cand, settings)
+    else:
+        for i, f in enumerate(levels):
+            # each level refines what the coarser one kept, in its own pixels (shifts scale by 1 / f)
+            tf, xf, mf = pyramid[f]
+            scale = torch.tensor([1.0, 1.0, f, f], dtype=cand.dtype, device=cand.device)
+            found, sums = _refine_all(tf, xf, mf, owner, cand / scale, settings, _tolerance(f))
+            if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
+                cand = found * scale
+                keep = _best_per_pair(cand, owner, sums[:, 0], _KEEP[min(i, len(_KEEP) - 1)])
+                cand, owner = cand[keep], owner[keep]
+    cand, owner, sums = _refine_far(t, x, mask, owner, cand, found, sums, settings)
     if settings.photometric:
         err = objective_at(t, x, mask, owner, (cand[:, 0], cand[:, 1], cand[:, 2], cand[:, 3]), "ncc")
     else:
         total = (mask.sum((1, 2, 3)) * c)[owner]
         err = sums[:, 0 if settings.objective == "l2" else 1] / total
     pick = _best_per_pair(cand, owner, err, 1)
-    sh, sw, sy, sx = cand[pick].unbind(1)
-    warped = warp_batch(x, sh, sw, sy, sx, (h, w))
+    best = cand[pick]
+    sh, sw, sy, sx = best.unbind(1)
+    if settings.in_c:
+        warped = native.align_warp(x.contiguous(), best, (h, w))
+    else:
+        warped = warp_batch(x, sh, sw, sy, sx, (h, w))
     return _Found(sh, sw, sy, sx, err[pick], warped, landscape, shifts * coarse, grid_h, grid_w)
+
+
+def _tolerance(f: int) -> float:
+    return _TOLERANCE if f == 1 else _COARSE_TOLERANCE
+
+
+def _refine_levels_c(
+    pyramid: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    levels: list[int],
+    owner: torch.Tensor,
+    cand: torch.Tensor,
+    settings: _Settings,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loop over the levels of :func:`_search` in one call of C
+    (:func:`densematch.kernels.native.align_levels`: the same refinement and the same keep):
+    the full-resolution candidates found, their owners, their starts there and their sums."""
+    dtype = cand.dtype
+    data = []
+    for f in levels:
+        tf, xf, mf = pyramid[f]
+        _refine_chunk(tf, xf, settings)  # the budget's rule, as in torch (C holds less)
+        weights = mf[:1, 0] if mf.stride(0) == 0 else mf[:, 0]  # uniform ones go once, shared
+        data.append((tf.double().contiguous(), xf.double().contiguous(), weights.double().contiguous(), f))
+    keep = [_KEEP[min(i, len(_KEEP) - 1)] for i in range(len(levels) - 1)]
+    found, owner, start, sums = native.align_levels(
+        data, owner, cand, keep, [_tolerance(f) for f in levels], (*settings.range_h, *settings.range_w),
+        settings.photometric, _ITERATIONS, _SAME,
+    )  # fmt: skip
+    return found.to(dtype), owner, start.to(dtype), sums.to(dtype)
 
 
 def _refine_far(
@@ -737,6 +771,16 @@ def _best_per_pair(cand: torch.Tensor, owner: torch.Tensor, err: torch.Tensor, k
     return torch.tensor(chosen, dtype=torch.long, device=cand.device)
 
 
+def _refine_chunk(t: torch.Tensor, x: torch.Tensor, settings: _Settings) -> int:
+    """How many candidates one refinement step holds within the budget (a ValueError where not one)."""
+    c, h, w = t.shape[-3:]
+    hh, ww = x.shape[-2:]
+    n_par = 6 if settings.photometric else 4
+    # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
+    per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
+    return chunk_rows(settings.budget, per_cand, "the refinement of one candidate")
+
+
 def _refine_all(
     t: torch.Tensor,
     x: torch.Tensor,
@@ -747,13 +791,8 @@ def _refine_all(
     tolerance: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every candidate refined (M, 4), with its residuals' sums (M, 2), in chunks that fit the budget."""
-    _b, c, h, w = t.shape
-    hh, ww = x.shape[-2:]
     n = cand.shape[0]
-    n_par = 6 if settings.photometric else 4
-    # one candidate's refinement: sampling matrices, its image, and (C, h, w) blocks per parameter
-    per_cand = x.element_size() * (4 * (h * hh + w * ww) + c * (hh * ww + 3 * h * ww + (2 * n_par + 8) * h * w))
-    step = chunk_rows(settings.budget, per_cand, "the refinement of one candidate")
+    step = _refine_chunk(t, x, settings)
     box = (settings.range_h, settings.range_w, settings.photometric)
     parts = []
     for s in range(0, n, step):

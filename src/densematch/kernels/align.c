@@ -277,6 +277,104 @@ int dm_align_refine(const double *t, const double *x, const double *wt, int wt_s
     return 0;
 }
 
+/* One pair's candidates, ranked by their error (NaN last, ties in their order), the first `keep`
+ * of them less any within `same` (scales, shifts) of a better one kept: kept gets their indices,
+ * best first; returns how many. idx holds the pair's candidate indices (n), sorted in place. */
+static int64_t keep_best(int64_t *idx, int64_t n, const double *err, const double *cand, int64_t keep,
+                         const double *same, int64_t *kept) {
+    for (int64_t i = 1; i < n; i++) { /* insertion sort: a few candidates, and stable */
+        const int64_t v = idx[i];
+        int64_t j = i;
+        for (; j > 0; j--) {
+            const double a = err[idx[j - 1]], b = err[v];
+            if (!(isnan(a) && !isnan(b)) && !(a > b)) break;
+            idx[j] = idx[j - 1];
+        }
+        idx[j] = v;
+    }
+    int64_t m = 0;
+    for (int64_t i = 0; i < n && i < keep; i++) {
+        const double *c = cand + 4 * idx[i];
+        int twin = 0;
+        for (int64_t j = 0; j < m && !twin; j++) {
+            const double *d = cand + 4 * kept[j];
+            twin = fabs(c[0] - d[0]) <= same[0] && fabs(c[1] - d[1]) <= same[0] && fabs(c[2] - d[2]) <= same[1] &&
+                   fabs(c[3] - d[3]) <= same[1];
+        }
+        if (!twin) kept[m++] = idx[i];
+    }
+    return m;
+}
+
+/* align's refinement down its pyramid, for every pair at once: levels L (coarsest first, image
+ * data at offsets[3 l + 0, 1, 2] of data for t (B, C, h, w), x (B, C, H, W) and the weights
+ * (B or 1, h, w), sizes dims[4 l ..] = h, w, H, W, downsampling factor factor[l]). The m
+ * candidates (owner, cand: full-resolution (scale_h, scale_w, shift_y, shift_x)) are refined at
+ * each level in its own pixels (from gain 1, bias 0 where P = 6), to tolerance[l]; after each
+ * level but the last, each pair keeps its keep[l] best by the squared error, less twins within
+ * `same` (keep_best). The last level's candidates come back in owner, cand (full resolution),
+ * start (where they began there) and sums (squared, absolute); returns their count, or -1
+ * where scratch could not be allocated. owner, cand, start and sums hold m rows. */
+int64_t dm_align_levels(const double *data, const int64_t *offsets, const int64_t *dims, const double *factor,
+                        const int64_t *keep, const double *tolerance, int64_t L, int64_t C, int wt_shared,
+                        int P, const double *range, int iterations, const double *same, int64_t m, int64_t *owner,
+                        double *cand, double *start, double *sums) {
+    int64_t big = 0, big_i = 0;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t need = dims[4 * l] + 2 * dims[4 * l + 1] + 2 * C * dims[4 * l + 2] * dims[4 * l + 1];
+        big = need > big ? need : big;
+        big_i = 2 * (dims[4 * l] + dims[4 * l + 1]) > big_i ? 2 * (dims[4 * l] + dims[4 * l + 1]) : big_i;
+    }
+    /* refine_one's scratch and taps; each candidate's error, 4 parameters and owner for the keep */
+    double *scratch = malloc(sizeof(double) * (size_t)(big + 5 * m + 1));
+    int64_t *itaps = malloc(sizeof(int64_t) * (size_t)(big_i + 3 * m + 1));
+    if (!scratch || !itaps) {
+        free(scratch);
+        free(itaps);
+        return -1;
+    }
+    double *err = scratch + big, *tmp = err + m;
+    int64_t *idx = itaps + big_i, *tmp_o = idx + 2 * m;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t h = dims[4 * l], w = dims[4 * l + 1], H = dims[4 * l + 2], W = dims[4 * l + 3];
+        const double f = factor[l];
+        for (int64_t i = 0; i < m; i++) {
+            const int64_t o = owner[i];
+            double p[6] = {cand[4 * i], cand[4 * i + 1], cand[4 * i + 2] / f, cand[4 * i + 3] / f, 1.0, 0.0};
+            const pair_t s = {data + offsets[3 * l] + o * C * h * w, data + offsets[3 * l + 1] + o * C * H * W,
+                              data + offsets[3 * l + 2] + (wt_shared ? 0 : o * h * w), C, h, w, H, W, P, scratch,
+                              itaps};
+            if (l == L - 1) memcpy(start + 4 * i, cand + 4 * i, sizeof(double) * 4);
+            refine_one(&s, range, iterations, tolerance[l], p, sums + 2 * i);
+            cand[4 * i] = p[0];
+            cand[4 * i + 1] = p[1];
+            cand[4 * i + 2] = p[2] * f;
+            cand[4 * i + 3] = p[3] * f;
+        }
+        if (l == L - 1) break;
+        /* each pair's best, in pair order: candidates come grouped by pair, pairs ascending */
+        int64_t n = 0, *kept = idx + m;
+        for (int64_t i = 0; i < m; i++) err[i] = sums[2 * i];
+        for (int64_t i = 0; i < m;) {
+            int64_t e = i;
+            while (e < m && owner[e] == owner[i]) e++;
+            for (int64_t j = i; j < e; j++) idx[j] = j;
+            n += keep_best(idx + i, e - i, err, cand, keep[l], same, kept + n);
+            i = e;
+        }
+        for (int64_t j = 0; j < n; j++) { /* gathered through the room past idx, then back */
+            memcpy(tmp + 4 * j, cand + 4 * kept[j], sizeof(double) * 4);
+            tmp_o[j] = owner[kept[j]];
+        }
+        memcpy(cand, tmp, sizeof(double) * (size_t)(4 * n));
+        memcpy(owner, tmp_o, sizeof(int64_t) * (size_t)n);
+        m = n;
+    }
+    free(scratch);
+    free(itaps);
+    return m;
+}
+
 /* align's grid search: the cross term sum_{r,k} T(r, k) S(y + r, x + k) at every integer shift
  * (y, x) and every scale pair, for S = Ry X Rx^T, without S. A = Ry X (one per scale_h: rows x W)
  * is given; Rx has two taps per row (i0, i1 with weights w0, w1). Per scale_h and block of LANES

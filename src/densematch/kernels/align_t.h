@@ -197,6 +197,40 @@ void DM_T(dm_align_best_shifts)(const T *score, int64_t M, int64_t ny, int64_t n
             }
     }
 }
+/* align's warp (densematch.alignment.warp.warp_batch): out (M, C, h, w) samples image i of x
+ * (M, C, H, W) bilinearly at params[i] = (scale_h, scale_w, shift_y, shift_x) (taps' rule, in
+ * double): the two rows blended first, then the two columns. Returns 1 where scratch could not
+ * be allocated. */
+int DM_T(dm_align_warp)(const T *x, const double *params, int64_t M, int64_t C, int64_t H, int64_t W, int64_t h,
+                        int64_t w, T *out) {
+    int64_t *ti = malloc(sizeof(int64_t) * (size_t)(2 * (h + w)));
+    double *tf = malloc(sizeof(double) * (size_t)(h + w + W));
+    if (!ti || !tf) {
+        free(ti);
+        free(tf);
+        return 1;
+    }
+    int64_t *r0 = ti, *r1 = r0 + h, *c0 = r1 + h, *c1 = c0 + w;
+    double *fr = tf, *fc = fr + h, *row = fc + w;
+    for (int64_t i = 0; i < M; i++) {
+        const double *q = params + 4 * i;
+        taps(h, H, q[0], q[2], r0, r1, fr);
+        taps(w, W, q[1], q[3], c0, c1, fc);
+        for (int64_t c = 0; c < C; c++) {
+            const T *xc = x + (i * C + c) * H * W;
+            T *oc = out + (i * C + c) * h * w;
+            for (int64_t r = 0; r < h; r++) {
+                const T *a = xc + r0[r] * W, *b = xc + r1[r] * W;
+                const double f = fr[r];
+                for (int64_t j = 0; j < W; j++) row[j] = (1 - f) * (double)a[j] + f * (double)b[j];
+                for (int64_t k = 0; k < w; k++) oc[r * w + k] = (T)((1 - fc[k]) * row[c0[k]] + fc[k] * row[c1[k]]);
+            }
+        }
+    }
+    free(ti);
+    free(tf);
+    return 0;
+}
 /* the parameters of this instance, so that the next one defines its own */
 #undef T
 #undef SUF

@@ -1,5 +1,5 @@
 """Bindings of align.c and certify.c (:mod:`densematch.kernels.native` holds them all): the
-alignment's refinement steps, the grid's cross terms, scores and best shifts, and the certificate's
+alignment's refinement steps, the grid's cross terms, scores and best shifts, the warp, and the certificate's
 bound per cell."""
 
 from __future__ import annotations
@@ -8,7 +8,15 @@ import torch
 
 from .loader import _SUFFIX, _loaded, _require
 
-__all__ = ["align_best_shifts", "align_cross", "align_refine", "align_scores", "certify_bound"]
+__all__ = [
+    "align_best_shifts",
+    "align_cross",
+    "align_levels",
+    "align_refine",
+    "align_scores",
+    "align_warp",
+    "certify_bound",
+]
 
 
 def align_refine(
@@ -50,6 +58,66 @@ def align_refine(
     if failed:
         raise MemoryError("densematch's C kernels: align_refine could not allocate its scratch")
     return p, out
+
+
+def align_levels(
+    levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+    owner: torch.Tensor,
+    cand: torch.Tensor,
+    keep: list[int],
+    tolerance: list[float],
+    ranges: tuple[float, float, float, float],
+    photometric: bool,
+    iterations: int,
+    same: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """align's refinement down its pyramid in one call (align.c): ``levels`` coarsest first, each
+    (t (B, C, h, w), x (B, C, H, W), weights (B or 1, h, w), downsampling factor), float64. The
+    candidates ``cand`` (M, 4), full-resolution (scale_h, scale_w, shift_y, shift_x) of the
+    pairs ``owner`` (M,), grouped by pair in ascending order, are refined at each level to its
+    ``tolerance`` (:func:`align_refine`'s iteration, gain and bias from 1 and 0 where
+    ``photometric``); after each level but the last each pair keeps its ``keep[l]`` best by the
+    squared error, less any within ``same`` (scales, full-resolution shifts) of a better one.
+    Returns the last level's candidates, their owners, their starts there and their sums
+    (squared, absolute), full resolution. On this thread."""
+    lib = _loaded("align_levels", owner, cand, *(v for level in levels for v in level[:3]))
+    b, c = levels[0][0].shape[:2]
+    shared = levels[0][2].shape[0] != b
+    _require(
+        len(keep) == len(levels) - 1 == len(tolerance) - 1
+        and all(
+            t.dtype == x.dtype == wt.dtype == torch.float64
+            and t.shape[:2] == x.shape[:2] == (b, c)
+            and wt.shape == ((1,) if shared else (b,)) + t.shape[-2:]
+            for t, x, wt, _ in levels
+        )
+        and cand.ndim == 2
+        and cand.shape[1] == 4
+        and owner.shape == cand.shape[:1]
+        and bool((owner[1:] >= owner[:-1]).all() and ((owner >= 0) & (owner < b)).all()),
+        "levels must hold float64 (B, C, h, w), (B, C, H, W), (B or 1, h, w) and cand (M, 4) full-resolution "
+        "candidates of the pairs owner (M,), grouped in ascending order",
+    )
+    parts = [v.reshape(-1) for level in levels for v in level[:3]]
+    offsets = torch.tensor([0, *(p.numel() for p in parts[:-1])], dtype=torch.int64).cumsum(0)
+    data = torch.cat(parts).contiguous()
+    dims = torch.tensor([[*t.shape[-2:], *x.shape[-2:]] for t, x, _, _ in levels], dtype=torch.int64)
+    factor = torch.tensor([float(f) for *_, f in levels], dtype=torch.float64)
+    # every operand held by a name until the call returns: a temporary's memory would be freed
+    steps = torch.tensor([*keep, 0], dtype=torch.int64)
+    tol, box, twins = (torch.tensor(v, dtype=torch.float64) for v in (tolerance, ranges, same))
+    owner = owner.to(torch.int64).clone()
+    cand = cand.to(torch.float64).clone()
+    m = cand.shape[0]
+    start, sums = torch.empty(m, 4, dtype=torch.float64), torch.empty(m, 2, dtype=torch.float64)
+    kept = lib.dm_align_levels(
+        data.data_ptr(), offsets.data_ptr(), dims.data_ptr(), factor.data_ptr(), steps.data_ptr(), tol.data_ptr(),
+        len(levels), c, shared, 6 if photometric else 4, box.data_ptr(), iterations, twins.data_ptr(), m,
+        owner.data_ptr(), cand.data_ptr(), start.data_ptr(), sums.data_ptr(),
+    )  # fmt: skip
+    if kept < 0:
+        raise MemoryError("densematch's C kernels: align_levels could not allocate its scratch")
+    return cand[:kept], owner[:kept], start[:kept], sums[:kept]
 
 
 def align_cross(
@@ -120,6 +188,26 @@ def align_best_shifts(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         score.data_ptr(), rows, ny, nx, k, best.data_ptr(), where.data_ptr()
     )
     return best, where
+
+
+def align_warp(x: torch.Tensor, params: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """align's warp (align.c): (M, C, h, w) bilinear samples of the images ``x`` (M, C, H, W),
+    float32 or float64, each at its ``params`` (M, 4) (scale_h, scale_w, shift_y, shift_x), as
+    :func:`densematch.alignment.warp.warp_batch` takes them."""
+    lib = _loaded("align_warp", x, params)
+    m, c, big_h, big_w = x.shape
+    h, w = size
+    _require(
+        x.dtype in _SUFFIX and x.is_contiguous() and params.shape == (m, 4) and h >= 1 and w >= 1,
+        "x must be contiguous float (M, C, H, W), params (M, 4) and the size positive",
+    )
+    q = params.to(torch.float64).contiguous()
+    out = torch.empty(m, c, h, w, dtype=x.dtype)
+    if getattr(lib, f"dm_align_warp_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), q.data_ptr(), m, c, big_h, big_w, h, w, out.data_ptr()
+    ):
+        raise MemoryError("densematch's C kernels: align_warp could not allocate its scratch")
+    return out
 
 
 def certify_bound(
