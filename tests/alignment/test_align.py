@@ -381,6 +381,52 @@ class TestSearch:
             torch.testing.assert_close(default.warped, warp(c.image, *at, c.template.shape), atol=1e-5, rtol=0)
 
     @needs_c
+    @pytest.mark.parametrize("photometric", [False, True])
+    def test_the_c_levels_are_the_loop_over_levels(self, photometric):
+        # native.align_levels against the loop it replaces: refine at each level (C's step), keep
+        # each pair's best less twins (_best_per_pair), in three pairs with twin starts, one pair
+        # whose candidates all come back, and the answer at full resolution
+        from densematch.alignment.api import _KEEP, _SAME, _best_per_pair, _tolerance
+        from densematch.alignment.refine import _ITERATIONS
+        from densematch.alignment.search import downsample
+
+        cases = list(alignment_cases(3, seed=21, sizes=(SIZES[0],)))
+        t = torch.stack([c.template for c in cases])[:, None].double()
+        x = torch.stack([c.image for c in cases])[:, None].double()
+        ones = torch.ones(1, 1, *t.shape[-2:], dtype=torch.float64)
+        pyramid = {f: (downsample(t, f), downsample(x, f), downsample(ones, f)) for f in (4, 2, 1)}
+        truth = torch.tensor([[c.scale_h, c.scale_w, c.shift_y, c.shift_x] for c in cases], dtype=torch.float64)
+        gen = torch.Generator().manual_seed(2)
+        owner = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+        cand = truth[owner] + torch.randn(9, 4, generator=gen, dtype=torch.float64) * torch.tensor([0.02, 0.02, 3, 3])
+        cand[2] = cand[1]  # a twin
+        box = ((0.8, 1.2), (0.8, 1.2))
+        levels = [4, 2, 1]
+        keep = [_KEEP[min(i, len(_KEEP) - 1)] for i in range(2)]
+        expected_owner, expected = owner, cand
+        for i, f in enumerate(levels):
+            tf, xf, mf = pyramid[f]
+            scale = torch.tensor([1.0, 1.0, f, f], dtype=torch.float64)
+            start = expected
+            found, sums = refine(tf, xf, mf.expand(3, -1, -1, -1), expected_owner, expected / scale, *box, photometric,
+                                 tolerance=_tolerance(f), in_c=True)  # fmt: skip
+            expected = found * scale
+            if f > 1:
+                kept = _best_per_pair(expected, expected_owner, sums[:, 0], keep[i])
+                expected, expected_owner = expected[kept], expected_owner[kept]
+        data = [(*(v.contiguous() for v in pyramid[f][:2]), pyramid[f][2][:, 0].contiguous(), f) for f in levels]
+        tols = [_tolerance(f) for f in levels]
+        got, got_owner, got_start, got_sums = native.align_levels(
+            data, owner, cand, keep, tols, (0.8, 1.2, 0.8, 1.2), photometric, _ITERATIONS, _SAME
+        )
+        assert torch.equal(got_owner, expected_owner)
+        torch.testing.assert_close(got_start, start, atol=1e-9, rtol=0)
+        torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
+        torch.testing.assert_close(got_sums, sums, atol=1e-9, rtol=1e-9)
+        near = ((got - truth[got_owner]).abs() < torch.tensor([0.01, 0.01, 0.5, 0.5])).all(1)
+        assert set(got_owner[near].tolist()) == {0, 1, 2}  # every pair's truth among its answers
+
+    @needs_c
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
     def test_the_c_warp_is_the_products(self, dtype):
         # bilinear samples in C against warp_batch's Ry X Rx^T: two channels, stretches both ways,
