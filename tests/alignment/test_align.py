@@ -473,17 +473,31 @@ class TestSearch:
         a = align(c.template, c.image)
         assert within(a, c, 1e-4, 0.01) and a.error < 1e-6
 
-    def test_candidates_are_distinct_and_keep_a_basin_outranked_by_its_neighbours(self):
+    @pytest.mark.parametrize("in_c", [False, pytest.param(True, marks=needs_c)])
+    def test_candidates_are_distinct_and_keep_a_basin_outranked_by_its_neighbours(self, in_c):
         grid = torch.linspace(0.8, 1.2, 11)
         best = torch.full((1, 11, 11, 1), 5.0)
         where = torch.zeros(1, 11, 11, 1, dtype=torch.long)
         best[0, 3:6, 3:6, 0] = torch.arange(9.0).reshape(3, 3) / 10  # one wide basin: 9 cells below 1
         best[0, 9, 1, 0] = 1.5  # another, 10th in the plain ranking
-        cand = pick_candidates(best, where, grid, grid, 13)[0]
+        cand = pick_candidates(best, where, grid, grid, 13, in_c)[0]
         assert tuple(cand[0, :2].tolist()) == pytest.approx((0.92, 0.92))  # the lowest first
         assert any(torch.allclose(c[:2], torch.tensor([1.16, 0.84])) for c in cand)
         apart = (cand[:, None, :2] - cand[None, :, :2]).abs().amax(-1) > 0.06 + 1e-6
         assert apart[~torch.eye(len(cand), dtype=torch.bool)].all()
+
+    @needs_c
+    @pytest.mark.parametrize("seed", range(4))
+    def test_the_c_candidates_are_torchs(self, seed):
+        # distinct scores (no tie for topk to order its own way), a share of them inf (scale pairs
+        # with fewer minima), three pairs, shifts clustered so that the greedy rule drops some
+        gen = torch.Generator().manual_seed(seed)
+        grid = torch.linspace(0.8, 1.2, 9, dtype=torch.float64)
+        best = torch.rand(3, 9, 9, 3, generator=gen, dtype=torch.float64)
+        best[torch.rand(best.shape, generator=gen) < 0.3] = math.inf
+        where = torch.randint(0, 4 * 13, best.shape, generator=gen)
+        by_c = pick_candidates(best, where, grid, grid, 13, True)
+        torch.testing.assert_close(by_c, pick_candidates(best, where, grid, grid, 13), rtol=0, atol=0)
 
     def test_a_basin_reached_twice_is_refined_once(self):
         # candidates that converged onto one another (the usual case: 101 of 144 pairs handed two

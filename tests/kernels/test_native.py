@@ -398,6 +398,9 @@ class TestBuild:
             "q = torch.tensor([[0.83, 1.17, 1.4, 6.25], [1.2, 0.8, 7.6, 3.0]], dtype=torch.float64)\n"
             "for dt in (torch.float32, torch.float64):\n"
             "    h.update(native.align_warp(a[:, :, 0].to(dt).contiguous(), q, (21, 11)).numpy().tobytes())\n"
+            "gh = torch.linspace(0.8, 1.2, 5, dtype=torch.float64)\n"
+            "bb, ww = torch.rand(2, 5, 5, 3, generator=g), torch.randint(0, 40, (2, 5, 5, 3), generator=g)\n"
+            "h.update(native.align_pick(bb, ww, gh, gh, 8, (0.15, 0.15, 2.0, 2.0), 64, 8).numpy().tobytes())\n"
             "for v in native.align_best_shifts(torch.rand(4, 13, 13, generator=g), 3):\n"
             "    h.update(v.numpy().tobytes())\n"
             # certify_alignment's bound: both ranges, both objectives, whole sums

@@ -19,6 +19,7 @@ whose coarsest level has a template of 20 to 39 pixels on its shorter side:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -630,13 +631,10 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor) -> Callable[[int], torch.Tens
     aliases, which stretch and shift differently from the template's texture: a fine periodic
     texture (period under 2 f) has none left, and its coarse grid finds the wrong phase."""
     h, w = t.shape[-2:]
-    hann = torch.outer(*(torch.hann_window(n, periodic=False, dtype=t.dtype, device=t.device) for n in (h, w)))
+    hann, doubled, fy, fx = _spectrum_parts(h, w, t.dtype, t.device)
     weight = mask * hann
     mean = (t * weight).sum((2, 3), keepdim=True) / weight.sum((2, 3), keepdim=True).clamp_min(1e-30)
-    power = torch.fft.rfft2((t - mean) * weight).abs().square().sum(1)  # (B, h, w // 2 + 1)
-    power[..., 1 : (w + 1) // 2] *= 2  # the columns rfft2 holds once for two frequencies
-    fy = torch.fft.fftfreq(h, device=t.device).abs()[:, None]
-    fx = torch.fft.rfftfreq(w, device=t.device)[None, :]
+    power = torch.fft.rfft2((t - mean) * weight).abs().square().sum(1) * doubled  # (B, h, w // 2 + 1)
     total = power.sum((1, 2)).clamp_min(1e-300)
 
     def share(f: int) -> torch.Tensor:  # less the window's main lobe (2 / n), which smears a line over it
@@ -644,6 +642,23 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor) -> Callable[[int], torch.Tens
         return ((power * kept).sum((1, 2)) / total).min()
 
     return share
+
+
+@functools.lru_cache(maxsize=8)
+def _spectrum_parts(
+    h: int, w: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_low_band`'s constants for an (h, w) template, kept (read-only, made outside
+    inference mode so that autograd may read them): the Hann window (h, w), the weights (w // 2 +
+    1,) of rfft2's columns (2 where one column holds two frequencies), and the frequencies
+    (h, 1) and (1, w // 2 + 1) in cycles per pixel."""
+    with torch.inference_mode(False):
+        hann = torch.outer(*(torch.hann_window(n, periodic=False, dtype=dtype, device=device) for n in (h, w)))
+        doubled = torch.ones(w // 2 + 1, dtype=dtype, device=device)
+        doubled[1 : (w + 1) // 2] = 2
+        fy = torch.fft.fftfreq(h, device=device).abs()[:, None]
+        fx = torch.fft.rfftfreq(w, device=device)[None, :]
+        return hann, doubled, fy, fx
 
 
 def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:

@@ -77,7 +77,7 @@ def grid_search(
         land.append(best[..., 0])
         at = torch.stack((where[..., 0] // n_x, where[..., 0] % n_x), -1).to(grid_h.dtype)
         shifts.append(at.masked_fill(~torch.isfinite(best[..., :1]), math.nan))
-        cands.append(pick_candidates(best, where, grid_h, grid_w, n_x))
+        cands.append(pick_candidates(best, where, grid_h, grid_w, n_x, in_c))
     return torch.cat(cands), torch.cat(land), torch.cat(shifts)
 
 
@@ -388,14 +388,20 @@ def _cross_by_products(
 
 
 def pick_candidates(
-    best: torch.Tensor, where: torch.Tensor, grid_h: torch.Tensor, grid_w: torch.Tensor, n_x: int
+    best: torch.Tensor, where: torch.Tensor, grid_h: torch.Tensor, grid_w: torch.Tensor, n_x: int, in_c: bool = False
 ) -> torch.Tensor:
     """_CANDIDATES distinct candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x): the
     lowest of the scale pairs' best shifts (``best``, ``where``: (B, nh, nw, S)), greedily, each
-    farther than one grid step in scale or two pixels in shift from those taken before."""
+    farther than one grid step in scale or two pixels in shift from those taken before. ``in_c``:
+    in C (:func:`densematch.kernels.native.align_pick`, the same rule, ties to the lower index)."""
     b, nh, nw, n_s = best.shape
+    n = min(nh * nw * n_s, _CANDIDATES * 8)
+    step_h = float(grid_h[1] - grid_h[0]) if nh > 1 else 0.0
+    step_w = float(grid_w[1] - grid_w[0]) if nw > 1 else 0.0
+    near = (1.5 * step_h, 1.5 * step_w, 2.0, 2.0)
+    if in_c:
+        return native.align_pick(best, where, grid_h, grid_w, n_x, near, n, min(_CANDIDATES, n)).to(best.dtype)
     flat = best.reshape(b, -1)
-    n = min(flat.shape[1], _CANDIDATES * 8)
     score, idx = flat.topk(n, dim=1, largest=False)
     pair, shift = idx // n_s, where.reshape(b, -1).gather(1, idx)
     params = torch.stack(
@@ -407,9 +413,6 @@ def pick_candidates(
         ),
         dim=-1,
     )  # (B, n, 4)
-    step_h = float(grid_h[1] - grid_h[0]) if nh > 1 else 0.0
-    step_w = float(grid_w[1] - grid_w[0]) if nw > 1 else 0.0
-    near = np.array([1.5 * step_h, 1.5 * step_w, 2.0, 2.0])
     # a few dozen rows per pair, every pair at once: numpy's per-operation cost is a small part of torch's
     p, alive = params.cpu().numpy(), np.isfinite(score.cpu().numpy())
     taken = np.zeros((b, min(_CANDIDATES, n)), dtype=np.int64)
@@ -417,5 +420,5 @@ def pick_candidates(
     for k in range(taken.shape[1]):
         j = alive.argmax(1)  # the rows are sorted: the first left (where none is, the best again)
         taken[:, k] = j
-        alive &= ~(np.abs(p - p[pairs, j][:, None]) <= near).all(-1)
+        alive &= ~(np.abs(p - p[pairs, j][:, None]) <= np.array(near)).all(-1)
     return params[torch.arange(b, device=best.device)[:, None], torch.from_numpy(taken).to(best.device)]

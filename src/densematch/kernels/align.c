@@ -375,6 +375,50 @@ int64_t dm_align_levels(const double *data, const int64_t *offsets, const int64_
     return m;
 }
 
+/* align's candidates from the grid (densematch.alignment.search.pick_candidates), per pair b:
+ * of the scale pairs' best shifts best[b] (P scale pairs x S shifts, flat shift indices in where,
+ * scale pair p = i_h nw + i_w), the n lowest (ties to the lower index), then greedily the first
+ * left, dropping every one within near (scale_h, scale_w, shift_y, shift_x) of it, M times (the
+ * lowest again where none is left). out (B, M, 4): (scale_h, scale_w, shift_y, shift_x). order
+ * holds n indices, params 4 n values of scratch, alive n flags. */
+void dm_align_pick(const double *best, const int64_t *where, int64_t B, int64_t P, int64_t S, const double *grid_h,
+                   const double *grid_w, int64_t nw, int64_t n_x, const double *near, int64_t n, int64_t M,
+                   int64_t *order, double *params, unsigned char *alive, double *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const double *v = best + b * P * S;
+        const int64_t *at = where + b * P * S;
+        int64_t kept = 0;
+        for (int64_t i = 0; i < P * S; i++) { /* the n lowest, sorted, by insertion */
+            if (kept == n && !(v[i] < v[order[n - 1]])) continue;
+            int64_t j = kept < n ? kept++ : n - 1;
+            for (; j > 0 && v[i] < v[order[j - 1]]; j--) order[j] = order[j - 1];
+            order[j] = i;
+        }
+        for (int64_t j = 0; j < kept; j++) {
+            const int64_t pair = order[j] / S, shift = at[order[j]];
+            double *q = params + 4 * j;
+            q[0] = grid_h[pair / nw];
+            q[1] = grid_w[pair % nw];
+            q[2] = (double)(shift / n_x);
+            q[3] = (double)(shift % n_x);
+            alive[j] = isfinite(v[order[j]]) != 0;
+        }
+        for (int64_t k = 0; k < M; k++) {
+            int64_t j = 0;
+            while (j < kept && !alive[j]) j++;
+            if (j == kept) j = 0;
+            const double *q = params + 4 * j;
+            memcpy(out + (b * M + k) * 4, q, sizeof(double) * 4);
+            for (int64_t i = 0; i < kept; i++) {
+                const double *r = params + 4 * i;
+                if (fabs(r[0] - q[0]) <= near[0] && fabs(r[1] - q[1]) <= near[1] && fabs(r[2] - q[2]) <= near[2] &&
+                    fabs(r[3] - q[3]) <= near[3])
+                    alive[i] = 0;
+            }
+        }
+    }
+}
+
 /* align's grid search: the cross term sum_{r,k} T(r, k) S(y + r, x + k) at every integer shift
  * (y, x) and every scale pair, for S = Ry X Rx^T, without S. A = Ry X (one per scale_h: rows x W)
  * is given; Rx has two taps per row (i0, i1 with weights w0, w1). Per scale_h and block of LANES

@@ -12,6 +12,7 @@ __all__ = [
     "align_best_shifts",
     "align_cross",
     "align_levels",
+    "align_pick",
     "align_refine",
     "align_scores",
     "align_warp",
@@ -188,6 +189,39 @@ def align_best_shifts(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         score.data_ptr(), rows, ny, nx, k, best.data_ptr(), where.data_ptr()
     )
     return best, where
+
+
+def align_pick(
+    best: torch.Tensor,
+    where: torch.Tensor,
+    grid_h: torch.Tensor,
+    grid_w: torch.Tensor,
+    n_x: int,
+    near: tuple[float, float, float, float],
+    n: int,
+    m: int,
+) -> torch.Tensor:
+    """align's candidates from its grid (align.c), as
+    :func:`densematch.alignment.search.pick_candidates` picks them: of each pair's scale pairs'
+    best shifts ``best`` (B, nh, nw, S) (flat shift indices ``where``, rows of ``n_x``), the ``n``
+    lowest, then ``m`` greedily, each the first left once those within ``near`` (scale_h,
+    scale_w, shift_y, shift_x) of one taken are dropped. (B, m, 4) float64."""
+    lib = _loaded("align_pick", best, where, grid_h, grid_w)
+    b, nh, nw, n_s = best.shape
+    _require(
+        where.shape == best.shape and where.dtype == torch.int64 and grid_h.shape == (nh,) and grid_w.shape == (nw,),
+        "best and where must be (B, nh, nw, S), where int64, grid_h (nh,) and grid_w (nw,)",
+    )
+    _require(1 <= n <= nh * nw * n_s and m >= 1, "n must lie in [1, nh nw S] and m be positive")
+    v, at = best.double().contiguous(), where.contiguous()
+    gh, gw, close = grid_h.double().contiguous(), grid_w.double().contiguous(), torch.tensor(near, dtype=torch.float64)
+    order, params = torch.empty(n, dtype=torch.int64), torch.empty(n, 4, dtype=torch.float64)
+    alive, out = torch.empty(n, dtype=torch.uint8), torch.empty(b, m, 4, dtype=torch.float64)
+    lib.dm_align_pick(
+        v.data_ptr(), at.data_ptr(), b, nh * nw, n_s, gh.data_ptr(), gw.data_ptr(), nw, n_x, close.data_ptr(), n, m,
+        order.data_ptr(), params.data_ptr(), alive.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 def align_warp(x: torch.Tensor, params: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
