@@ -381,6 +381,34 @@ class TestSearch:
             torch.testing.assert_close(default.warped, warp(c.image, *at, c.template.shape), atol=1e-5, rtol=0)
 
     @needs_c
+    @pytest.mark.parametrize("ncc", [False, True])
+    def test_the_c_grid_is_the_chunked_grid(self, ncc):
+        # native.align_grid (the whole grid in one call, nothing but the best shifts kept) against
+        # the chunks of torch's products: two pairs, two channels, scale ranges whose largest
+        # shifts differ per scale (inf past them). Photographs: the landscape; random values in
+        # float64 (no near-tie for the two orders of summation to part): the shifts and candidates
+        from densematch.alignment.search import downsample, grid_search, scale_grid
+
+        cases = list(alignment_cases(2, seed=8, kinds=("photo",), sizes=(SIZES[0],)))
+        t = downsample(torch.stack([c.template for c in cases]).double(), 4)
+        x = downsample(torch.stack([c.image for c in cases]).double(), 4)
+        t, x = torch.stack((t, t.flip(-1)), 1), torch.stack((x, x.flip(-1)), 1)
+        gh = scale_grid(0.8, 1.2, t.shape[-2], x.device, x.dtype)
+        gw = scale_grid(0.85, 1.15, t.shape[-1], x.device, x.dtype)
+        _, c_land, _ = grid_search(t, x, None, gh, gw, ncc, 2**30, True)
+        _, land, _ = grid_search(t, x, None, gh, gw, ncc, 2**30, False)
+        torch.testing.assert_close(c_land, land, atol=1e-10, rtol=1e-10)
+        gen = torch.Generator().manual_seed(int(ncc))
+        t, x = (
+            torch.rand(t.shape, generator=gen, dtype=torch.float64),
+            torch.rand(x.shape, generator=gen, dtype=torch.float64),
+        )
+        by_c = grid_search(t, x, None, gh, gw, ncc, 2**30, True)
+        by_torch = grid_search(t, x, None, gh, gw, ncc, 2**30, False)
+        torch.testing.assert_close(by_c[1], by_torch[1], atol=1e-10, rtol=1e-10)
+        assert torch.equal(by_c[2], by_torch[2]) and torch.equal(by_c[0], by_torch[0])
+
+    @needs_c
     @pytest.mark.parametrize("photometric", [False, True])
     def test_the_c_levels_are_the_loop_over_levels(self, photometric):
         # native.align_levels against the loop it replaces: refine at each level (C's step), keep

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,16 +65,27 @@ def grid_search(
     and each scale pair's best integer shift (B, nh, nw, 2) as (shift_y, shift_x), NaN where
     the pair has no valid shift. ``in_c``: the cross term and the best shifts in C
     (kernels/align.c), as the public call resolved it (:func:`densematch.kernels.ops_for`)."""
-    parts, n_x = _scores(t, x, mask, grid_h, grid_w, ncc, budget, in_c)
-    # the chunks come pair by pair, then scale_h by scale_w: nested in that order again
-    grouped: dict[int, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-    for (s, r, _col), score in parts:
-        grouped.setdefault(s, {}).setdefault(r, []).append(_best_shifts(score, in_c))
+    plan = _plan(t, x, mask, grid_h, grid_w, budget, in_c)
+    n_y, n_x = plan.n_shift
+    if plan.products and plan.col_taps is not None:  # uniform weights in C: the whole grid in one call
+        row_taps, col_taps = plan.row_taps, plan.col_taps
+        assert row_taps is not None  # made beside col_taps
+        k = min(_SHIFTS, n_y * n_x)
+        found = [native.align_grid(x, t, row_taps, col_taps, plan.n_shift, plan.max_y, plan.max_x, ncc, k)]
+    else:
+        # the chunks come pair by pair, then scale_h by scale_w: nested in that order again
+        grouped: dict[int, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        for (s, r, _col), score in _chunks(t, x, mask, ncc, plan):
+            grouped.setdefault(s, {}).setdefault(r, []).append(_best_shifts(score, in_c))
+        found = [
+            (
+                torch.cat([torch.cat([bw[0] for bw in row], 2) for row in by_row.values()], 1),
+                torch.cat([torch.cat([bw[1] for bw in row], 2) for row in by_row.values()], 1),
+            )
+            for by_row in grouped.values()
+        ]
     land, cands, shifts = [], [], []
-    for by_row in grouped.values():
-        rows_of = by_row.values()
-        best = torch.cat([torch.cat([bw[0] for bw in row], 2) for row in rows_of], 1)
-        where = torch.cat([torch.cat([bw[1] for bw in row], 2) for row in rows_of], 1)
+    for best, where in found:
         land.append(best[..., 0])
         at = torch.stack((where[..., 0] // n_x, where[..., 0] % n_x), -1).to(grid_h.dtype)
         shifts.append(at.masked_fill(~torch.isfinite(best[..., :1]), math.nan))
@@ -96,76 +108,103 @@ def shift_errors(
     in :func:`grid_search`)."""
     grid_h = torch.tensor([scale_h], dtype=x.dtype, device=x.device)
     grid_w = torch.tensor([scale_w], dtype=x.dtype, device=x.device)
-    parts, _ = _scores(t, x, mask, grid_h, grid_w, ncc, budget, in_c)
+    parts = _chunks(t, x, mask, ncc, _plan(t, x, mask, grid_h, grid_w, budget, in_c))
     return torch.cat([score[:, 0, 0] for _, score in parts])  # one scale pair: chunks of pairs, in order
 
 
-def _scores(
+@dataclass(frozen=True)
+class _Plan:
+    """How :func:`grid_search` and :func:`shift_errors` take a grid: the shifts (n_y, n_x), the
+    largest valid one per scale_h and scale_w (max_y (nh,), max_x (nw,)), the FFT size, whether
+    products cost less than transforms, the sampling matrices Ry (nh, rows, H) and Rx (nw, cols,
+    W), for C their two taps per row (i0, i1, w0, w1, each (nh, rows) or (nw, cols)), and the
+    chunks' pairs, scale_h and scale_w that fit the budget."""
+
+    n_shift: tuple[int, int]
+    max_y: torch.Tensor
+    max_x: torch.Tensor
+    fft_size: tuple[int, int]
+    products: bool
+    ry: torch.Tensor
+    rx: torch.Tensor
+    row_taps: tuple[torch.Tensor, ...] | None
+    col_taps: tuple[torch.Tensor, ...] | None
+    steps: tuple[int, int, int]
+
+
+def _plan(
     t: torch.Tensor,
     x: torch.Tensor,
     mask: torch.Tensor | None,
     grid_h: torch.Tensor,
     grid_w: torch.Tensor,
-    ncc: bool,
     budget: int,
     in_c: bool,
-) -> tuple[Iterator[tuple[tuple[int, int, int], torch.Tensor]], int]:
-    """The scores (B', nh', nw', n_y, n_x) of every scale pair of the grid at every integer shift
-    (inf where invalid), in chunks that fit ``budget``, each with the first (pair, scale_h,
-    scale_w) it holds, in that order; and n_x, the flat shift index's row length."""
+) -> _Plan:
+    """The grid's :class:`_Plan` (a ValueError where ``budget`` holds not one scale pair of one
+    pair beside the sampling matrices)."""
     b, c, h, w = t.shape
     hh, ww = x.shape[-2:]
     nh, nw = grid_h.numel(), grid_w.numel()
-    uniform = mask is None
-    if mask is None:
-        mask = torch.ones(b, 1, h, w, dtype=t.dtype, device=t.device)
+    top_h, top_w = grid_h.max().item(), grid_w.max().item()
     # rows and columns of the stretched image that any valid crop can touch
-    rows = math.floor(hh * grid_h.max().item())
-    cols = math.floor(ww * grid_w.max().item())
+    rows, cols = math.floor(hh * top_h), math.floor(ww * top_w)
     # valid integer shifts: 0 <= s <= H * scale - h
     # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
     max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
     max_x = torch.floor(ww * grid_w - w + 1e-6).long().clamp_min(0)
     n_y, n_x = int(max_y.max().item()) + 1, int(max_x.max().item()) + 1
-    ok_y = torch.arange(n_y, device=x.device) <= max_y[:, None]  # (nh, n_y)
-    ok_x = torch.arange(n_x, device=x.device) <= max_x[:, None]  # (nw, n_x)
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
-    products = uniform and _products_cheaper(t.shape, ww, nh, nw, (n_y, n_x), (fh, fw))
+    products = mask is None and _products_cheaper(t.shape, ww, nh, nw, (n_y, n_x), (fh, fw))
     if products:  # one pair, one scale pair: its scores' few (n_y, n_x) arrays, and its share of
         # its scale_h's Ry X, products over the template's rows and window sums over them
         per_pair = item * (8 * n_y * n_x + math.ceil((c * (rows + n_y * h) + 4 * n_y) * ww / nw))
     else:  # the stretched images, their squares and spectra
         per_pair = fh * fw * item * (6 * c + 8)
-    stretch = f"({grid_h.max().item():g}, {grid_w.max().item():g})"
-    what = f"the search of one scale pair of a {hh}x{ww} image stretched up to {stretch}, beside its sampling matrices"
+    what = (
+        f"the search of one scale pair of a {hh}x{ww} image stretched up to ({top_h:g}, {top_w:g}), beside "
+        "its sampling matrices"
+    )
     # held for the whole search: the sampling matrices Ry (nh, rows, H) and Rx (nw, cols, W), and
-    # for C Rx's two taps per row (two indices, two weights)
-    held = item * (nh * rows * hh + nw * cols * ww) + (nw * cols * 2 * (8 + item) if in_c else 0)
+    # for C their two taps per row (two indices, two weights)
+    held = item * (nh * rows * hh + nw * cols * ww) + ((nh * rows + nw * cols) * 2 * (8 + item) if in_c else 0)
     chunk_rows(budget, per_pair, what, fixed=held, fix="raise memory or narrow the scale ranges")
     budget -= held
     key = (tuple(grid_h.tolist()), tuple(grid_w.tolist()), (rows, cols), (hh, ww), in_c, x.device, x.dtype)
-    ry, rx, taps = (_kept_samplers if held <= _KEPT_BYTES else _samplers)(*key)
+    ry, rx, row_taps, col_taps = (_kept_samplers if held <= _KEPT_BYTES else _samplers)(*key)
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
     pairs = chunk_rows(cap, per_pair, what)
     step_w = min(nw, pairs)
     step_h = min(nh, max(1, pairs // step_w))
     step_b = max(1, min(b, pairs // (nh * nw)))
-    whole = mask
+    steps = (step_b, step_h, step_w)
+    return _Plan((n_y, n_x), max_y, max_x, (fh, fw), products, ry, rx, row_taps, col_taps, steps)
 
-    def chunks() -> Iterator[tuple[tuple[int, int, int], torch.Tensor]]:
-        for s in range(0, b, step_b):
-            for r in range(0, nh, step_h):
-                for col in range(0, nw, step_w):
-                    e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
-                    part_taps = None if taps is None else tuple(tap[v] for tap in taps)
-                    args = (ry[q], rx[v], (fh, fw), (n_y, n_x), ncc, uniform, products, part_taps)
-                    valid = ok_y[q, None, :, None] & ok_x[None, v, None, :]  # (step_h, step_w, n_y, n_x)
-                    yield (s, r, col), _shift_scores(t[s:e], x[s:e], whole[s:e], *args).masked_fill(~valid, math.inf)
 
-    return chunks(), n_x
+def _chunks(
+    t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, ncc: bool, plan: _Plan
+) -> Iterator[tuple[tuple[int, int, int], torch.Tensor]]:
+    """The scores (B', nh', nw', n_y, n_x) of every scale pair of the grid at every integer shift
+    (inf where invalid), in the chunks of ``plan``, each with the first (pair, scale_h, scale_w)
+    it holds, in that order."""
+    b, _c, h, w = t.shape
+    uniform = mask is None
+    whole = torch.ones(b, 1, h, w, dtype=t.dtype, device=t.device) if mask is None else mask
+    n_y, n_x = plan.n_shift
+    ok_y = torch.arange(n_y, device=x.device) <= plan.max_y[:, None]  # (nh, n_y)
+    ok_x = torch.arange(n_x, device=x.device) <= plan.max_x[:, None]  # (nw, n_x)
+    step_b, step_h, step_w = plan.steps
+    for s in range(0, b, step_b):
+        for r in range(0, plan.max_y.numel(), step_h):
+            for col in range(0, plan.max_x.numel(), step_w):
+                e, q, v = min(b, s + step_b), slice(r, r + step_h), slice(col, col + step_w)
+                part_taps = None if plan.col_taps is None else tuple(tap[v] for tap in plan.col_taps)
+                args = (plan.ry[q], plan.rx[v], plan.fft_size, plan.n_shift, ncc, uniform, plan.products, part_taps)
+                valid = ok_y[q, None, :, None] & ok_x[None, v, None, :]  # (step_h, step_w, n_y, n_x)
+                yield (s, r, col), _shift_scores(t[s:e], x[s:e], whole[s:e], *args).masked_fill(~valid, math.inf)
 
 
 def _samplers(
@@ -176,11 +215,11 @@ def _samplers(
     in_c: bool,
     device: torch.device,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
     """The grid's sampling matrices Ry (nh, rows, H) and Rx (nw, cols, W) of the image's ``out``
-    = (rows, cols) stretched by the scales ``scales_h`` x ``scales_w``, and for C Rx's two taps
-    per row; read-only (:func:`_kept_samplers` keeps small ones, made outside inference mode
-    so that a later call with autograd on may read them too)."""
+    = (rows, cols) stretched by the scales ``scales_h`` x ``scales_w``, and for C Ry's and Rx's
+    two taps per row; read-only (:func:`_kept_samplers` keeps small ones, made outside inference
+    mode so that a later call with autograd on may read them too)."""
     (rows, cols), (hh, ww) = out, image
     with torch.inference_mode(False):
         grid_h = torch.tensor(scales_h, dtype=dtype, device=device)
@@ -188,7 +227,9 @@ def _samplers(
         zeros_h, zeros_w = torch.zeros_like(grid_h), torch.zeros_like(grid_w)
         ry = sampling_matrix(rows, hh, grid_h, zeros_h)
         rx = sampling_matrix(cols, ww, grid_w, zeros_w)
-        return ry, rx, bilinear_taps(cols, ww, grid_w, zeros_w) if in_c else None
+        if not in_c:
+            return ry, rx, None, None
+        return ry, rx, bilinear_taps(rows, hh, grid_h, zeros_h), bilinear_taps(cols, ww, grid_w, zeros_w)
 
 
 _kept_samplers = functools.lru_cache(maxsize=_KEPT)(_samplers)

@@ -197,6 +197,47 @@ void DM_T(dm_align_best_shifts)(const T *score, int64_t M, int64_t ny, int64_t n
             }
     }
 }
+/* align's whole grid for uniform weights, pair by pair and scale_h by scale_h, nothing kept
+ * but the answer: the image stretched along y (A = Ry X, from Ry's two taps per row: r0, r1,
+ * v0, v1, each (nh, rows)), the scores (dm_align_scores), inf at shifts past the stretched image
+ * (y > max_y[scale_h] or x > max_x[scale_w]), and each scale pair's K best local minima
+ * (dm_align_best_shifts) into best and where (B, nh, nw, K). x (B, C, H, W). Returns 1 where
+ * scratch could not be allocated. */
+int DM_T(dm_align_grid)(const T *x, const T *t, const int64_t *r0, const int64_t *r1, const T *v0, const T *v1,
+                        const int64_t *i0, const int64_t *i1, const T *w0, const T *w1, int64_t B, int64_t C,
+                        int64_t H, int64_t W, int64_t h, int64_t w, int64_t nh, int64_t rows, int64_t nw,
+                        int64_t cols, int64_t ny, int64_t nx, const int64_t *max_y, const int64_t *max_x, int ncc,
+                        int64_t K, T *best, int64_t *where) {
+    const int64_t used = ny + h - 1; /* the rows of A any window reads */
+    T *a = malloc(sizeof(T) * (size_t)(C * used * W + nw * ny * nx));
+    if (!a) return 1;
+    T *score = a + C * used * W;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t n = 0; n < nh; n++) {
+            for (int64_t c = 0; c < C; c++) {
+                const T *xc = x + (b * C + c) * H * W;
+                for (int64_t r = 0; r < used; r++) {
+                    const T *p = xc + r0[n * rows + r] * W, *q = xc + r1[n * rows + r] * W;
+                    const T f = v0[n * rows + r], g = v1[n * rows + r];
+                    T *o = a + (c * used + r) * W;
+                    for (int64_t j = 0; j < W; j++) o[j] = f * p[j] + g * q[j];
+                }
+            }
+            if (DM_T(dm_align_scores)(a, t + b * C * h * w, i0, i1, w0, w1, 1, C, 1, used, W, h, w, nw, cols, ny, nx,
+                                      ncc, score)) {
+                free(a);
+                return 1;
+            }
+            for (int64_t s = 0; s < nw; s++)
+                for (int64_t y = 0; y < ny; y++)
+                    for (int64_t k = 0; k < nx; k++)
+                        if (y > max_y[n] || k > max_x[s]) score[(s * ny + y) * nx + k] = (T)INFINITY;
+            DM_T(dm_align_best_shifts)(score, nw, ny, nx, K, best + (b * nh + n) * nw * K, where + (b * nh + n) * nw * K);
+        }
+    free(a);
+    return 0;
+}
+
 /* align's warp (densematch.alignment.warp.warp_batch): out (M, C, h, w) samples image i of x
  * (M, C, H, W) bilinearly at params[i] = (scale_h, scale_w, shift_y, shift_x) (taps' rule, in
  * double): the two rows blended first, then the two columns. Returns 1 where scratch could not

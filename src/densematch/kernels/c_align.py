@@ -11,6 +11,7 @@ from .loader import _SUFFIX, _loaded, _require
 __all__ = [
     "align_best_shifts",
     "align_cross",
+    "align_grid",
     "align_levels",
     "align_pick",
     "align_refine",
@@ -140,6 +141,57 @@ def align_scores(
     return _grid("align_scores", along_y, t, taps, n_shift, int(ncc))
 
 
+def align_grid(
+    x: torch.Tensor,
+    t: torch.Tensor,
+    row_taps: tuple[torch.Tensor, ...],
+    col_taps: tuple[torch.Tensor, ...],
+    n_shift: tuple[int, int],
+    max_y: torch.Tensor,
+    max_x: torch.Tensor,
+    ncc: bool,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """align's whole grid for uniform weights in one call (align.c): the images ``x`` (B, C, H, W)
+    stretched by Ry's and Rx's taps (i0, i1, w0, w1: (nh, rows) and (nw, cols),
+    :func:`densematch.alignment.warp.bilinear_taps`), :func:`align_scores` against the template
+    ``t`` (B, C, h, w) at every shift (n_y, n_x), inf past ``max_y`` (nh,) and ``max_x`` (nw,), and
+    each scale pair's ``k`` best local minima as :func:`align_best_shifts` gives them: (B, nh, nw,
+    k) scores and flat shift indices. float32 or float64; the scores are never all held."""
+    lib = _loaded("align_grid", x, t, row_taps, col_taps, max_y, max_x)
+    b, c, big_h, big_w = x.shape
+    h, w = t.shape[-2:]
+    r0, r1, v0, v1 = row_taps
+    nh, rows = r0.shape
+    nw = col_taps[0].shape[0]
+    ny, nx = n_shift
+    _require(
+        t.shape[:2] == (b, c)
+        and all(v.dtype == x.dtype for v in (t, v0, v1))
+        and all(v.shape == (nh, rows) for v in row_taps)
+        and r0.dtype == r1.dtype == max_y.dtype == max_x.dtype == torch.int64
+        and max_y.shape == (nh,)
+        and max_x.shape == (nw,)
+        and bool(((r0 >= 0) & (r0 < big_h) & (r1 >= 0) & (r1 < big_h)).all())
+        and k >= 1,
+        "x (B, C, H, W), t (B, C, h, w), Ry's taps (nh, rows) inside H, max_y (nh,) and max_x (nw,) int64, k >= 1",
+    )
+    x, t = x.contiguous(), t.contiguous()
+    _grid_check(x, t, col_taps, (rows, big_w), n_shift)
+    rt = tuple(v.contiguous() for v in row_taps)
+    best = torch.empty(b, nh, nw, k, dtype=x.dtype)
+    where = torch.empty(b, nh, nw, k, dtype=torch.int64)
+    limits = (max_y.contiguous(), max_x.contiguous())
+    failed = getattr(lib, f"dm_align_grid_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), t.data_ptr(), *(v.data_ptr() for v in rt), *(v.data_ptr() for v in col_taps),
+        b, c, big_h, big_w, h, w, nh, rows, nw, col_taps[0].shape[1], ny, nx, *(v.data_ptr() for v in limits),
+        int(ncc), k, best.data_ptr(), where.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("densematch's C kernels: align_grid could not allocate its scratch")
+    return best, where
+
+
 def _grid(
     name: str,
     along_y: torch.Tensor,
@@ -152,27 +204,42 @@ def _grid(
     lib = _loaded(name, along_y, t, taps)
     b, c, nh, rows, big_w = along_y.shape
     h, w = t.shape[-2:]
-    i0, i1, w0, w1 = taps
-    nw, cols = i0.shape
+    nw, cols = taps[0].shape
     ny, nx = n_shift
-    _require(
-        along_y.dtype in _SUFFIX
-        and all(v.dtype == along_y.dtype and v.is_contiguous() for v in (along_y, t, w0, w1))
-        and all(v.dtype == torch.int64 and v.is_contiguous() and v.shape == (nw, cols) for v in (i0, i1))
-        and w0.shape == w1.shape == (nw, cols)
-        and t.shape[:2] == (b, c)
-        and ny + h - 1 <= rows
-        and nx + w - 1 <= cols
-        and bool((i0 >= 0).all() and (i0 < big_w).all() and ((i1 == i0) | (i1 == i0 + 1)).all() and (i1 < big_w).all()),
-        "along_y (B, C, nh, rows, W), t (B, C, h, w) and taps (nw, cols) must be contiguous, of one float "
-        "dtype, with every shift's window inside rows x cols and taps inside W, i1 = i0 or i0 + 1",
-    )
+    _require(along_y.is_contiguous() and t.shape[:2] == (b, c), "along_y (B, C, nh, rows, W) must be contiguous")
+    _grid_check(along_y, t, taps, (rows, big_w), n_shift)
     out = torch.empty(b, nh, nw, ny, nx, dtype=along_y.dtype)
     sizes = (b, c, nh, rows, big_w, h, w, nw, cols, ny, nx)
     ptrs = (along_y.data_ptr(), t.data_ptr(), *(v.data_ptr() for v in taps))
     if getattr(lib, f"dm_{name}_{_SUFFIX[along_y.dtype]}")(*ptrs, *sizes, *extra, out.data_ptr()):
         raise MemoryError(f"densematch's C kernels: {name} could not allocate its scratch")
     return out
+
+
+def _grid_check(
+    image: torch.Tensor,
+    t: torch.Tensor,
+    taps: tuple[torch.Tensor, ...],
+    size: tuple[int, int],
+    n_shift: tuple[int, int],
+) -> None:
+    """The rules align's grid kernels share: one float dtype, contiguous, Rx's taps (nw, cols)
+    inside the ``size`` (rows, W) stretched along y, i1 = i0 or i0 + 1, every shift's window inside."""
+    i0, i1, w0, w1 = taps
+    nw, cols = i0.shape
+    (rows, big_w), (ny, nx) = size, n_shift
+    h, w = t.shape[-2:]
+    _require(
+        image.dtype in _SUFFIX
+        and all(v.dtype == image.dtype and v.is_contiguous() for v in (t, w0, w1))
+        and all(v.dtype == torch.int64 and v.is_contiguous() and v.shape == (nw, cols) for v in (i0, i1))
+        and w0.shape == w1.shape == (nw, cols)
+        and ny + h - 1 <= rows
+        and nx + w - 1 <= cols
+        and bool((i0 >= 0).all() and (i0 < big_w).all() and ((i1 == i0) | (i1 == i0 + 1)).all() and (i1 < big_w).all()),
+        "the image, t (B, C, h, w) and taps (nw, cols) must be contiguous, of one float dtype, with every "
+        "shift's window inside rows x cols and taps inside W, i1 = i0 or i0 + 1",
+    )
 
 
 def align_best_shifts(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
