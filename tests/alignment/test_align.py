@@ -577,6 +577,28 @@ class TestSearch:
         torch.testing.assert_close(products[1], transforms[1], atol=1e-5, rtol=1e-5)
         assert torch.equal(products[0], transforms[0])
 
+    @pytest.mark.parametrize(
+        ("template", "image", "torch_products", "c_products"),
+        [
+            ((25, 25), (31, 31), True, True),  # a 100x100 photograph's coarse level: products either way
+            ((32, 40), (40, 50), False, True),  # a 64x80 mask's: C's grid, where torch's transforms
+            ((120, 120), (150, 150), False, True),  # a fine texture at full resolution: the same
+            ((400, 400), (500, 500), False, False),  # and a large one: transforms either way
+        ],
+    )
+    def test_the_grid_takes_products_or_transforms_by_the_rule(self, template, image, torch_products, c_products):
+        # the rule per kernel: torch's products against the transforms at 4x their flops, C's
+        # grid (taps, 3-4x faster than torch's transforms at 2-4x their counted flops) up to 8x
+        from densematch.alignment.search import _fast_length, _products_cheaper, scale_grid
+
+        (h, w), (big_h, big_w) = template, image
+        nh, nw = (scale_grid(0.8, 1.2, n, "cpu", torch.float64).numel() for n in (h, w))
+        shifts = (math.floor(big_h * 1.2 - h + 1e-6) + 1, math.floor(big_w * 1.2 - w + 1e-6) + 1)
+        fft = (_fast_length(math.floor(big_h * 1.2)), _fast_length(math.floor(big_w * 1.2)))
+        shape = torch.Size([1, 1, h, w])
+        assert _products_cheaper(shape, big_w, nh, nw, shifts, fft) is torch_products
+        assert _products_cheaper(shape, big_w, nh, nw, shifts, fft, True) is c_products
+
     @needs_c
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
     @pytest.mark.parametrize("shape", [(2, 3, 4, 13, 13), (1, 2, 2, 1, 7), (3, 1, 1, 5, 1), (1, 1, 1, 1, 1)])

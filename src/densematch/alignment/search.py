@@ -147,8 +147,9 @@ def _plan(
     hh, ww = x.shape[-2:]
     nh, nw = grid_h.numel(), grid_w.numel()
     top_h, top_w = grid_h.max().item(), grid_w.max().item()
-    # rows and columns of the stretched image that any valid crop can touch
-    rows, cols = math.floor(hh * top_h), math.floor(ww * top_w)
+    # rows and columns of the stretched image that any valid crop can touch (with the valid
+    # shifts' own tolerance: a scale 1e-6 short of a whole row still places a crop on it)
+    rows, cols = math.floor(hh * top_h + 1e-6), math.floor(ww * top_w + 1e-6)
     # valid integer shifts: 0 <= s <= H * scale - h
     # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
     max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
@@ -157,7 +158,7 @@ def _plan(
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
-    products = mask is None and _products_cheaper(t.shape, ww, nh, nw, (n_y, n_x), (fh, fw))
+    products = mask is None and _products_cheaper(t.shape, ww, nh, nw, (n_y, n_x), (fh, fw), in_c)
     if products:  # one pair, one scale pair: its scores' few (n_y, n_x) arrays, and its share of
         # its scale_h's Ry X, products over the template's rows and window sums over them
         per_pair = item * (8 * n_y * n_x + math.ceil((c * (rows + n_y * h) + 4 * n_y) * ww / nw))
@@ -399,14 +400,27 @@ def _window_moments(
 
 
 def _products_cheaper(
-    t: torch.Size, big_w: int, nh: int, nw: int, n_shift: tuple[int, int], fft_size: tuple[int, int]
+    t: torch.Size,
+    big_w: int,
+    nh: int,
+    nw: int,
+    n_shift: tuple[int, int],
+    fft_size: tuple[int, int],
+    in_c: bool = False,
 ) -> bool:
-    """Whether :func:`_cross_by_products`' multiply-adds cost less than the FFT correlation's
-    transforms, counting a transform's flops at 4x a matrix product's (small batched FFTs run far
-    from a CPU's peak; BLAS runs near it)."""
+    """Whether the products' multiply-adds cost less than the FFT correlation's transforms,
+    counting a transform's flops at 4x a matrix product's (small batched FFTs run far from a
+    CPU's peak; BLAS runs near it): torch's :func:`_cross_by_products`, or with ``in_c`` C's
+    whole grid (:func:`densematch.kernels.native.align_grid`: the template's rows against Ry X
+    at each row shift, then 2 w taps per output), which runs 3-4x faster than the transforms at
+    2-4x their counted flops (64-120 px periodic textures searched at full resolution, 1-2x at
+    the masks' coarse levels), so it is taken up to 8x them."""
     b, c, h, w = t
-    products = b * c * nh * n_shift[0] * w * big_w * (h + nw * n_shift[1])
+    ny, nx = n_shift
     fft = b * c * nh * nw * fft_size[0] * fft_size[1] * math.log2(fft_size[0] * fft_size[1]) * 2.5
+    if in_c:
+        return b * nh * ny * w * (c * big_w * h + 2 * nw * nx) <= 8 * fft
+    products = b * c * nh * ny * w * big_w * (h + nw * nx)
     return products <= 4 * fft
 
 
