@@ -409,6 +409,27 @@ class TestSearch:
         assert torch.equal(by_c[2], by_torch[2]) and torch.equal(by_c[0], by_torch[0])
 
     @needs_c
+    def test_the_c_kernels_refuse_operands_out_of_their_rules(self):
+        # taps whose second index is not the first or the next, or outside the image; levels whose
+        # candidates are not grouped by pair in ascending order: a ValueError naming the rule
+        from densematch.alignment.warp import bilinear_taps
+
+        a, t = torch.rand(1, 1, 2, 30, 17), torch.rand(1, 1, 11, 9)
+        i0, i1, w0, w1 = bilinear_taps(20, 17, torch.tensor([0.9, 1.1]), torch.zeros(2))
+        native.align_scores(a, t, (i0, i1, w0, w1), (20, 12), False)  # as made: accepted
+        for bad in ((i0, i0 + 2, w0, w1), (i0 - 1, i1, w0, w1), (i0, i1.clamp(max=16) + 1, w0, w1)):
+            with pytest.raises(ValueError, match="i1 = i0 or i0 \\+ 1"):
+                native.align_scores(a, t, tuple(v.contiguous() for v in bad), (20, 12), False)
+        level = (torch.rand(2, 1, 8, 8, dtype=torch.float64), torch.rand(2, 1, 10, 10, dtype=torch.float64))
+        data = [(*level, torch.ones(1, 8, 8, dtype=torch.float64), 1)]
+        cand = torch.tensor([[1.0, 1.0, 0.5, 0.5]] * 2, dtype=torch.float64)
+        args = ([], [1e-3], (0.8, 1.2, 0.8, 1.2), False, 5, (1e-3, 0.1))
+        native.align_levels(data, torch.tensor([0, 1]), cand, *args)
+        for owner in (torch.tensor([1, 0]), torch.tensor([0, 2])):
+            with pytest.raises(ValueError, match="grouped in ascending order"):
+                native.align_levels(data, owner, cand, *args)
+
+    @needs_c
     @pytest.mark.parametrize("photometric", [False, True])
     def test_the_c_levels_are_the_loop_over_levels(self, photometric):
         # native.align_levels against the loop it replaces: refine at each level (C's step), keep

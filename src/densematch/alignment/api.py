@@ -617,9 +617,10 @@ def _levels(t: torch.Tensor, mask: torch.Tensor) -> list[int]:
     f = 1
     while min(h, w) // (2 * f) >= _COARSE_SIDE:
         f *= 2
-    low = _low_band(t, mask)
-    while f > 1 and float(low(f)) < _LOW_BAND:
-        f //= 2
+    if f > 1:
+        low = _low_band(t, mask)
+        while f > 1 and float(low(f)) < _LOW_BAND:
+            f //= 2
     return [f >> i for i in range(f.bit_length())]
 
 
@@ -774,7 +775,10 @@ def _best_per_pair(cand: torch.Tensor, owner: torch.Tensor, err: torch.Tensor, k
     few candidates per pair: numpy on the host."""
     c, o, e = (v.detach().cpu().numpy() for v in (cand, owner, err))
     order = np.lexsort((e, o))  # by pair, then by error (NaN last)
-    starts = np.flatnonzero(np.r_[True, o[order][1:] != o[order][:-1]])
+    sorted_o = o[order]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_o[1:] != sorted_o[:-1])))
+    if keep == 1:  # each pair's best: no twin to drop
+        return torch.from_numpy(order[starts]).to(cand.device)
     near = np.array([_SAME[0], _SAME[0], _SAME[1], _SAME[1]])
     chosen: list[int] = []
     for s, end in zip(starts, [*starts[1:], len(order)], strict=True):

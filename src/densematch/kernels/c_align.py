@@ -21,6 +21,14 @@ __all__ = [
 ]
 
 
+def _within(v: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether every value of the integer tensor ``v`` lies in [lo, hi] (one pass; True if empty)."""
+    if v.numel() == 0:
+        return True
+    least, most = torch.aminmax(v)
+    return lo <= int(least) and int(most) <= hi
+
+
 def align_refine(
     t: torch.Tensor,
     x: torch.Tensor,
@@ -96,7 +104,8 @@ def align_levels(
         and cand.ndim == 2
         and cand.shape[1] == 4
         and owner.shape == cand.shape[:1]
-        and bool((owner[1:] >= owner[:-1]).all() and ((owner >= 0) & (owner < b)).all()),
+        and _within(owner, 0, b - 1)
+        and _within(owner[1:] - owner[:-1], 0, b),
         "levels must hold float64 (B, C, h, w), (B, C, H, W), (B or 1, h, w) and cand (M, 4) full-resolution "
         "candidates of the pairs owner (M,), grouped in ascending order",
     )
@@ -172,7 +181,8 @@ def align_grid(
         and r0.dtype == r1.dtype == max_y.dtype == max_x.dtype == torch.int64
         and max_y.shape == (nh,)
         and max_x.shape == (nw,)
-        and bool(((r0 >= 0) & (r0 < big_h) & (r1 >= 0) & (r1 < big_h)).all())
+        and _within(r0, 0, big_h - 1)
+        and _within(r1, 0, big_h - 1)
         and k >= 1,
         "x (B, C, H, W), t (B, C, h, w), Ry's taps (nh, rows) inside H, max_y (nh,) and max_x (nw,) int64, k >= 1",
     )
@@ -236,7 +246,9 @@ def _grid_check(
         and w0.shape == w1.shape == (nw, cols)
         and ny + h - 1 <= rows
         and nx + w - 1 <= cols
-        and bool((i0 >= 0).all() and (i0 < big_w).all() and ((i1 == i0) | (i1 == i0 + 1)).all() and (i1 < big_w).all()),
+        and _within(i0, 0, big_w - 1)
+        and _within(i1 - i0, 0, 1)
+        and _within(i1, 0, big_w - 1),
         "the image, t (B, C, h, w) and taps (nw, cols) must be contiguous, of one float dtype, with every "
         "shift's window inside rows x cols and taps inside W, i1 = i0 or i0 + 1",
     )
