@@ -412,9 +412,9 @@ def _products_cheaper(
     counting a transform's flops at 4x a matrix product's (small batched FFTs run far from a
     CPU's peak; BLAS runs near it): torch's :func:`_cross_by_products`, or with ``in_c`` C's
     whole grid (:func:`densematch.kernels.native.align_grid`: the template's rows against Ry X
-    at each row shift, then 2 w taps per output), which runs 3-4x faster than the transforms at
-    2-4x their counted flops (64-120 px periodic textures searched at full resolution, 1-2x at
-    the masks' coarse levels), so it is taken up to 8x them."""
+    at each row shift, then 2 w taps per output), taken up to 8x them: at 1.4-4x their counted
+    flops (the masks' coarse levels, fine textures searched at full resolution) it ran 2-4x
+    faster than the transforms (benchmarks/history/2026-12-06-issue-41-align-s-search-in-c.md)."""
     b, c, h, w = t
     ny, nx = n_shift
     fft = b * c * nh * nw * fft_size[0] * fft_size[1] * math.log2(fft_size[0] * fft_size[1]) * 2.5
