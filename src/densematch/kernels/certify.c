@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dm_abi.h"
 
@@ -65,6 +66,59 @@ static inline void points(double lo, double hi, int64_t n_in, int64_t K, int64_t
 static inline double term(double t, double lo, double hi, int squared) {
     const double gap = (lo - t > 0 ? lo - t : 0) + (t - hi > 0 ? t - hi : 0);
     return squared ? gap * gap : gap;
+}
+
+typedef double dm_v8d __attribute__((vector_size(64)));
+typedef int64_t dm_v8i __attribute__((vector_size(64)));
+
+/* lane by lane: where m, a, else b (C has no ternary on vectors; macros, not functions, pass no
+ * 64-byte vector through a call on levels without AVX-512) */
+#define DM_PICK(m, a, b) ((dm_v8d)(((m) & (dm_v8i)(a)) | (~(m) & (dm_v8i)(b))))
+#define DM_MIN(a, b) DM_PICK((a) < (b), a, b)
+#define DM_MAX(a, b) DM_PICK((a) > (b), a, b)
+
+/* One template row's terms in the exact range: each pixel's extremes among its ky x K points
+ * (the image along x at point a of column j, at a w + j of each row of along; rows yi0[b],
+ * yi1[b] blended by yg0[b], yg1[b] at point b along y), kept in registers 8 columns at a time;
+ * the terms summed in 8 lanes, then folded in one fixed order, then the columns left over. */
+static inline double exact_row(const double *along, int64_t w, int64_t K, int64_t ky, const int64_t *yi0,
+                               const int64_t *yi1, const double *yg0, const double *yg1, const double *t,
+                               int squared) {
+    const int64_t stride = w * K;
+    dm_v8d acc = {0};
+    int64_t j = 0;
+    for (; j + 8 <= w; j += 8) {
+        dm_v8d lo = {INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY}, hi = -lo;
+        for (int64_t b = 0; b < ky; b++) {
+            const double *r0 = along + yi0[b] * stride + j, *r1 = along + yi1[b] * stride + j;
+            const double g0 = yg0[b], g1 = yg1[b];
+            for (int64_t a = 0; a < K; a++) {
+                dm_v8d p0, p1;
+                memcpy(&p0, r0 + a * w, sizeof p0);
+                memcpy(&p1, r1 + a * w, sizeof p1);
+                const dm_v8d v = p0 * g0 + p1 * g1;
+                lo = DM_MIN(v, lo);
+                hi = DM_MAX(v, hi);
+            }
+        }
+        dm_v8d tv;
+        memcpy(&tv, t + j, sizeof tv);
+        const dm_v8d zero = {0}, below = lo - tv, above = tv - hi;
+        const dm_v8d gap = DM_PICK(below > zero, below, zero) + DM_PICK(above > zero, above, zero);
+        acc += squared ? gap * gap : gap;
+    }
+    double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < w; j++) {
+        double lo = INFINITY, hi = -INFINITY;
+        for (int64_t b = 0; b < ky; b++)
+            for (int64_t a = 0; a < K; a++) {
+                const double v = along[yi0[b] * stride + a * w + j] * yg0[b] + along[yi1[b] * stride + a * w + j] * yg1[b];
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+            }
+        total += term(t[j], lo, hi, squared);
+    }
+    return total;
 }
 
 /* Sums over the template's rows (in the order given) and channels of each cell's terms, into
@@ -134,10 +188,6 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                 if (exact) {
                     const int64_t ky = (int64_t)(ceil(yhi) - floor(ylo)) + 1;
                     points(ylo, yhi, H, ky, 1, yi0, yi1, yg0, yg1);
-                    for (int64_t j = 0; j < w; j++) {
-                        lo[j] = INFINITY;
-                        hi[j] = -INFINITY;
-                    }
                     for (int64_t b = 0; b < ky; b++) {
                         const int64_t rr[2] = {yi0[b], yi1[b]};
                         for (int e = 0; e < 2; e++) /* the image along x at the points, once per row and cell */
@@ -147,16 +197,8 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                                 for (int64_t o = 0; o < w * K; o++) dst[o] = src[xi0[o]] * xg0[o] + src[xi1[o]] * xg1[o];
                                 ready[ch * H + rr[e]] = 1;
                             }
-                        const double *a0 = along + (ch * H + rr[0]) * w * K, *a1 = along + (ch * H + rr[1]) * w * K;
-                        const double g0 = yg0[b], g1 = yg1[b];
-                        for (int64_t a = 0; a < K; a++)
-                            for (int64_t j = 0; j < w; j++) {
-                                const double v = a0[a * w + j] * g0 + a1[a * w + j] * g1;
-                                lo[j] = v < lo[j] ? v : lo[j];
-                                hi[j] = v > hi[j] ? v : hi[j];
-                            }
                     }
-                    for (int64_t j = 0; j < w; j++) total += term(t[j], lo[j], hi[j], squared);
+                    total += exact_row(along + (ch * H) * w * K, w, K, ky, yi0, yi1, yg0, yg1, t, squared);
                 } else {
                     /* every whole pixel the box touches: columns' extremes over the rows, then rows' */
                     const int64_t r0 = (int64_t)floor(ylo), r_end = (int64_t)ceil(yhi);
