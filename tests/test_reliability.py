@@ -155,6 +155,18 @@ class TestNoProcessWideState:
         densematch.threads.share_out(range(4), lambda _: seen.append(buffers.__dict__.get("store")), 2)
         assert all(k for k in kept) and seen == [None] * 4
 
+    def test_a_scratch_buffer_first_made_in_inference_mode_is_written_outside_it(self):
+        # PrototypeDistance's l2 in C asked for its tiles inside inference mode, then a call with
+        # no_grad wrote into the same buffers: an inference tensor refused the write
+        name = "test-inference"
+        with torch.inference_mode():
+            inside = densematch.threads.scratch(name, (4,), torch.float32, torch.device("cpu"))
+            torch.add(torch.zeros(4), 1, out=inside)
+        outside = densematch.threads.scratch(name, (4,), torch.float32, torch.device("cpu"))
+        torch.add(torch.zeros(4), 2, out=outside)
+        assert outside.tolist() == [2.0] * 4 and not outside.is_inference()
+        densematch.threads._buffers.__dict__["store"].pop(name)
+
 
 def _match_in_a_child() -> bool:
     a = torch.arange(3 * 2500, dtype=torch.float32).reshape(2500, 3)  # long enough to share out

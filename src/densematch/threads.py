@@ -78,14 +78,17 @@ _buffers = threading.local()
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A buffer of this thread's, kept between calls under ``name`` and grown when too small: a
     tile written and read again at once needs no fresh block (whose pages the kernel would map
-    and zero on every first touch). The caller must be done with it before asking again."""
+    and zero on every first touch). The caller must be done with it before asking again. Made
+    outside inference mode: a buffer first asked for inside it may be written outside it later
+    (an inference tensor refuses that), and a normal one takes writes inside it too."""
     store: dict[str, torch.Tensor] = _buffers.__dict__.setdefault("store", {})
     size = 1
     for n in shape:
         size *= n
     held = store.get(name)
     if held is None or held.numel() < size or held.dtype != dtype or held.device != device:
-        held = store[name] = torch.empty(size, dtype=dtype, device=device)
+        with torch.inference_mode(False):
+            held = store[name] = torch.empty(size, dtype=dtype, device=device)
     return held[:size].view(shape)
 
 
