@@ -668,9 +668,12 @@ def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Set
     pyramid = {1: (t, x, mask)}
     for f in levels[-2::-1]:  # 2, 4, ...: each level halves the one below it
         tb, xb, mb = pyramid[f // 2]
-        shared = mb[:1] if mb.stride(0) == 0 else mb  # one mask for every pair stays one
-        m_half = downsample(shared, 2)
-        pyramid[f] = (downsample(tb, 2), downsample(xb, 2), m_half.expand(b, *m_half.shape[1:]))
+        t_half, x_half = downsample(tb, 2), downsample(xb, 2)
+        if settings.uniform:  # ones stay ones
+            m_half = torch.ones(1, 1, *t_half.shape[-2:], dtype=mb.dtype, device=mb.device)
+        else:
+            m_half = downsample(mb[:1] if mb.stride(0) == 0 else mb, 2)  # one mask for every pair stays one
+        pyramid[f] = (t_half, x_half, m_half.expand(b, *m_half.shape[1:]))
     coarse = levels[0]
     tc, xc, mc = pyramid[coarse]
     grid_h = scale_grid(*settings.range_h, tc.shape[-2], x.device, x.dtype)
@@ -753,8 +756,12 @@ def _refine_far(
     ``owner``, plus each one that moved over _FAR pixels refined again from where it stopped
     (blurred, then sharp): the two compete as candidates of their pair."""
     h, w = t.shape[-2:]
-    edge = torch.tensor([h, w, 1.0, 1.0], dtype=found.dtype, device=found.device)
-    far = ((found - start).abs() * edge).amax(1) > _FAR
+    if found.device.type == "cpu":  # a few rows: numpy's operations cost a fifth of torch's
+        moved = np.abs(found.numpy() - start.numpy()) * np.array([h, w, 1.0, 1.0])
+        far = torch.from_numpy(moved.max(1) > _FAR)
+    else:
+        edge = torch.tensor([h, w, 1.0, 1.0], dtype=found.dtype, device=found.device)
+        far = ((found - start).abs() * edge).amax(1) > _FAR
     if not bool(far.any()):
         return found, owner, sums
     blurred, _ = _refine_all(_blur(t), _blur(x), mask, owner[far], found[far], settings, _COARSE_TOLERANCE)
