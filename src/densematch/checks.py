@@ -122,12 +122,12 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
             # than isfinite(...).all() here, with no boolean temporary
             low, high = torch.aminmax(chunk)
             if chunk.device.type == "cpu":  # two numbers read where three more operations would run
-                ok = math.isfinite(low.item()) and math.isfinite(high.item())
+                finite = math.isfinite(low.item()) and math.isfinite(high.item())
             else:  # one read of the device
-                ok = bool((torch.isfinite(low) & torch.isfinite(high)).all())
+                finite = bool((torch.isfinite(low) & torch.isfinite(high)).all())
         else:
-            ok = bool((torch.isfinite(chunk).all(1) | ~mask[start : start + step]).all())
-        if not ok:
+            finite = bool((torch.isfinite(chunk).all(1) | ~mask[start : start + step]).all())
+        if not finite:
             raise ValueError(message)
 
 

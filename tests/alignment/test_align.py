@@ -14,6 +14,24 @@ from densematch.kernels import native, ops_for
 needs_c = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 
 
+def _grid_operands(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple:
+    """Random t (B, C, h, w) and x (B, C, H, W) of ``shape``, and a grid's Ry, Rx, Rx's taps and
+    shifts over scales 0.8-1.2 and 0.7-1.3, for the grid kernels' tests."""
+    from densematch.alignment.search import scale_grid
+    from densematch.alignment.warp import bilinear_taps, sampling_matrix
+
+    b, c, h, w, big_h, big_w = shape
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.rand(b, c, h, w, generator=gen, dtype=dtype)
+    x = torch.rand(b, c, big_h, big_w, generator=gen, dtype=dtype)
+    gh, gw = scale_grid(0.8, 1.2, h, x.device, dtype), scale_grid(0.7, 1.3, w, x.device, dtype)
+    rows, cols = int(big_h * gh.max()), int(big_w * gw.max())
+    ry = sampling_matrix(rows, big_h, gh, torch.zeros_like(gh))
+    rx = sampling_matrix(cols, big_w, gw, torch.zeros_like(gw))
+    taps = bilinear_taps(cols, big_w, gw, torch.zeros_like(gw))
+    return t, x, ry, rx, taps, (rows - h + 1, cols - w + 1)
+
+
 def within(a, case, scale_tol=0.005, shift_tol=0.5) -> bool:
     return (
         abs(a.scale_h - case.scale_h) <= scale_tol
@@ -296,20 +314,11 @@ class TestSearch:
         # Rx's two taps per output column in C against the dense products and a float64 sum over
         # each window of the stretched image; several lane blocks of row shifts (42 at 7 x 5),
         # channels, template widths that are no multiple of the register block
-        from densematch.alignment.search import _cross_by_products, scale_grid
-        from densematch.alignment.warp import bilinear_taps, sampling_matrix
+        from densematch.alignment.search import _cross_by_products
 
-        b, c, h, w, big_h, big_w = shape
-        gen = torch.Generator().manual_seed(sum(shape))
-        t = torch.rand(b, c, h, w, generator=gen, dtype=dtype)
-        x = torch.rand(b, c, big_h, big_w, generator=gen, dtype=dtype)
-        gh, gw = scale_grid(0.8, 1.2, h, x.device, dtype), scale_grid(0.7, 1.3, w, x.device, dtype)
-        rows, cols = int(big_h * gh.max()), int(big_w * gw.max())
-        ry = sampling_matrix(rows, big_h, gh, torch.zeros_like(gh))
-        rx = sampling_matrix(cols, big_w, gw, torch.zeros_like(gw))
-        n_y, n_x = rows - h + 1, cols - w + 1
+        _b, c, h, w, _, _ = shape
+        t, x, ry, rx, taps, (n_y, n_x) = _grid_operands(shape, dtype, sum(shape))
         along_y = torch.einsum("hrH,bcHW->bchrW", ry, x)
-        taps = bilinear_taps(cols, big_w, gw, torch.zeros_like(gw))
         by_c = native.align_cross(along_y.contiguous(), t, taps, (n_y, n_x))
         stretched = torch.einsum("bchrW,wkW->bchwrk", along_y.double(), rx.double())
         windows = stretched.unfold(4, h, 1).unfold(5, w, 1)  # (B, C, nh, nw, n_y, n_x, h, w)
@@ -326,19 +335,10 @@ class TestSearch:
         # the grid's scores of uniform weights in one pass of C against the torch path's products
         # and band sums, and the squared error against a float64 sum over each stretched window;
         # row shifts past one vector, channels, images whose last column is a clamped tap
-        from densematch.alignment.search import _shift_scores, scale_grid
-        from densematch.alignment.warp import bilinear_taps, sampling_matrix
+        from densematch.alignment.search import _shift_scores
 
-        b, c, h, w, big_h, big_w = shape
-        gen = torch.Generator().manual_seed(sum(shape) + ncc)
-        t = torch.rand(b, c, h, w, generator=gen, dtype=dtype)
-        x = torch.rand(b, c, big_h, big_w, generator=gen, dtype=dtype)
-        gh, gw = scale_grid(0.8, 1.2, h, x.device, dtype), scale_grid(0.7, 1.3, w, x.device, dtype)
-        rows, cols = int(big_h * gh.max()), int(big_w * gw.max())
-        ry = sampling_matrix(rows, big_h, gh, torch.zeros_like(gh))
-        rx = sampling_matrix(cols, big_w, gw, torch.zeros_like(gw))
-        shifts = (rows - h + 1, cols - w + 1)
-        taps = bilinear_taps(cols, big_w, gw, torch.zeros_like(gw))
+        b, _c, h, w, _, _ = shape
+        t, x, ry, rx, taps, shifts = _grid_operands(shape, dtype, sum(shape) + ncc)
         ones = torch.ones(b, 1, h, w, dtype=dtype)
         args = (t, x, ones, ry, rx, (0, 0), shifts, ncc, True, True)
         by_c, by_torch = _shift_scores(*args, taps), _shift_scores(*args)

@@ -714,6 +714,7 @@ def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Set
 
 
 def _tolerance(f: int) -> float:
+    """The refinement's stopping step at a level of factor f (pixels of that level)."""
     return _TOLERANCE if f == 1 else _COARSE_TOLERANCE
 
 

@@ -63,8 +63,9 @@ def grid_search(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x), the landscape (B, nh, nw)
     and each scale pair's best integer shift (B, nh, nw, 2) as (shift_y, shift_x), NaN where
-    the pair has no valid shift. ``in_c``: the cross term and the best shifts in C
-    (kernels/align.c), as the public call resolved it (:func:`densematch.kernels.ops_for`)."""
+    the pair has no valid shift. ``in_c``: in C (kernels/align.c) where it runs, as the public
+    call resolved it (:func:`densematch.kernels.ops_for`): the whole grid of uniform weights in
+    one call (else the best shifts of torch's chunks), and the candidates."""
     plan = _plan(t, x, mask, grid_h, grid_w, budget, in_c)
     n_y, n_x = plan.n_shift
     if plan.products and plan.col_taps is not None:  # uniform weights in C: the whole grid in one call
