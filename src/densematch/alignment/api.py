@@ -609,7 +609,7 @@ def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
     )
 
 
-def _levels(t: torch.Tensor, mask: torch.Tensor) -> list[int]:
+def _levels(t: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
     """The pyramid's downsampling factors, coarsest first: the grid searches a template of
     _COARSE_SIDE pixels or more on its shorter side, and coarse enough to keep some of the
     template's own content (:func:`_low_band`); each level halves the factor to 1."""
@@ -624,47 +624,55 @@ def _levels(t: torch.Tensor, mask: torch.Tensor) -> list[int]:
     return [f >> i for i in range(f.bit_length())]
 
 
-def _low_band(t: torch.Tensor, mask: torch.Tensor) -> Callable[[int], torch.Tensor]:
+def _low_band(t: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], torch.Tensor]:
     """For a factor f, the least over the pairs of ``t`` (B, C, h, w) of the share of the
-    template's energy (weighted by ``mask``, its mean off, under a Hann window against the
-    crop's edges) at frequencies a level of factor f resolves: below _BAND_EDGE / f cycles per
+    template's energy (weighted by ``mask``, or uniformly where None, its mean off, under a
+    Hann window against the crop's edges) at frequencies a level of factor f resolves: below _BAND_EDGE / f cycles per
     pixel on both axes (0.7 of its Nyquist frequency), less the window's main lobe. Above them, a block mean keeps only
     aliases, which stretch and shift differently from the template's texture: a fine periodic
     texture (period under 2 f) has none left, and its coarse grid finds the wrong phase."""
     h, w = t.shape[-2:]
-    hann, doubled, fy, fx = _spectrum_parts(h, w, t.dtype, t.device)
-    weight = mask * hann
-    mean = (t * weight).sum((2, 3), keepdim=True) / weight.sum((2, 3), keepdim=True).clamp_min(1e-30)
+    hann, hann_sum, doubled = _spectrum_parts(h, w, t.dtype, t.device)
+    if mask is None:  # uniform weights: the window's own, and its sum kept
+        weight, weight_sum = hann, hann_sum
+    else:
+        weight = mask * hann
+        weight_sum = weight.sum((2, 3), keepdim=True).clamp_min(1e-30)
+    mean = (t * weight).sum((2, 3), keepdim=True) / weight_sum
     power = torch.fft.rfft2((t - mean) * weight).abs().square().sum(1) * doubled  # (B, h, w // 2 + 1)
     total = power.sum((1, 2)).clamp_min(1e-300)
 
-    def share(f: int) -> torch.Tensor:  # less the window's main lobe (2 / n), which smears a line over it
-        kept = (fy < _BAND_EDGE / f - 2 / h) & (fx < _BAND_EDGE / f - 2 / w)
-        return ((power * kept).sum((1, 2)) / total).min()
+    def share(f: int) -> torch.Tensor:
+        return ((power * _band(h, w, f, t.device)).sum((1, 2)) / total).min()
 
     return share
 
 
 @functools.lru_cache(maxsize=8)
-def _spectrum_parts(
-    h: int, w: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _spectrum_parts(h: int, w: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """:func:`_low_band`'s constants for an (h, w) template, kept (read-only, made outside
-    inference mode so that autograd may read them): the Hann window (h, w), the weights (w // 2 +
-    1,) of rfft2's columns (2 where one column holds two frequencies), and the frequencies
-    (h, 1) and (1, w // 2 + 1) in cycles per pixel."""
+    inference mode so that autograd may read them): the Hann window (h, w), its sum, and the
+    weights (w // 2 + 1,) of rfft2's columns (2 where one column holds two frequencies)."""
     with torch.inference_mode(False):
         hann = torch.outer(*(torch.hann_window(n, periodic=False, dtype=dtype, device=device) for n in (h, w)))
         doubled = torch.ones(w // 2 + 1, dtype=dtype, device=device)
         doubled[1 : (w + 1) // 2] = 2
+        return hann, hann.sum().clamp_min(1e-30), doubled
+
+
+@functools.lru_cache(maxsize=16)
+def _band(h: int, w: int, f: int, device: torch.device) -> torch.Tensor:
+    """(h, w // 2 + 1): rfft2's frequencies a level of factor f resolves (:func:`_low_band`),
+    less the window's main lobe (2 / n), which smears a line over it; kept, read-only."""
+    with torch.inference_mode(False):
         fy = torch.fft.fftfreq(h, device=device).abs()[:, None]
         fx = torch.fft.rfftfreq(w, device=device)[None, :]
-        return hann, doubled, fy, fx
+        return (fy < _BAND_EDGE / f - 2 / h) & (fx < _BAND_EDGE / f - 2 / w)
 
 
 def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
     b, c, h, w = t.shape
-    levels = _levels(t, mask)
+    levels = _levels(t, None if settings.uniform else mask)
     pyramid = {1: (t, x, mask)}
     for f in levels[-2::-1]:  # 2, 4, ...: each level halves the one below it
         tb, xb, mb = pyramid[f // 2]

@@ -146,16 +146,20 @@ def _plan(
     pair beside the sampling matrices)."""
     b, c, h, w = t.shape
     hh, ww = x.shape[-2:]
-    nh, nw = grid_h.numel(), grid_w.numel()
-    top_h, top_w = grid_h.max().item(), grid_w.max().item()
+    # a few dozen scales: Python's numbers, where torch would run a dozen operations
+    scales_h, scales_w = grid_h.tolist(), grid_w.tolist()
+    nh, nw = len(scales_h), len(scales_w)
+    top_h, top_w = max(scales_h), max(scales_w)
     # rows and columns of the stretched image that any valid crop can touch (with the valid
     # shifts' own tolerance: a scale 1e-6 short of a whole row still places a crop on it)
     rows, cols = math.floor(hh * top_h + 1e-6), math.floor(ww * top_w + 1e-6)
     # valid integer shifts: 0 <= s <= H * scale - h
     # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
-    max_y = torch.floor(hh * grid_h - h + 1e-6).long().clamp_min(0)
-    max_x = torch.floor(ww * grid_w - w + 1e-6).long().clamp_min(0)
-    n_y, n_x = int(max_y.max().item()) + 1, int(max_x.max().item()) + 1
+    last_y = [max(0, math.floor(hh * v - h + 1e-6)) for v in scales_h]
+    last_x = [max(0, math.floor(ww * v - w + 1e-6)) for v in scales_w]
+    n_y, n_x = max(last_y) + 1, max(last_x) + 1
+    max_y = torch.tensor(last_y, dtype=torch.int64, device=x.device)
+    max_x = torch.tensor(last_x, dtype=torch.int64, device=x.device)
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
@@ -174,7 +178,7 @@ def _plan(
     held = item * (nh * rows * hh + nw * cols * ww) + ((nh * rows + nw * cols) * 2 * (8 + item) if in_c else 0)
     chunk_rows(budget, per_pair, what, fixed=held, fix="raise memory or narrow the scale ranges")
     budget -= held
-    key = (tuple(grid_h.tolist()), tuple(grid_w.tolist()), (rows, cols), (hh, ww), in_c, x.device, x.dtype)
+    key = (tuple(scales_h), tuple(scales_w), (rows, cols), (hh, ww), in_c, x.device, x.dtype)
     ry, rx, row_taps, col_taps = (_kept_samplers if held <= _KEPT_BYTES else _samplers)(*key)
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
     cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
