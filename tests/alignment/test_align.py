@@ -620,6 +620,20 @@ class TestSearch:
         assert _products_cheaper(shape, big_w, nh, nw, shifts, fft) is torch_products
         assert _products_cheaper(shape, big_w, nh, nw, shifts, fft, True) is c_products
 
+    @pytest.mark.parametrize("in_c", [False, pytest.param(True, marks=needs_c)])
+    def test_the_grids_shifts_are_counted_in_its_dtype(self, in_c):
+        # 60 x 0.9 is 54 in float32 (0.9 itself a little under): the last shift of a 40-wide
+        # template is 14, as the float32 tensors hold it, not 13 as 0.9's exact value would give;
+        # and the rows and columns cover every valid shift's window whichever way it rounds
+        from densematch.alignment.search import _plan
+
+        t, x = torch.zeros(1, 1, 48, 40), torch.zeros(1, 1, 60, 60)
+        for dtype, last in ((torch.float32, 14), (torch.float64, 14)):
+            grid = torch.tensor([0.9], dtype=dtype)
+            plan = _plan(t.to(dtype), x.to(dtype), None, grid, grid, 2**30, in_c)
+            assert plan.n_shift == (7, last + 1) and plan.max_x.tolist() == [last]
+            assert plan.rx.shape[1] >= plan.n_shift[1] + 40 - 1 and plan.ry.shape[1] >= plan.n_shift[0] + 48 - 1
+
     @needs_c
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
     @pytest.mark.parametrize("shape", [(2, 3, 4, 13, 13), (1, 2, 2, 1, 7), (3, 1, 1, 5, 1), (1, 1, 1, 1, 1)])

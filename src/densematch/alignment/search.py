@@ -146,20 +146,22 @@ def _plan(
     pair beside the sampling matrices)."""
     b, c, h, w = t.shape
     hh, ww = x.shape[-2:]
-    # a few dozen scales: Python's numbers, where torch would run a dozen operations
-    scales_h, scales_w = grid_h.tolist(), grid_w.tolist()
+    # a few dozen scales: numpy's operations on the host, where torch's would cost several times
+    # more; in the grid's dtype, as its float32 products round (0.9 * 60 is 54 there)
+    on_host_h, on_host_w = grid_h.cpu().numpy(), grid_w.cpu().numpy()
+    scales_h, scales_w = on_host_h.tolist(), on_host_w.tolist()
     nh, nw = len(scales_h), len(scales_w)
     top_h, top_w = max(scales_h), max(scales_w)
-    # rows and columns of the stretched image that any valid crop can touch (with the valid
-    # shifts' own tolerance: a scale 1e-6 short of a whole row still places a crop on it)
-    rows, cols = math.floor(hh * top_h + 1e-6), math.floor(ww * top_w + 1e-6)
     # valid integer shifts: 0 <= s <= H * scale - h
     # (at least 0: a coarse level's truncated image may miss the fit by a fraction of a pixel)
-    last_y = [max(0, math.floor(hh * v - h + 1e-6)) for v in scales_h]
-    last_x = [max(0, math.floor(ww * v - w + 1e-6)) for v in scales_w]
-    n_y, n_x = max(last_y) + 1, max(last_x) + 1
-    max_y = torch.tensor(last_y, dtype=torch.int64, device=x.device)
-    max_x = torch.tensor(last_x, dtype=torch.int64, device=x.device)
+    last_y = np.maximum(np.floor(hh * on_host_h - h + 1e-6), 0).astype(np.int64)
+    last_x = np.maximum(np.floor(ww * on_host_w - w + 1e-6), 0).astype(np.int64)
+    n_y, n_x = int(last_y.max()) + 1, int(last_x.max()) + 1
+    max_y, max_x = torch.from_numpy(last_y).to(x.device), torch.from_numpy(last_x).to(x.device)
+    # rows and columns of the stretched image that any valid crop can touch: every valid shift's
+    # window among them, whichever way its scale's product rounded
+    rows = max(math.floor(hh * top_h + 1e-6), n_y + h - 1)
+    cols = max(math.floor(ww * top_w + 1e-6), n_x + w - 1)
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
     item = x.element_size()
