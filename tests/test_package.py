@@ -142,6 +142,24 @@ def test_default_budget_comes_from_free_memory_and_is_capped(monkeypatch):
         assert resolve_memory("7MiB", cpu) == 7 * 2**20
 
 
+def test_default_budget_reads_the_available_memory_only_when_unused_ram_is_short(monkeypatch):
+    # half of what is available, capped; a host with 4x the cap unused gets the cap without the
+    # read of /proc/meminfo
+    from densematch import budget
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(budget, "_unused_ram", lambda: 0)
+    monkeypatch.setattr(budget, "free_memory", lambda device: 100 * 2**20)
+    assert budget.default_budget(cpu) == 50 * 2**20
+
+    def unread(device: torch.device) -> int:
+        raise AssertionError("free_memory read where unused RAM alone covered the cap")
+
+    monkeypatch.setattr(budget, "_unused_ram", lambda: 4 * budget.DEFAULT_CAP_CPU)
+    monkeypatch.setattr(budget, "free_memory", unread)
+    assert budget.default_budget(cpu) == budget.DEFAULT_CAP_CPU
+
+
 USER_CODE = """import torch
 import densematch
 
