@@ -131,7 +131,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                      const int64_t *rows,
                      int64_t n_rows, int exact, int squared, double stop, double *out) {
     const int64_t KX = W + 2, KY = H + 2; /* the most points an interval can hold */
-    double *xlo = malloc(sizeof(double) * (size_t)(4 * w + 2 * w * KX + 2 * KY));
+    double *xlo = malloc(sizeof(double) * (size_t)(2 * w + 2 * w * KX + 2 * KY));
     int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 2 * KY));
     double *along = NULL; /* C H w K values, grown to the most points per column a cell needs */
     int64_t along_k = 0;
@@ -142,7 +142,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
         free(ready);
         return 1;
     }
-    double *xhi = xlo + w, *lo = xhi + w, *hi = lo + w, *xg0 = hi + w, *xg1 = xg0 + w * KX;
+    double *xhi = xlo + w, *xg0 = xhi + w, *xg1 = xg0 + w * KX;
     double *yg0 = xg1 + w * KX, *yg1 = yg0 + KY;
     int64_t *xi0 = xi, *xi1 = xi0 + w * KX, *yi0 = xi1 + w * KX, *yi1 = yi0 + KY;
     int64_t c_first = W, c_last = 0, K = 1; /* the image columns any box reaches; points per column */
