@@ -368,12 +368,14 @@ class TestSearch:
                 assert torch.equal(getattr(shared, field), getattr(copied, field)), (kernel, field)
                 torch.testing.assert_close(getattr(plain, field), getattr(ones, field), atol=1e-5, rtol=1e-5)
 
-    def test_torch_and_c_give_the_same_alignments(self):
+    @pytest.mark.parametrize("objective", ["l1", "ncc"])
+    def test_torch_and_c_give_the_same_alignments(self, objective):
+        # the C search (grid, candidates, levels with gain and bias for NCC, warp) against torch's
         cases = list(alignment_cases(4, seed=5))
         for c in cases:
-            default = align(c.template, c.image)
+            default = align(c.template, c.image, objective=objective)
             with config_context(kernel="torch"):
-                forced = align(c.template, c.image)
+                forced = align(c.template, c.image, objective=objective)
             assert within(default, c) and within(forced, c)
             assert abs(default.scale_w - forced.scale_w) < 1e-3 and abs(default.shift_x - forced.shift_x) < 0.02
             # the warp of the answer, C's against torch's products at the same parameters
