@@ -74,8 +74,16 @@ typedef int64_t dm_v8i __attribute__((vector_size(64)));
 /* lane by lane: where m, a, else b (C has no ternary on vectors; macros, not functions, pass no
  * 64-byte vector through a call on levels without AVX-512) */
 #define DM_PICK(m, a, b) ((dm_v8d)(((m) & (dm_v8i)(a)) | (~(m) & (dm_v8i)(b))))
+#ifdef __AVX512F__
+/* one instruction each, with the same lanes as the picks: the second operand where the first
+ * is not below (above) it, so the same bits (no NaN reaches here) */
+#include <immintrin.h>
+#define DM_MIN(a, b) ((dm_v8d)_mm512_min_pd((__m512d)(a), (__m512d)(b)))
+#define DM_MAX(a, b) ((dm_v8d)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
+#else
 #define DM_MIN(a, b) DM_PICK((a) < (b), a, b)
 #define DM_MAX(a, b) DM_PICK((a) > (b), a, b)
+#endif
 
 /* One template row's terms in the exact range: each pixel's extremes among its ky x K points
  * (the image along x at point a of column j, at a w + j of each row of along; rows yi0[b],
