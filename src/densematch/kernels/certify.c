@@ -68,22 +68,33 @@ static inline double term(double t, double lo, double hi, int squared) {
     return squared ? gap * gap : gap;
 }
 
-typedef double dm_v8d __attribute__((vector_size(64)));
-typedef int64_t dm_v8i __attribute__((vector_size(64)));
-
-/* lane by lane: where m, a, else b (C has no ternary on vectors; macros, not functions, pass no
- * 64-byte vector through a call on levels without AVX-512) */
-#define DM_PICK(m, a, b) ((dm_v8d)(((m) & (dm_v8i)(a)) | (~(m) & (dm_v8i)(b))))
-#ifdef __AVX512F__
-/* one instruction each, with the same lanes as the picks: the second operand where the first
- * is not below (above) it, so the same bits (no NaN reaches here) */
+/* Vectors of this level's native width, DM_SUB of them to 8 columns: wider ones, split by the
+ * compiler, went through the stack on AVX2 (6x slower there). Min and max in one instruction
+ * where the level has it, the same lanes as the portable compare and pick elsewhere (the second
+ * operand where the first is not below / above it), so the same bits on every level. */
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
 #include <immintrin.h>
-#define DM_MIN(a, b) ((dm_v8d)_mm512_min_pd((__m512d)(a), (__m512d)(b)))
-#define DM_MAX(a, b) ((dm_v8d)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
+#endif
+#if defined(__AVX512F__)
+typedef double dm_vd __attribute__((vector_size(64)));
+#define DM_MIN(a, b) ((dm_vd)_mm512_min_pd((__m512d)(a), (__m512d)(b)))
+#define DM_MAX(a, b) ((dm_vd)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
+#elif defined(__AVX__)
+typedef double dm_vd __attribute__((vector_size(32)));
+#define DM_MIN(a, b) ((dm_vd)_mm256_min_pd((__m256d)(a), (__m256d)(b)))
+#define DM_MAX(a, b) ((dm_vd)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
+#elif defined(__SSE2__)
+typedef double dm_vd __attribute__((vector_size(16)));
+#define DM_MIN(a, b) ((dm_vd)_mm_min_pd((__m128d)(a), (__m128d)(b)))
+#define DM_MAX(a, b) ((dm_vd)_mm_max_pd((__m128d)(a), (__m128d)(b)))
 #else
+typedef double dm_vd __attribute__((vector_size(16)));
+typedef int64_t dm_vi __attribute__((vector_size(16)));
+#define DM_PICK(m, a, b) ((dm_vd)(((m) & (dm_vi)(a)) | (~(m) & (dm_vi)(b))))
 #define DM_MIN(a, b) DM_PICK((a) < (b), a, b)
 #define DM_MAX(a, b) DM_PICK((a) > (b), a, b)
 #endif
+enum { DM_LANES = sizeof(dm_vd) / sizeof(double), DM_SUB = 8 / DM_LANES };
 
 /* One template row's terms in the exact range: each pixel's extremes among its ky x K points
  * (the image along x at point a of column j, at a w + j of each row of along; rows yi0[b],
@@ -93,29 +104,39 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
                                const int64_t *yi1, const double *yg0, const double *yg1, const double *t,
                                int squared) {
     const int64_t stride = w * K;
-    dm_v8d acc = {0};
+    dm_vd acc[DM_SUB];
+    const dm_vd zero = {0};
+    for (int s = 0; s < DM_SUB; s++) acc[s] = zero;
     int64_t j = 0;
     for (; j + 8 <= w; j += 8) {
-        dm_v8d lo = {INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY}, hi = -lo;
+        dm_vd lo[DM_SUB], hi[DM_SUB];
+        for (int s = 0; s < DM_SUB; s++) {
+            lo[s] = zero + INFINITY;
+            hi[s] = zero - INFINITY;
+        }
         for (int64_t b = 0; b < ky; b++) {
             const double *r0 = along + yi0[b] * stride + j, *r1 = along + yi1[b] * stride + j;
             const double g0 = yg0[b], g1 = yg1[b];
-            for (int64_t a = 0; a < K; a++) {
-                dm_v8d p0, p1;
-                memcpy(&p0, r0 + a * w, sizeof p0);
-                memcpy(&p1, r1 + a * w, sizeof p1);
-                const dm_v8d v = p0 * g0 + p1 * g1;
-                lo = DM_MIN(v, lo);
-                hi = DM_MAX(v, hi);
-            }
+            for (int64_t a = 0; a < K; a++)
+                for (int s = 0; s < DM_SUB; s++) {
+                    dm_vd p0, p1;
+                    memcpy(&p0, r0 + a * w + s * DM_LANES, sizeof p0);
+                    memcpy(&p1, r1 + a * w + s * DM_LANES, sizeof p1);
+                    const dm_vd v = p0 * g0 + p1 * g1;
+                    lo[s] = DM_MIN(v, lo[s]);
+                    hi[s] = DM_MAX(v, hi[s]);
+                }
         }
-        dm_v8d tv;
-        memcpy(&tv, t + j, sizeof tv);
-        const dm_v8d zero = {0}, below = lo - tv, above = tv - hi;
-        const dm_v8d gap = DM_PICK(below > zero, below, zero) + DM_PICK(above > zero, above, zero);
-        acc += squared ? gap * gap : gap;
+        for (int s = 0; s < DM_SUB; s++) {
+            dm_vd tv;
+            memcpy(&tv, t + j + s * DM_LANES, sizeof tv);
+            const dm_vd gap = DM_MAX(lo[s] - tv, zero) + DM_MAX(tv - hi[s], zero);
+            acc[s] += squared ? gap * gap : gap;
+        }
     }
-    double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    double lane[8];
+    memcpy(lane, acc, sizeof lane);
+    double total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     for (; j < w; j++) {
         double lo = INFINITY, hi = -INFINITY;
         for (int64_t b = 0; b < ky; b++)
