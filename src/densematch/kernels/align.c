@@ -427,15 +427,19 @@ void dm_align_pick(const double *best, const int64_t *where, int64_t B, int64_t 
  *                                                         transposed once, slide under T)
  *   cross[sw][y][x] = sum_k w0 P[i0(sw, x + k)][k][y] + w1 P[i1(sw, x + k)][k][y]
  * Rx's taps take 2 w multiply-adds per output where a dense product with Rx takes W w. Sums run
- * in one fixed order (c, r; then k), the same on every CPU: the row shifts are 64-byte vectors,
- * one register on AVX-512 and two on AVX2, lane by lane the same arithmetic, and the template's
- * columns go KB at a time through registers, which changes no sum. Returns 1 where scratch could
- * not be allocated. */
-#ifdef __AVX512F__
-#define CROSS_KB 8
+ * in one fixed order (c, r; then k), the same on every CPU: the row shifts are vectors of the
+ * level's own width (64 bytes on AVX-512, 32 on AVX, 16 below; 64-byte ones split by the
+ * compiler went through the stack on AVX2, 6x slower), each lane one row shift's own
+ * arithmetic, and the template's columns go CROSS_KB at a time through registers, which changes
+ * no sum. Returns 1 where scratch could not be allocated. */
+#if defined(__AVX512F__)
+#define CROSS_BYTES 64
+#elif defined(__AVX__)
+#define CROSS_BYTES 32
 #else
-#define CROSS_KB 4
+#define CROSS_BYTES 16
 #endif
+#define CROSS_KB 8
 
 /* the kernels for float, then for double (align_t.h) */
 #define T float

@@ -3,11 +3,11 @@
  * end. No include guard: each inclusion is one instance. */
 #include "dm_template.h"
 
-typedef T DM_T(cvec) __attribute__((vector_size(64)));
+typedef T DM_T(cvec) __attribute__((vector_size(CROSS_BYTES)));
 int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,
                          const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h,
                          int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, T *out) {
-    enum { L = 64 / sizeof(T), KB = CROSS_KB };
+    enum { L = CROSS_BYTES / sizeof(T), KB = CROSS_KB };
     const int64_t span = L + h - 1;
     /* vectors, so aligned to their size (malloc promises only 16 bytes) */
     DM_T(cvec) *P = aligned_alloc(sizeof(DM_T(cvec)), sizeof(DM_T(cvec)) * (size_t)(W * w));
