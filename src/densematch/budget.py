@@ -89,16 +89,15 @@ def free_memory(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return 4 * 1024**3
+    unused = _unused_ram()
+    return 4 * 1024**3 if unused is None else unused
 
 
 def default_budget(device: torch.device) -> int:
     """Half of what the device has free, capped at 512 MiB on a CPU and 8 GiB on a GPU."""
     cap = DEFAULT_CAP_CUDA if device.type == "cuda" else DEFAULT_CAP_CPU
-    if device.type != "cuda" and _unused_ram() >= 4 * cap:
+    unused = None if device.type == "cuda" else _unused_ram()
+    if unused is not None and unused >= 4 * cap:
         # RAM no process uses is 4x the cap: what is available (that, less the kernel's reserve,
         # plus what caches would give back) holds 2x it, so the cap it is, without the 20 us
         # read of /proc/meminfo every call made
@@ -106,12 +105,12 @@ def default_budget(device: torch.device) -> int:
     return max(1, min(free_memory(device) // 2, cap))
 
 
-def _unused_ram() -> int:
-    """The host's RAM no process uses (MemFree), from one system call; 0 where unknown."""
+def _unused_ram() -> int | None:
+    """The host's RAM no process uses (MemFree), from one system call; None where unknown."""
     try:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
-        return 0
+        return None
 
 
 def chunk_rows(budget: int, per_row: int, what: str, *, fixed: int = 0, fix: str = "raise memory") -> int:

@@ -104,11 +104,15 @@ static void taps(int64_t n_out, int64_t n_in, double scale, double shift, int64_
     }
 }
 
+/* refine_one's scratch for a level: h + 2 w + 2 C H w values (taps' fractions, b_c, Y and dY),
+ * and 2 (h + w) indices */
+static inline int64_t refine_scratch(int64_t C, int64_t h, int64_t w, int64_t H) { return h + 2 * w + 2 * C * H * w; }
+
 typedef struct {
     const double *t, *x, *wt; /* one pair: template (C, h, w), image (C, H, W), weights (h, w) */
     int64_t C, h, w, H, W;
     int P;            /* 4, or 6 with gain and bias */
-    double *scratch;  /* h + 2 w + 2 C H w values: taps' fractions, b_c, Y and dY */
+    double *scratch;  /* refine_scratch values */
     int64_t *itaps;
 } pair_t;
 
@@ -259,7 +263,7 @@ static void refine_one(const pair_t *s, const double *range, int iterations, dou
 int dm_align_refine(const double *t, const double *x, const double *wt, int wt_shared, int64_t C, int64_t h,
                     int64_t w, int64_t H, int64_t W, const int64_t *owner, int64_t m, int P, const double *range,
                     int iterations, double tolerance, double *p, double *out) {
-    double *scratch = malloc(sizeof(double) * (size_t)(h + 2 * w + 2 * C * H * w));
+    double *scratch = malloc(sizeof(double) * (size_t)refine_scratch(C, h, w, H));
     int64_t *itaps = malloc(sizeof(int64_t) * (size_t)(2 * h + 2 * w));
     if (!scratch || !itaps) {
         free(scratch);
@@ -321,7 +325,7 @@ int64_t dm_align_levels(const double *data, const int64_t *offsets, const int64_
                         double *cand, double *start, double *sums) {
     int64_t big = 0, big_i = 0;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t need = dims[4 * l] + 2 * dims[4 * l + 1] + 2 * C * dims[4 * l + 2] * dims[4 * l + 1];
+        const int64_t need = refine_scratch(C, dims[4 * l], dims[4 * l + 1], dims[4 * l + 2]);
         big = need > big ? need : big;
         big_i = 2 * (dims[4 * l] + dims[4 * l + 1]) > big_i ? 2 * (dims[4 * l] + dims[4 * l + 1]) : big_i;
     }
