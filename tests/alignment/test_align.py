@@ -7,7 +7,7 @@ import torch
 from densematch import align, config_context, warp
 from densematch import shift_landscape as densematch_shift_landscape
 from densematch.alignment.refine import refine
-from densematch.alignment.search import _best_shifts, pick_candidates
+from densematch.alignment.search import _best_shifts, candidate_rule, pick_candidates
 from densematch.app.synthetic import PHOTOS, SIZES, alignment_cases, reference_warp
 from densematch.kernels import native, ops_for
 
@@ -422,60 +422,72 @@ class TestSearch:
         for bad in ((i0, i0 + 2, w0, w1), (i0 - 1, i1, w0, w1), (i0, i1.clamp(max=16) + 1, w0, w1)):
             with pytest.raises(ValueError, match="i1 = i0 or i0 \\+ 1"):
                 native.align_scores(a, t, tuple(v.contiguous() for v in bad), (20, 12), False)
-        level = (torch.rand(2, 1, 8, 8, dtype=torch.float64), torch.rand(2, 1, 10, 10, dtype=torch.float64))
-        data = [(*level, torch.ones(1, 8, 8, dtype=torch.float64), 1)]
-        cand = torch.tensor([[1.0, 1.0, 0.5, 0.5]] * 2, dtype=torch.float64)
-        args = ([], [1e-3], (0.8, 1.2, 0.8, 1.2), False, 5, (1e-3, 0.1))
-        native.align_levels(data, torch.tensor([0, 1]), cand, *args)
-        for owner in (torch.tensor([1, 0]), torch.tensor([0, 2])):
-            with pytest.raises(ValueError, match="grouped in ascending order"):
-                native.align_levels(data, owner, cand, *args)
+        # align_search: one of grid and given, weights of the template's size, levels that leave a pixel
+        t, x = torch.rand(2, 1, 8, 8), torch.rand(2, 1, 10, 10)
+        grid = torch.linspace(0.9, 1.1, 3, dtype=torch.float64)
+        best, where = torch.rand(2, 3, 3, 1), torch.zeros(2, 3, 3, 1, dtype=torch.int64)
+        rule = {
+            "levels": 1, "grid_h": grid, "grid_w": grid, "n_shift": (3, 3), "pick": 9, "candidates": 8,
+            "keep": (4, 2), "objective": 0, "iterations": 5, "ranges": (0.9, 1.1, 0.9, 1.1),
+            "near": (0.1, 0.1, 2.0, 2.0), "same": (1e-3, 0.1), "tolerance": (0.05, 1e-3), "far": 1.0,
+        }  # fmt: skip
+        total = torch.full((2,), 64.0)
+        answer, *_ = native.align_search(t, x, None, total, given=(best, where), **rule)  # accepted
+        assert answer.shape == (2, 4)
+        for bad, message in (
+            ({}, "one of grid and given"),
+            ({"given": (best, where), "levels": 5}, "levels that leave every side a pixel"),
+            ({"given": (best[:1], where[:1])}, "best shifts \\(B, nh, nw, K\\)"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                native.align_search(t, x, None, total, **{**rule, **bad})
+        with pytest.raises(ValueError, match="weights \\(B or 1, h, w\\)"):
+            native.align_search(t, x, torch.ones(2, 8, 9), total, given=(best, where), **rule)
 
     @needs_c
-    @pytest.mark.parametrize("photometric", [False, True])
-    def test_the_c_levels_are_the_loop_over_levels(self, photometric):
-        # native.align_levels against the loop it replaces: refine at each level (C's step), keep
-        # each pair's best less twins (_best_per_pair), in three pairs with twin starts, one pair
-        # whose candidates all come back, and the answer at full resolution
-        from densematch.alignment.api import _KEEP, _SAME, _best_per_pair, _tolerance
-        from densematch.alignment.refine import _ITERATIONS
-        from densematch.alignment.search import downsample
+    @pytest.mark.parametrize("objective", ["l1", "l2", "ncc"])
+    def test_the_c_search_is_its_steps(self, objective):
+        # native.align_search (pyramid to warp in one call) against the same steps taken one call
+        # at a time (_search_steps with the C grid and refinement): a batch of three photographs
+        # and masks, one whose full-resolution path is long (refined again, blurred then sharp),
+        # colour, float64, and a weighted template (the grid then torch's, given to C). The same
+        # landscapes and best shifts to the bit; the same answers (the steps hold each level's in
+        # the search's dtype, C in float64: their sums part at 1e-7)
+        from itertools import islice
 
-        cases = list(alignment_cases(3, seed=21, sizes=(SIZES[0],)))
-        t = torch.stack([c.template for c in cases])[:, None].double()
-        x = torch.stack([c.image for c in cases])[:, None].double()
-        ones = torch.ones(1, 1, *t.shape[-2:], dtype=torch.float64)
-        pyramid = {f: (downsample(t, f), downsample(x, f), downsample(ones, f)) for f in (4, 2, 1)}
-        truth = torch.tensor([[c.scale_h, c.scale_w, c.shift_y, c.shift_x] for c in cases], dtype=torch.float64)
-        gen = torch.Generator().manual_seed(2)
-        owner = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
-        cand = truth[owner] + torch.randn(9, 4, generator=gen, dtype=torch.float64) * torch.tensor([0.02, 0.02, 3, 3])
-        cand[2] = cand[1]  # a twin
-        box = ((0.8, 1.2), (0.8, 1.2))
-        levels = [4, 2, 1]
-        keep = [_KEEP[min(i, len(_KEEP) - 1)] for i in range(2)]
-        expected_owner, expected = owner, cand
-        for i, f in enumerate(levels):
-            tf, xf, mf = pyramid[f]
-            scale = torch.tensor([1.0, 1.0, f, f], dtype=torch.float64)
-            start = expected
-            found, sums = refine(tf, xf, mf.expand(3, -1, -1, -1), expected_owner, expected / scale, *box, photometric,
-                                 tolerance=_tolerance(f), in_c=True)  # fmt: skip
-            expected = found * scale
-            if f > 1:
-                kept = _best_per_pair(expected, expected_owner, sums[:, 0], keep[i])
-                expected, expected_owner = expected[kept], expected_owner[kept]
-        data = [(*(v.contiguous() for v in pyramid[f][:2]), pyramid[f][2][:, 0].contiguous(), f) for f in levels]
-        tols = [_tolerance(f) for f in levels]
-        got, got_owner, got_start, got_sums = native.align_levels(
-            data, owner, cand, keep, tols, (0.8, 1.2, 0.8, 1.2), photometric, _ITERATIONS, _SAME
-        )
-        assert torch.equal(got_owner, expected_owner)
-        torch.testing.assert_close(got_start, start, atol=1e-9, rtol=0)
-        torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
-        torch.testing.assert_close(got_sums, sums, atol=1e-9, rtol=1e-9)
-        near = ((got - truth[got_owner]).abs() < torch.tensor([0.01, 0.01, 0.5, 0.5])).all(1)
-        assert set(got_owner[near].tolist()) == {0, 1, 2}  # every pair's truth among its answers
+        from densematch.alignment.api import _centred, _search_c, _search_steps, _Settings
+
+        far = next(islice(alignment_cases(231, seed=0), 230, None))  # 64x80 in its image
+        photos = list(alignment_cases(3, seed=21, sizes=(SIZES[0],), kinds=("photo", "mask")))
+        batch = (torch.stack([c.template for c in photos])[:, None], torch.stack([c.image for c in photos])[:, None])
+        colour = (batch[0].reshape(1, 3, 100, 100), batch[1].reshape(1, 3, 125, 125))
+        weights = torch.ones(1, 1, 100, 100)
+        weights[..., 20:50, 30:90] = 0.25
+        runs = [
+            (far.template[None, None], far.image[None, None], None),
+            (*batch, None),
+            (*colour, None),
+            (batch[0][:1].double(), batch[1][:1].double(), None),
+            (batch[0][1:], batch[1][1:], weights.expand(2, -1, -1, -1)),
+        ]
+        with torch.inference_mode():
+            for t, x, mask in runs:
+                t, x, _, _ = _centred(t, x)
+                uniform = mask is None
+                mask = torch.ones(1, 1, *t.shape[-2:], dtype=t.dtype).expand(t.shape[0], 1, -1, -1) if uniform else mask
+                settings = _Settings((0.8, 1.2), (0.8, 1.2), objective, 2**30, uniform, True)
+                fused, steps = (
+                    _search_c(t, x, mask.to(t.dtype), settings),
+                    _search_steps(t, x, mask.to(t.dtype), settings),
+                )
+                for key in ("landscape", "shifts", "grid_h", "grid_w"):
+                    assert torch.equal(getattr(fused, key).nan_to_num(-1), getattr(steps, key).nan_to_num(-1)), key
+                for key in ("scale_h", "scale_w", "shift_y", "shift_x"):
+                    torch.testing.assert_close(getattr(fused, key), getattr(steps, key), atol=1e-5, rtol=0)
+                # 1 - NCC: C sums in float64, torch in float32 (0 against 1.2e-7 at a perfect fit)
+                atol = 1e-6 if objective == "ncc" else 1e-12
+                torch.testing.assert_close(fused.error, steps.error, atol=atol, rtol=1e-5)
+                torch.testing.assert_close(fused.warped, steps.warped, atol=1e-4, rtol=0)  # torch: float32 products
 
     @needs_c
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -524,14 +536,13 @@ class TestSearch:
         a = align(c.template, c.image)
         assert within(a, c, 1e-4, 0.01) and a.error < 1e-6
 
-    @pytest.mark.parametrize("in_c", [False, pytest.param(True, marks=needs_c)])
-    def test_candidates_are_distinct_and_keep_a_basin_outranked_by_its_neighbours(self, in_c):
+    def test_candidates_are_distinct_and_keep_a_basin_outranked_by_its_neighbours(self):
         grid = torch.linspace(0.8, 1.2, 11)
         best = torch.full((1, 11, 11, 1), 5.0)
         where = torch.zeros(1, 11, 11, 1, dtype=torch.long)
         best[0, 3:6, 3:6, 0] = torch.arange(9.0).reshape(3, 3) / 10  # one wide basin: 9 cells below 1
         best[0, 9, 1, 0] = 1.5  # another, 10th in the plain ranking
-        cand = pick_candidates(best, where, grid, grid, 13, in_c)[0]
+        cand = pick_candidates(best, where, grid, grid, 13)[0]
         assert tuple(cand[0, :2].tolist()) == pytest.approx((0.92, 0.92))  # the lowest first
         assert any(torch.allclose(c[:2], torch.tensor([1.16, 0.84])) for c in cand)
         apart = (cand[:, None, :2] - cand[None, :, :2]).abs().amax(-1) > 0.06 + 1e-6
@@ -547,7 +558,8 @@ class TestSearch:
         best = torch.rand(3, 9, 9, 3, generator=gen, dtype=torch.float64)
         best[torch.rand(best.shape, generator=gen) < 0.3] = math.inf
         where = torch.randint(0, 4 * 13, best.shape, generator=gen)
-        by_c = pick_candidates(best, where, grid, grid, 13, True)
+        n, m, near = candidate_rule(grid, grid, 3)
+        by_c = native.align_pick(best, where, grid, grid, 13, near, n, m)
         torch.testing.assert_close(by_c, pick_candidates(best, where, grid, grid, 13), rtol=0, atol=0)
 
     def test_a_basin_reached_twice_is_refined_once(self):
@@ -629,10 +641,10 @@ class TestSearch:
         # and the rows and columns cover every valid shift's window whichever way it rounds
         from densematch.alignment.search import _plan
 
-        t, x = torch.zeros(1, 1, 48, 40), torch.zeros(1, 1, 60, 60)
+        t, x = torch.zeros(1, 1, 48, 40), torch.zeros(1, 1, 60, 60)  # their shapes
         for dtype, last in ((torch.float32, 14), (torch.float64, 14)):
             grid = torch.tensor([0.9], dtype=dtype)
-            plan = _plan(t.to(dtype), x.to(dtype), None, grid, grid, 2**30, in_c)
+            plan = _plan(tuple(t.shape), tuple(x.shape), False, grid, grid, 2**30, in_c)
             assert plan.n_shift == (7, last + 1) and plan.max_x.tolist() == [last]
             assert plan.rx.shape[1] >= plan.n_shift[1] + 40 - 1 and plan.ry.shape[1] >= plan.n_shift[0] + 48 - 1
 

@@ -411,6 +411,13 @@ class TestBuild:
             "h.update(native.align_pick(bb, ww, gh, gh, 8, (0.15, 0.15, 2.0, 2.0), 64, 8).numpy().tobytes())\n"
             "for v in native.align_best_shifts(torch.rand(4, 13, 13, generator=g), 3):\n"
             "    h.update(v.numpy().tobytes())\n"
+            # align's whole search (native.align_search), with gain and bias too
+            "img = torch.rand(56, 60, generator=g)\n"
+            "tpl = densematch.warp(img, 1.1, 0.9, 3.25, 2.5, (44, 40))\n"
+            "for objective in ('l1', 'ncc'):\n"
+            "    a = densematch.align(tpl, img, objective=objective)\n"
+            "    h.update(repr((a.scale_h, a.scale_w, a.shift_y, a.shift_x, a.error)).encode())\n"
+            "    h.update(a.warped.numpy().tobytes() + a.landscape.numpy().tobytes())\n"
             # certify_alignment's bound: both ranges, both objectives, whole sums
             "cells = torch.tensor([[1.02, 0.95, 2.5, 3.5], [0.9, 1.1, 0.2, 4.0]], dtype=torch.float64)\n"
             "for exact in (False, True):\n"

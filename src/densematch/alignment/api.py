@@ -37,7 +37,16 @@ from ..config import kernel_setting, resolve_memory
 from ..kernels import native, ops_for
 from ..threads import share_out, share_size, workers_for
 from .refine import _ITERATIONS, objective_at, refine
-from .search import downsample, grid_search, scale_grid, shift_errors
+from .search import (
+    _SHIFTS,
+    _plan,
+    candidate_rule,
+    downsample,
+    grid_minima,
+    grid_search,
+    scale_grid,
+    shift_errors,
+)
 from .warp import as_image, warp_batch
 
 __all__ = ["OBJECTIVES", "Alignment", "align", "shift_landscape"]
@@ -671,6 +680,12 @@ def _band(h: int, w: int, f: int, device: torch.device) -> torch.Tensor:
 
 
 def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
+    return _search_c(t, x, mask, settings) if settings.in_c else _search_steps(t, x, mask, settings)
+
+
+def _search_steps(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
+    """align's search step by step, in torch (``settings.in_c``: the grid and the refinements
+    in C, each a call of its own, as :func:`_search_c` takes them in one)."""
     b, c, h, w = t.shape
     levels = _levels(t, None if settings.uniform else mask)
     pyramid = {1: (t, x, mask)}
@@ -687,24 +702,20 @@ def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Set
     grid_h = scale_grid(*settings.range_h, tc.shape[-2], x.device, x.dtype)
     grid_w = scale_grid(*settings.range_w, tc.shape[-1], x.device, x.dtype)
     weights = None if settings.uniform else mc
-    cand, landscape, shifts = grid_search(
-        tc, xc, weights, grid_h, grid_w, settings.photometric, settings.budget, settings.in_c
-    )
+    args = (settings.photometric, settings.budget, settings.in_c)
+    cand, landscape, shifts = grid_search(tc, xc, weights, grid_h, grid_w, *args)
     m = cand.shape[1]
     cand = cand.reshape(b * m, 4) * torch.tensor([1.0, 1.0, coarse, coarse], dtype=cand.dtype, device=cand.device)
     owner = torch.arange(b, device=x.device).repeat_interleave(m)
-    if settings.in_c:  # every level in one call of C
-        found, owner, cand, sums = _refine_levels_c(pyramid, levels, owner, cand, settings)
-    else:
-        for i, f in enumerate(levels):
-            # each level refines what the coarser one kept, in its own pixels (shifts scale by 1 / f)
-            tf, xf, mf = pyramid[f]
-            scale = torch.tensor([1.0, 1.0, f, f], dtype=cand.dtype, device=cand.device)
-            found, sums = _refine_all(tf, xf, mf, owner, cand / scale, settings, _tolerance(f))
-            if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
-                cand = found * scale
-                keep = _best_per_pair(cand, owner, sums[:, 0], _KEEP[min(i, len(_KEEP) - 1)])
-                cand, owner = cand[keep], owner[keep]
+    for i, f in enumerate(levels):
+        # each level refines what the coarser one kept, in its own pixels (shifts scale by 1 / f)
+        tf, xf, mf = pyramid[f]
+        scale = torch.tensor([1.0, 1.0, f, f], dtype=cand.dtype, device=cand.device)
+        found, sums = _refine_all(tf, xf, mf, owner, cand / scale, settings, _tolerance(f))
+        if f > 1:  # ranked by the squared error left (after gain and bias for NCC: the same order)
+            cand = found * scale
+            keep = _best_per_pair(cand, owner, sums[:, 0], _KEEP[min(i, len(_KEEP) - 1)])
+            cand, owner = cand[keep], owner[keep]
     cand, owner, sums = _refine_far(t, x, mask, owner, cand, found, sums, settings)
     if settings.photometric:
         err = objective_at(t, x, mask, owner, (cand[:, 0], cand[:, 1], cand[:, 2], cand[:, 3]), "ncc")
@@ -714,41 +725,51 @@ def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Set
     pick = _best_per_pair(cand, owner, err, 1)
     best = cand[pick]
     sh, sw, sy, sx = best.unbind(1)
-    if settings.in_c:
-        warped = native.align_warp(x.contiguous(), best, (h, w))
-    else:
-        warped = warp_batch(x, sh, sw, sy, sx, (h, w))
+    warped = warp_batch(x, sh, sw, sy, sx, (h, w))
     return _Found(sh, sw, sy, sx, err[pick], warped, landscape, shifts * coarse, grid_h, grid_w)
+
+
+def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
+    """:func:`_search` in one call of C (:func:`densematch.kernels.native.align_search`: the same
+    steps from the pyramid to the warp, pair by pair); the grid too for uniform weights where
+    its products cost less than transforms, else torch's chunks (:func:`grid_minima`)."""
+    b, c, h, w = t.shape
+    levels = _levels(t, None if settings.uniform else mask)
+    coarse = levels[0]
+    small = (b, c, h // coarse, w // coarse)  # the coarsest level: each halving floors
+    small_x = (b, c, x.shape[-2] // coarse, x.shape[-1] // coarse)
+    grid_h = scale_grid(*settings.range_h, small[-2], x.device, x.dtype)
+    grid_w = scale_grid(*settings.range_w, small[-1], x.device, x.dtype)
+    plan = _plan(small, small_x, not settings.uniform, grid_h, grid_w, settings.budget, True)
+    _refine_chunk(t, x, settings)  # the budget's rule, as in torch, at its largest level (C holds less)
+    weights = None if settings.uniform else (mask[:1, 0] if mask.stride(0) == 0 else mask[:, 0])
+    if settings.uniform:
+        total = torch.full((b,), float(h * w * c), dtype=x.dtype)
+    else:
+        total = mask.sum((1, 2, 3)) * c
+    grid, given = None, None
+    if plan.products and plan.row_taps is not None and plan.col_taps is not None:
+        grid = (plan.row_taps, plan.col_taps, plan.max_y, plan.max_x)
+    else:
+        tc, xc = downsample(t, coarse), downsample(x, coarse)
+        mc = None if weights is None else downsample(mask[:1] if mask.stride(0) == 0 else mask, coarse)
+        given = grid_minima(tc, xc, mc, settings.photometric, plan, True)
+    n_pick, n_cand, near = candidate_rule(grid_h, grid_w, _SHIFTS if given is None else given[0].shape[-1])
+    answer, error, warped, landscape, shifts = native.align_search(
+        t, x, weights, total, levels=len(levels), grid_h=grid_h.double(), grid_w=grid_w.double(),
+        n_shift=plan.n_shift, grid=grid, given=given, shifts_kept=min(_SHIFTS, plan.n_shift[0] * plan.n_shift[1]),
+        pick=n_pick, candidates=n_cand, keep=(_KEEP[0], _KEEP[-1]),
+        objective=OBJECTIVES.index(settings.objective), iterations=_ITERATIONS,
+        ranges=(*settings.range_h, *settings.range_w), near=near, same=_SAME,
+        tolerance=(_COARSE_TOLERANCE, _TOLERANCE), far=_FAR,
+    )  # fmt: skip
+    sh, sw, sy, sx = answer.unbind(1)
+    return _Found(sh, sw, sy, sx, error, warped, landscape, shifts, grid_h, grid_w)
 
 
 def _tolerance(f: int) -> float:
     """The refinement's stopping step at a level of factor f (pixels of that level)."""
     return _TOLERANCE if f == 1 else _COARSE_TOLERANCE
-
-
-def _refine_levels_c(
-    pyramid: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    levels: list[int],
-    owner: torch.Tensor,
-    cand: torch.Tensor,
-    settings: _Settings,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The loop over the levels of :func:`_search` in one call of C
-    (:func:`densematch.kernels.native.align_levels`: the same refinement and the same keep):
-    the full-resolution candidates found, their owners, their starts there and their sums."""
-    dtype = cand.dtype
-    data = []
-    for f in levels:
-        tf, xf, mf = pyramid[f]
-        _refine_chunk(tf, xf, settings)  # the budget's rule, as in torch (C holds less)
-        weights = mf[:1, 0] if mf.stride(0) == 0 else mf[:, 0]  # uniform ones go once, shared
-        data.append((tf.double().contiguous(), xf.double().contiguous(), weights.double().contiguous(), f))
-    keep = [_KEEP[min(i, len(_KEEP) - 1)] for i in range(len(levels) - 1)]
-    found, owner, start, sums = native.align_levels(
-        data, owner, cand, keep, [_tolerance(f) for f in levels], (*settings.range_h, *settings.range_w),
-        settings.photometric, _ITERATIONS, _SAME,
-    )  # fmt: skip
-    return found.to(dtype), owner, start.to(dtype), sums.to(dtype)
 
 
 def _refine_far(

@@ -51,6 +51,19 @@ def downsample(v: torch.Tensor, factor: int) -> torch.Tensor:
     return v
 
 
+def candidate_rule(
+    grid_h: torch.Tensor, grid_w: torch.Tensor, n_s: int
+) -> tuple[int, int, tuple[float, float, float, float]]:
+    """How many of a grid's best shifts (``n_s`` per scale pair) the candidates are taken from,
+    how many are taken, and how near (scale_h, scale_w, shift_y, shift_x) to a taken one a
+    candidate is dropped."""
+    nh, nw = grid_h.numel(), grid_w.numel()
+    step_h = float(grid_h[1] - grid_h[0]) if nh > 1 else 0.0
+    step_w = float(grid_w[1] - grid_w[0]) if nw > 1 else 0.0
+    n = min(nh * nw * n_s, _CANDIDATES * 8)
+    return n, min(_CANDIDATES, n), (1.5 * step_h, 1.5 * step_w, 2.0, 2.0)
+
+
 def grid_search(
     t: torch.Tensor,
     x: torch.Tensor,
@@ -66,32 +79,35 @@ def grid_search(
     the pair has no valid shift. ``in_c``: in C (kernels/align.c) where it runs, as the public
     call resolved it (:func:`densematch.kernels.ops_for`): the whole grid of uniform weights in
     one call (else the best shifts of torch's chunks), and the candidates."""
-    plan = _plan(t, x, mask, grid_h, grid_w, budget, in_c)
+    plan = _plan(tuple(t.shape), tuple(x.shape), mask is not None, grid_h, grid_w, budget, in_c)
     n_y, n_x = plan.n_shift
     if plan.products and plan.col_taps is not None:  # uniform weights in C: the whole grid in one call
         row_taps, col_taps = plan.row_taps, plan.col_taps
         assert row_taps is not None  # made beside col_taps
         k = min(_SHIFTS, n_y * n_x)
-        found = [native.align_grid(x, t, row_taps, col_taps, plan.n_shift, plan.max_y, plan.max_x, ncc, k)]
+        best, where = native.align_grid(x, t, row_taps, col_taps, plan.n_shift, plan.max_y, plan.max_x, ncc, k)
     else:
-        # the chunks come pair by pair, then scale_h by scale_w: nested in that order again
-        grouped: dict[int, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-        for (s, r, _col), score in _chunks(t, x, mask, ncc, plan):
-            grouped.setdefault(s, {}).setdefault(r, []).append(_best_shifts(score, in_c))
-        found = [
-            (
-                torch.cat([torch.cat([bw[0] for bw in row], 2) for row in by_row.values()], 1),
-                torch.cat([torch.cat([bw[1] for bw in row], 2) for row in by_row.values()], 1),
-            )
-            for by_row in grouped.values()
-        ]
-    land, cands, shifts = [], [], []
-    for best, where in found:
-        land.append(best[..., 0])
-        at = torch.stack((where[..., 0] // n_x, where[..., 0] % n_x), -1).to(grid_h.dtype)
-        shifts.append(at.masked_fill(~torch.isfinite(best[..., :1]), math.nan))
-        cands.append(pick_candidates(best, where, grid_h, grid_w, n_x, in_c))
-    return torch.cat(cands), torch.cat(land), torch.cat(shifts)
+        best, where = grid_minima(t, x, mask, ncc, plan, in_c)
+    at = torch.stack((where[..., 0] // n_x, where[..., 0] % n_x), -1).to(grid_h.dtype)
+    shifts = at.masked_fill(~torch.isfinite(best[..., :1]), math.nan)
+    return pick_candidates(best, where, grid_h, grid_w, n_x), best[..., 0], shifts
+
+
+def grid_minima(
+    t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, ncc: bool, plan: _Plan, in_c: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each scale pair's _SHIFTS best local minima over the shifts (B, nh, nw, _SHIFTS) and their
+    flat shift indices (:func:`_best_shifts`), from the scores of ``plan``'s chunks in torch."""
+    # the chunks come pair by pair, then scale_h by scale_w: nested in that order again
+    grouped: dict[int, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+    for (s, r, _col), score in _chunks(t, x, mask, ncc, plan):
+        grouped.setdefault(s, {}).setdefault(r, []).append(_best_shifts(score, in_c))
+
+    def joined(i: int) -> torch.Tensor:  # the best values (0) or their indices (1), whole
+        by_pair = [torch.cat([torch.cat([bw[i] for bw in row], 2) for row in g.values()], 1) for g in grouped.values()]
+        return torch.cat(by_pair)
+
+    return joined(0), joined(1)
 
 
 def shift_errors(
@@ -109,7 +125,8 @@ def shift_errors(
     in :func:`grid_search`)."""
     grid_h = torch.tensor([scale_h], dtype=x.dtype, device=x.device)
     grid_w = torch.tensor([scale_w], dtype=x.dtype, device=x.device)
-    parts = _chunks(t, x, mask, ncc, _plan(t, x, mask, grid_h, grid_w, budget, in_c))
+    plan = _plan(tuple(t.shape), tuple(x.shape), mask is not None, grid_h, grid_w, budget, in_c)
+    parts = _chunks(t, x, mask, ncc, plan)
     return torch.cat([score[:, 0, 0] for _, score in parts])  # one scale pair: chunks of pairs, in order
 
 
@@ -134,18 +151,21 @@ class _Plan:
 
 
 def _plan(
-    t: torch.Tensor,
-    x: torch.Tensor,
-    mask: torch.Tensor | None,
+    t_shape: tuple[int, ...],
+    x_shape: tuple[int, ...],
+    weighted: bool,
     grid_h: torch.Tensor,
     grid_w: torch.Tensor,
     budget: int,
     in_c: bool,
 ) -> _Plan:
-    """The grid's :class:`_Plan` (a ValueError where ``budget`` holds not one scale pair of one
-    pair beside the sampling matrices)."""
-    b, c, h, w = t.shape
-    hh, ww = x.shape[-2:]
+    """The :class:`_Plan` of a grid ``grid_h`` x ``grid_w`` (their dtype and device the
+    search's) for templates (B, C, h, w) ``t_shape`` in images ``x_shape``, ``weighted`` by a
+    mask or not (a ValueError where ``budget`` holds not one scale pair of one pair beside the
+    sampling matrices)."""
+    b, c, h, w = t_shape
+    hh, ww = x_shape[-2:]
+    device, dtype = grid_h.device, grid_h.dtype
     # a few dozen scales: numpy's operations on the host, where torch's would cost several times
     # more; in the grid's dtype, as its float32 products round (0.9 * 60 is 54 there)
     on_host_h, on_host_w = grid_h.cpu().numpy(), grid_w.cpu().numpy()
@@ -157,15 +177,15 @@ def _plan(
     last_y = np.maximum(np.floor(hh * on_host_h - h + 1e-6), 0).astype(np.int64)
     last_x = np.maximum(np.floor(ww * on_host_w - w + 1e-6), 0).astype(np.int64)
     n_y, n_x = int(last_y.max()) + 1, int(last_x.max()) + 1
-    max_y, max_x = torch.from_numpy(last_y).to(x.device), torch.from_numpy(last_x).to(x.device)
+    max_y, max_x = torch.from_numpy(last_y).to(device), torch.from_numpy(last_x).to(device)
     # rows and columns of the stretched image that any valid crop can touch: every valid shift's
     # window among them, whichever way its scale's product rounded
     rows = max(math.floor(hh * top_h + 1e-6), n_y + h - 1)
     cols = max(math.floor(ww * top_w + 1e-6), n_x + w - 1)
     # FFT size covering every crop without wrap-around, rounded up to a fast length
     fh, fw = _fast_length(rows), _fast_length(cols)
-    item = x.element_size()
-    products = mask is None and _products_cheaper(t.shape, ww, nh, nw, (n_y, n_x), (fh, fw), in_c)
+    item = grid_h.element_size()
+    products = not weighted and _products_cheaper(t_shape, ww, nh, nw, (n_y, n_x), (fh, fw), in_c)
     if products:  # one pair, one scale pair: its scores' few (n_y, n_x) arrays, and its share of
         # its scale_h's Ry X, products over the template's rows and window sums over them
         per_pair = item * (8 * n_y * n_x + math.ceil((c * (rows + n_y * h) + 4 * n_y) * ww / nw))
@@ -180,10 +200,10 @@ def _plan(
     held = item * (nh * rows * hh + nw * cols * ww) + ((nh * rows + nw * cols) * 2 * (8 + item) if in_c else 0)
     chunk_rows(budget, per_pair, what, fixed=held, fix="raise memory or narrow the scale ranges")
     budget -= held
-    key = (tuple(scales_h), tuple(scales_w), (rows, cols), (hh, ww), in_c, x.device, x.dtype)
+    key = (tuple(scales_h), tuple(scales_w), (rows, cols), (hh, ww), in_c, device, dtype)
     ry, rx, row_taps, col_taps = (_kept_samplers if held <= _KEPT_BYTES else _samplers)(*key)
     # on a CPU, chunks past a few tens of MiB fall out of cache and run slower per pair
-    cap = budget if x.device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
+    cap = budget if device.type == "cuda" else max(per_pair, min(budget, _CPU_CHUNK))
     pairs = chunk_rows(cap, per_pair, what)
     step_w = min(nw, pairs)
     step_h = min(nh, max(1, pairs // step_w))
@@ -407,7 +427,7 @@ def _window_moments(
 
 
 def _products_cheaper(
-    t: torch.Size,
+    t: tuple[int, ...],
     big_w: int,
     nh: int,
     nw: int,
@@ -450,19 +470,14 @@ def _cross_by_products(
 
 
 def pick_candidates(
-    best: torch.Tensor, where: torch.Tensor, grid_h: torch.Tensor, grid_w: torch.Tensor, n_x: int, in_c: bool = False
+    best: torch.Tensor, where: torch.Tensor, grid_h: torch.Tensor, grid_w: torch.Tensor, n_x: int
 ) -> torch.Tensor:
     """_CANDIDATES distinct candidates (B, M, 4) as (scale_h, scale_w, shift_y, shift_x): the
     lowest of the scale pairs' best shifts (``best``, ``where``: (B, nh, nw, S)), greedily, each
-    farther than one grid step in scale or two pixels in shift from those taken before. ``in_c``:
-    in C (:func:`densematch.kernels.native.align_pick`, the same rule, ties to the lower index)."""
-    b, nh, nw, n_s = best.shape
-    n = min(nh * nw * n_s, _CANDIDATES * 8)
-    step_h = float(grid_h[1] - grid_h[0]) if nh > 1 else 0.0
-    step_w = float(grid_w[1] - grid_w[0]) if nw > 1 else 0.0
-    near = (1.5 * step_h, 1.5 * step_w, 2.0, 2.0)
-    if in_c:
-        return native.align_pick(best, where, grid_h, grid_w, n_x, near, n, min(_CANDIDATES, n)).to(best.dtype)
+    farther than one grid step in scale or two pixels in shift from those taken before (C's
+    search takes them by the same rule, :func:`densematch.kernels.native.align_search`)."""
+    b, _nh, nw, n_s = best.shape
+    n, m, near = candidate_rule(grid_h, grid_w, n_s)
     flat = best.reshape(b, -1)
     score, idx = flat.topk(n, dim=1, largest=False)
     pair, shift = idx // n_s, where.reshape(b, -1).gather(1, idx)
@@ -477,7 +492,7 @@ def pick_candidates(
     )  # (B, n, 4)
     # a few dozen rows per pair, every pair at once: numpy's per-operation cost is a small part of torch's
     p, alive = params.cpu().numpy(), np.isfinite(score.cpu().numpy())
-    taken = np.zeros((b, min(_CANDIDATES, n)), dtype=np.int64)
+    taken = np.zeros((b, m), dtype=np.int64)
     pairs = np.arange(b)
     for k in range(taken.shape[1]):
         j = alive.argmax(1)  # the rows are sorted: the first left (where none is, the best again)

@@ -310,72 +310,49 @@ static int64_t keep_best(int64_t *idx, int64_t n, const double *err, const doubl
     return m;
 }
 
-/* align's refinement down its pyramid, for every pair at once: levels L (coarsest first, image
- * data at offsets[3 l + 0, 1, 2] of data for t (B, C, h, w), x (B, C, H, W) and the weights
- * (B or 1, h, w), sizes dims[4 l ..] = h, w, H, W, downsampling factor factor[l]). The m
- * candidates (owner, cand: full-resolution (scale_h, scale_w, shift_y, shift_x)) are refined at
- * each level in its own pixels (from gain 1, bias 0 where P = 6), to tolerance[l]; after each
- * level but the last, each pair keeps its keep[l] best by the squared error, less twins within
- * `same` (keep_best). The last level's candidates come back in owner, cand (full resolution),
- * start (where they began there) and sums (squared, absolute); returns their count, or -1
- * where scratch could not be allocated. owner, cand, start and sums hold m rows. */
-int64_t dm_align_levels(const double *data, const int64_t *offsets, const int64_t *dims, const double *factor,
-                        const int64_t *keep, const double *tolerance, int64_t L, int64_t C, int wt_shared,
-                        int P, const double *range, int iterations, const double *same, int64_t m, int64_t *owner,
-                        double *cand, double *start, double *sums) {
-    int64_t big = 0, big_i = 0;
-    for (int64_t l = 0; l < L; l++) {
-        const int64_t need = refine_scratch(C, dims[4 * l], dims[4 * l + 1], dims[4 * l + 2]);
-        big = need > big ? need : big;
-        big_i = 2 * (dims[4 * l] + dims[4 * l + 1]) > big_i ? 2 * (dims[4 * l] + dims[4 * l + 1]) : big_i;
-    }
-    /* refine_one's scratch and taps; each candidate's error, 4 parameters and owner for the keep */
-    double *scratch = malloc(sizeof(double) * (size_t)(big + 5 * m + 1));
-    int64_t *itaps = malloc(sizeof(int64_t) * (size_t)(big_i + 3 * m + 1));
-    if (!scratch || !itaps) {
-        free(scratch);
-        free(itaps);
-        return -1;
-    }
+/* One pair at one level of align's pyramid: template (C, h, w), image (C, H, W) and weights (h, w),
+ * float64, and the level's downsampling factor */
+typedef struct {
+    const double *t, *x, *wt;
+    int64_t h, w, H, W;
+    double factor;
+} level_t;
+
+/* align's refinement down one pair's pyramid, lv[0 .. L - 1] coarsest first. The m candidates in
+ * cand (full-resolution (scale_h, scale_w, shift_y, shift_x)) are refined at each level in its own
+ * pixels (from gain 1, bias 0 where P = 6) to tolerance[l]; after each level but the last the pair
+ * keeps its keep[l] best by the squared error, less twins within `same` (keep_best). The last
+ * level's candidates stay in cand (full resolution), with start (where they began there) and sums
+ * (squared, absolute); returns their count. scratch holds refine_scratch of the largest level and
+ * 5 m more values, itaps its 2 (h + w) indices and 2 m more. */
+static int64_t refine_levels(const level_t *lv, int64_t L, int64_t C, int P, const int64_t *keep,
+                             const double *tolerance, const double *range, int iterations, const double *same,
+                             int64_t m, double *cand, double *start, double *sums, double *scratch, int64_t big,
+                             int64_t *itaps, int64_t big_i) {
     double *err = scratch + big, *tmp = err + m;
-    int64_t *idx = itaps + big_i, *tmp_o = idx + 2 * m;
+    int64_t *idx = itaps + big_i, *kept = idx + m;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t h = dims[4 * l], w = dims[4 * l + 1], H = dims[4 * l + 2], W = dims[4 * l + 3];
-        const double f = factor[l];
+        const double f = lv[l].factor;
+        const pair_t s = {lv[l].t, lv[l].x, lv[l].wt, C, lv[l].h, lv[l].w, lv[l].H, lv[l].W, P, scratch, itaps};
         for (int64_t i = 0; i < m; i++) {
-            const int64_t o = owner[i];
-            double p[6] = {cand[4 * i], cand[4 * i + 1], cand[4 * i + 2] / f, cand[4 * i + 3] / f, 1.0, 0.0};
-            const pair_t s = {data + offsets[3 * l] + o * C * h * w, data + offsets[3 * l + 1] + o * C * H * W,
-                              data + offsets[3 * l + 2] + (wt_shared ? 0 : o * h * w), C, h, w, H, W, P, scratch,
-                              itaps};
-            if (l == L - 1) memcpy(start + 4 * i, cand + 4 * i, sizeof(double) * 4);
+            double *c = cand + 4 * i, p[6] = {c[0], c[1], c[2] / f, c[3] / f, 1.0, 0.0};
+            if (l == L - 1) memcpy(start + 4 * i, c, sizeof(double) * 4);
             refine_one(&s, range, iterations, tolerance[l], p, sums + 2 * i);
-            cand[4 * i] = p[0];
-            cand[4 * i + 1] = p[1];
-            cand[4 * i + 2] = p[2] * f;
-            cand[4 * i + 3] = p[3] * f;
+            c[0] = p[0];
+            c[1] = p[1];
+            c[2] = p[2] * f;
+            c[3] = p[3] * f;
         }
         if (l == L - 1) break;
-        /* each pair's best, in pair order: candidates come grouped by pair, pairs ascending */
-        int64_t n = 0, *kept = idx + m;
-        for (int64_t i = 0; i < m; i++) err[i] = sums[2 * i];
-        for (int64_t i = 0; i < m;) {
-            int64_t e = i;
-            while (e < m && owner[e] == owner[i]) e++;
-            for (int64_t j = i; j < e; j++) idx[j] = j;
-            n += keep_best(idx + i, e - i, err, cand, keep[l], same, kept + n);
-            i = e;
+        for (int64_t i = 0; i < m; i++) {
+            err[i] = sums[2 * i];
+            idx[i] = i;
         }
-        for (int64_t j = 0; j < n; j++) { /* gathered through the room past idx, then back */
-            memcpy(tmp + 4 * j, cand + 4 * kept[j], sizeof(double) * 4);
-            tmp_o[j] = owner[kept[j]];
-        }
+        const int64_t n = keep_best(idx, m, err, cand, keep[l], same, kept);
+        for (int64_t j = 0; j < n; j++) memcpy(tmp + 4 * j, cand + 4 * kept[j], sizeof(double) * 4);
         memcpy(cand, tmp, sizeof(double) * (size_t)(4 * n));
-        memcpy(owner, tmp_o, sizeof(int64_t) * (size_t)n);
         m = n;
     }
-    free(scratch);
-    free(itaps);
     return m;
 }
 
@@ -444,6 +421,18 @@ void dm_align_pick(const double *best, const int64_t *where, int64_t B, int64_t 
 #define CROSS_BYTES 16
 #endif
 #define CROSS_KB 8
+
+/* dm_align_search's operands: its sizes (int64), then its reals (double), in this order. The
+ * binding (densematch/kernels/c_align.py: align_search) writes them in the same order. */
+enum {
+    S_B, S_C, S_H, S_W, S_BIG_H, S_BIG_W, /* pairs, channels, template and image sides */
+    S_LEVELS, S_GRID_GIVEN, S_WT_SHARED,   /* pyramid levels; best and where given; one weight map */
+    S_NH, S_ROWS, S_NW, S_COLS, S_NY, S_NX, S_K, /* the grid: Ry's and Rx's taps, shifts, minima kept */
+    S_PICK, S_CANDIDATES, S_KEEP_FIRST, S_KEEP_NEXT, /* candidates: ranked, taken, kept after levels */
+    S_OBJECTIVE, S_ITERATIONS,                      /* 0 l1, 1 l2, 2 ncc; refinement steps at most */
+    S_COUNT
+};
+enum { R_RANGE = 0, R_NEAR = 4, R_SAME = 8, R_TOLERANCE = 10, R_COARSE_TOLERANCE = 11, R_FAR = 12, R_COUNT = 13 };
 
 /* the kernels for float, then for double (align_t.h) */
 #define T float

@@ -238,40 +238,288 @@ int DM_T(dm_align_grid)(const T *x, const T *t, const int64_t *r0, const int64_t
     return 0;
 }
 
+/* image x (C, H, W) sampled bilinearly at q = (scale_h, scale_w, shift_y, shift_x) (taps' rule, in
+ * double) into out (C, h, w): the two rows blended first, then the two columns. ti holds 2 (h + w)
+ * indices, tf h + w + W values. */
+static void DM_T(warp_into)(const T *x, const double *q, int64_t C, int64_t H, int64_t W, int64_t h, int64_t w,
+                            T *out, int64_t *ti, double *tf) {
+    int64_t *r0 = ti, *r1 = r0 + h, *c0 = r1 + h, *c1 = c0 + w;
+    double *fr = tf, *fc = fr + h, *row = fc + w;
+    taps(h, H, q[0], q[2], r0, r1, fr);
+    taps(w, W, q[1], q[3], c0, c1, fc);
+    for (int64_t c = 0; c < C; c++) {
+        const T *xc = x + c * H * W;
+        T *oc = out + c * h * w;
+        for (int64_t r = 0; r < h; r++) {
+            const T *a = xc + r0[r] * W, *b = xc + r1[r] * W;
+            const double f = fr[r];
+            for (int64_t j = 0; j < W; j++) row[j] = (1 - f) * (double)a[j] + f * (double)b[j];
+            for (int64_t k = 0; k < w; k++) oc[r * w + k] = (T)((1 - fc[k]) * row[c0[k]] + fc[k] * row[c1[k]]);
+        }
+    }
+}
+
 /* align's warp (densematch.alignment.warp.warp_batch): out (M, C, h, w) samples image i of x
- * (M, C, H, W) bilinearly at params[i] = (scale_h, scale_w, shift_y, shift_x) (taps' rule, in
- * double): the two rows blended first, then the two columns. Returns 1 where scratch could not
- * be allocated. */
+ * (M, C, H, W) at params[i] (warp_into). Returns 1 where scratch could not be allocated. */
 int DM_T(dm_align_warp)(const T *x, const double *params, int64_t M, int64_t C, int64_t H, int64_t W, int64_t h,
                         int64_t w, T *out) {
     int64_t *ti = malloc(sizeof(int64_t) * (size_t)(2 * (h + w)));
     double *tf = malloc(sizeof(double) * (size_t)(h + w + W));
-    if (!ti || !tf) {
-        free(ti);
-        free(tf);
-        return 1;
-    }
-    int64_t *r0 = ti, *r1 = r0 + h, *c0 = r1 + h, *c1 = c0 + w;
-    double *fr = tf, *fc = fr + h, *row = fc + w;
-    for (int64_t i = 0; i < M; i++) {
-        const double *q = params + 4 * i;
-        taps(h, H, q[0], q[2], r0, r1, fr);
-        taps(w, W, q[1], q[3], c0, c1, fc);
-        for (int64_t c = 0; c < C; c++) {
-            const T *xc = x + (i * C + c) * H * W;
-            T *oc = out + (i * C + c) * h * w;
-            for (int64_t r = 0; r < h; r++) {
-                const T *a = xc + r0[r] * W, *b = xc + r1[r] * W;
-                const double f = fr[r];
-                for (int64_t j = 0; j < W; j++) row[j] = (1 - f) * (double)a[j] + f * (double)b[j];
-                for (int64_t k = 0; k < w; k++) oc[r * w + k] = (T)((1 - fc[k]) * row[c0[k]] + fc[k] * row[c1[k]]);
+    if (ti && tf)
+        for (int64_t i = 0; i < M; i++)
+            DM_T(warp_into)(x + i * C * H * W, params + 4 * i, C, H, W, h, w, out + i * C * h * w, ti, tf);
+    free(ti);
+    free(tf);
+    return !ti || !tf;
+}
+
+/* the mean of each 2 x 2 block of v (C planes of h x w) into out (C, h / 2, w / 2), a trailing odd
+ * row and column dropped (densematch.alignment.search.downsample's halving): the rows' pairs, then
+ * the columns', in that order */
+static void DM_T(halve)(const T *v, int64_t C, int64_t h, int64_t w, T *out) {
+    const int64_t ho = h / 2, wo = w / 2;
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t i = 0; i < ho; i++) {
+            const T *a = v + (c * h + 2 * i) * w, *b = a + w;
+            T *o = out + (c * ho + i) * wo;
+            for (int64_t j = 0; j < wo; j++) o[j] = ((a[2 * j] + b[2 * j]) + (a[2 * j + 1] + b[2 * j + 1])) * (T)0.25;
+        }
+}
+
+/* v (C, h, w) filtered by [1, 2, 1] / 4 along its rows, then its columns, edges replicated
+ * (densematch.alignment.api._blur), into out as float64; rows holds h w values */
+static void DM_T(blur)(const T *v, int64_t C, int64_t h, int64_t w, T *rows, double *out) {
+    for (int64_t c = 0; c < C; c++) {
+        const T *p = v + c * h * w;
+        for (int64_t i = 0; i < h; i++) {
+            const T *up = p + (i > 0 ? i - 1 : 0) * w, *at = p + i * w, *dn = p + (i + 1 < h ? i + 1 : i) * w;
+            for (int64_t j = 0; j < w; j++) rows[i * w + j] = (up[j] + 2 * at[j] + dn[j]) * (T)0.25;
+        }
+        for (int64_t i = 0; i < h; i++) {
+            const T *r = rows + i * w;
+            for (int64_t j = 0; j < w; j++) {
+                const T left = r[j > 0 ? j - 1 : 0], right = r[j + 1 < w ? j + 1 : j];
+                out[(c * h + i) * w + j] = (double)((left + 2 * r[j] + right) * (T)0.25);
             }
         }
     }
-    free(ti);
-    free(tf);
-    return 0;
 }
+
+/* 1 - the weighted NCC of the template t (C, h, w) and the warped image u (C, h, w), weights wt
+ * (h, w) or 1 where NULL, total their sum times C (densematch.alignment.refine.objective_at), in
+ * double */
+static double DM_T(ncc_error)(const T *t, const T *u, const T *wt, int64_t C, int64_t hw, double total) {
+    double st = 0, su = 0;
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t i = 0; i < hw; i++) {
+            const double a = wt ? (double)wt[i] : 1.0;
+            st += a * (double)t[c * hw + i];
+            su += a * (double)u[c * hw + i];
+        }
+    const double mt = st / total, mu = su / total;
+    double cov = 0, vt = 0, vu = 0;
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t i = 0; i < hw; i++) {
+            const double a = wt ? (double)wt[i] : 1.0, dt = (double)t[c * hw + i] - mt, du = (double)u[c * hw + i] - mu;
+            cov += a * du * dt;
+            vt += a * dt * dt;
+            vu += a * du * du;
+        }
+    const double var = sqrt(vu * vt);
+    return 1 - cov / (var > 1e-12 ? var : 1e-12);
+}
+
+/* align's search for B pairs (densematch.alignment.api._search), each from its pyramid to its
+ * warp, with nothing between the steps but this loop. Per pair b of t (B, C, h, w) and x (B, C,
+ * H, W), weights wt (B, h, w), or (h, w) shared where sizes[S_WT_SHARED], or uniform where NULL,
+ * and total[b] their sum times C:
+ * 1. the pyramid: sizes[S_LEVELS] levels, each halving the one below (halve), in T, each also in
+ *    float64 for the refinement;
+ * 2. at the coarsest level the grid (dm_align_grid, from Ry's taps r0, r1, v0, v1 (nh, rows), Rx's
+ *    i0, i1, w0, w1 (nw, cols), shifts (ny, nx) up to max_y, max_x), each scale pair's K best
+ *    shifts into best and where (B, nh, nw, K); where sizes[S_GRID_GIVEN] they are given there
+ *    instead. landscape (B, nh, nw) gets the best of each, shifts (B, nh, nw, 2) its shift in
+ *    full-resolution pixels (NaN where it has none);
+ * 3. the candidates (dm_align_pick: S_PICK lowest, S_CANDIDATES of them apart by reals[R_NEAR]),
+ *    refined down the pyramid (refine_levels: keeping S_KEEP_FIRST after the coarsest level,
+ *    S_KEEP_NEXT after the others, twins within R_SAME dropped; R_COARSE_TOLERANCE, then
+ *    R_TOLERANCE at full resolution), each rounded to T where torch's path holds them in T;
+ * 4. each one that full resolution moved over R_FAR pixels (at the template's far edge) refined
+ *    again from where it stopped, on both images blurred (blur) to R_COARSE_TOLERANCE, then sharp:
+ *    the two compete;
+ * 5. the best by the objective (S_OBJECTIVE: 0 "l1", 1 "l2" from the refinement's sums over total,
+ *    2 "ncc" at the warp, with gain and bias fitted), NaN last, ties to the first, into answer
+ *    (B, 4) and error (B,), and its warp into warped (B, C, h, w).
+ * Returns 1 where scratch could not be allocated. */
+int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, const int64_t *sizes,
+                          const double *reals, const int64_t *r0, const int64_t *r1, const T *v0, const T *v1,
+                          const int64_t *i0, const int64_t *i1, const T *w0, const T *w1, const int64_t *max_y,
+                          const int64_t *max_x, const double *grid_h, const double *grid_w, T *best, int64_t *where,
+                          T *landscape, T *shifts, T *answer, T *error, T *warped) {
+    const int64_t B = sizes[S_B], C = sizes[S_C], h = sizes[S_H], w = sizes[S_W], H = sizes[S_BIG_H];
+    const int64_t W = sizes[S_BIG_W], L = sizes[S_LEVELS], nh = sizes[S_NH], nw = sizes[S_NW], K = sizes[S_K];
+    const int64_t nx = sizes[S_NX], n_pick = sizes[S_PICK], M = sizes[S_CANDIDATES], objective = sizes[S_OBJECTIVE];
+    const int shared = sizes[S_WT_SHARED] != 0, ncc = objective == 2, P = ncc ? 6 : 4;
+    const int iterations = (int)sizes[S_ITERATIONS];
+    const double *range = reals + R_RANGE;
+    const double coarse = (double)((int64_t)1 << (L - 1));
+    const double tol[2] = {reals[R_COARSE_TOLERANCE], reals[R_TOLERANCE]};
+    if (L < 1 || L > 62) return 1;
+    /* the levels' sizes, finest first, and the room their copies take */
+    int64_t lh[62], lw[62], lH[62], lW[62], n_t = 0, n_d = 0, n_w = 0;
+    for (int64_t j = 0; j < L; j++) {
+        lh[j] = h >> j, lw[j] = w >> j, lH[j] = H >> j, lW[j] = W >> j;
+        const int64_t plane = C * (lh[j] * lw[j] + lH[j] * lW[j]);
+        n_d += plane + lh[j] * lw[j];
+        if (j > 0) n_t += plane, n_w += lh[j] * lw[j];
+    }
+    const int64_t big = refine_scratch(C, h, w, H), big_i = 2 * (h + w), hw = h * w, grid = nh * nw * K;
+    const int64_t m_all = 2 * M; /* the levels' candidates, and as many refined again */
+    const size_t n_doubles = (size_t)(n_d + big + 5 * M + 4 * m_all + 4 * M + 2 * m_all + grid + 4 * n_pick + h + w + W);
+    double *dbuf = malloc(sizeof(double) * n_doubles), *blurred = NULL;
+    T *tbuf = malloc(sizeof(T) * (size_t)(n_t + n_w + 4 * m_all + 2 * m_all + m_all + C * hw + 1));
+    int64_t *ibuf = malloc(sizeof(int64_t) * (size_t)(big_i + 2 * M + n_pick + 2 * (h + w)));
+    unsigned char *alive = malloc((size_t)n_pick + 1);
+    int failed = !dbuf || !tbuf || !ibuf || !alive;
+    if (failed) goto done;
+    double *pyr = dbuf, *scratch = pyr + n_d, *cand = scratch + big + 5 * M, *start = cand + 4 * m_all;
+    double *sums = start + 4 * M, *best_d = sums + 2 * m_all, *params = best_d + grid, *tf = params + 4 * n_pick;
+    T *halves = tbuf, *wt_halves = halves + n_t, *cand_t = wt_halves + n_w, *sums_t = cand_t + 4 * m_all;
+    T *err = sums_t + 2 * m_all, *u = err + m_all;
+    int64_t *itaps = ibuf, *order = itaps + big_i + 2 * M, *ti = order + n_pick;
+    /* shared weights: their halvings once, for every pair */
+    const T *wl[62];
+    if (wt && shared) {
+        wl[0] = wt;
+        for (int64_t j = 1, at = 0; j < L; at += lh[j] * lw[j], j++) {
+            DM_T(halve)(wl[j - 1], 1, lh[j - 1], lw[j - 1], wt_halves + at);
+            wl[j] = wt_halves + at;
+        }
+    }
+    for (int64_t b = 0; b < B; b++) {
+        const T *tl[62], *xl[62];
+        tl[0] = t + b * C * hw;
+        xl[0] = x + b * C * H * W;
+        if (wt && !shared) wl[0] = wt + b * hw;
+        for (int64_t j = 1, at = 0, at_w = 0; j < L; j++) {
+            T *th = halves + at, *xh = th + C * lh[j] * lw[j];
+            DM_T(halve)(tl[j - 1], C, lh[j - 1], lw[j - 1], th);
+            DM_T(halve)(xl[j - 1], C, lH[j - 1], lW[j - 1], xh);
+            tl[j] = th, xl[j] = xh;
+            at += C * (lh[j] * lw[j] + lH[j] * lW[j]);
+            if (wt && !shared) {
+                DM_T(halve)(wl[j - 1], 1, lh[j - 1], lw[j - 1], wt_halves + at_w);
+                wl[j] = wt_halves + at_w;
+                at_w += lh[j] * lw[j];
+            }
+        }
+        /* every level in float64 for the refinement, coarsest first; uniform weights are ones */
+        level_t lv[62];
+        for (int64_t j = 0, at = 0; j < L; j++) {
+            const int64_t nt = C * lh[j] * lw[j], nxs = C * lH[j] * lW[j], np = lh[j] * lw[j];
+            double *dt = pyr + at, *dx = dt + nt, *dw = dx + nxs;
+            for (int64_t i = 0; i < nt; i++) dt[i] = (double)tl[j][i];
+            for (int64_t i = 0; i < nxs; i++) dx[i] = (double)xl[j][i];
+            for (int64_t i = 0; i < np; i++) dw[i] = wt ? (double)wl[j][i] : 1.0;
+            lv[L - 1 - j] = (level_t){dt, dx, dw, lh[j], lw[j], lH[j], lW[j], (double)((int64_t)1 << j)};
+            at += nt + nxs + np;
+        }
+        /* the grid and its landscape */
+        T *bb = best + b * grid;
+        int64_t *wb = where + b * grid;
+        const int64_t c_ = L - 1;
+        if (!sizes[S_GRID_GIVEN] &&
+            DM_T(dm_align_grid)(xl[c_], tl[c_], r0, r1, v0, v1, i0, i1, w0, w1, 1, C, lH[c_], lW[c_], lh[c_], lw[c_],
+                                nh, sizes[S_ROWS], nw, sizes[S_COLS], sizes[S_NY], nx, max_y, max_x, ncc, K, bb, wb)) {
+            failed = 1;
+            goto done;
+        }
+        for (int64_t p = 0; p < nh * nw; p++) {
+            const T v = bb[p * K];
+            T *sh = shifts + 2 * (b * nh * nw + p);
+            landscape[b * nh * nw + p] = v;
+            sh[0] = isfinite(v) ? (T)(wb[p * K] / nx) * (T)coarse : (T)NAN;
+            sh[1] = isfinite(v) ? (T)(wb[p * K] % nx) * (T)coarse : (T)NAN;
+        }
+        /* the candidates, in T as torch holds them, then down the pyramid */
+        for (int64_t i = 0; i < grid; i++) best_d[i] = (double)bb[i];
+        dm_align_pick(best_d, wb, 1, nh * nw, K, grid_h, grid_w, nw, nx, reals + R_NEAR, n_pick, M, order, params,
+                      alive, cand);
+        for (int64_t i = 0; i < 4 * M; i++) cand[i] = (double)((T)cand[i] * (T)(i % 4 < 2 ? 1 : coarse));
+        int64_t keep[62];
+        double tolerance[62];
+        for (int64_t l = 0; l < L; l++) {
+            keep[l] = l == 0 ? sizes[S_KEEP_FIRST] : sizes[S_KEEP_NEXT];
+            tolerance[l] = tol[l == L - 1];
+        }
+        int64_t n = refine_levels(lv, L, C, P, keep, tolerance, range, iterations, reals + R_SAME, M, cand, start,
+                                  sums, scratch, big, itaps, big_i);
+        for (int64_t i = 0; i < 4 * n; i++) cand_t[i] = (T)cand[i];
+        for (int64_t i = 0; i < 2 * n; i++) sums_t[i] = (T)sums[i];
+        /* those full resolution moved far, again from where they stopped: blurred, then sharp */
+        const level_t *full = lv + L - 1;
+        const double edge[4] = {(double)h, (double)w, 1.0, 1.0};
+        int blur_done = 0;
+        for (int64_t i = 0, m = n; i < m; i++) {
+            double moved = 0;
+            for (int k = 0; k < 4; k++) {
+                const double v = (double)fabs(cand_t[4 * i + k] - (T)start[4 * i + k]) * edge[k];
+                moved = v > moved ? v : moved;
+            }
+            if (!(moved > reals[R_FAR])) continue;
+            if (!blurred) /* both images blurred in float64, and room for one plane's rows in T */
+                blurred = malloc(sizeof(double) * (size_t)(C * (hw + H * W) + H * W));
+            if (!blurred) {
+                failed = 1;
+                goto done;
+            }
+            if (!blur_done) {
+                T *rows = (T *)(blurred + C * (hw + H * W));
+                DM_T(blur)(tl[0], C, h, w, rows, blurred);
+                DM_T(blur)(xl[0], C, H, W, rows, blurred + C * hw);
+                blur_done = 1;
+            }
+            const pair_t soft = {blurred, blurred + C * hw, full->wt, C, h, w, H, W, P, scratch, itaps};
+            const pair_t sharp = {full->t, full->x, full->wt, C, h, w, H, W, P, scratch, itaps};
+            double p[6] = {cand_t[4 * i], cand_t[4 * i + 1], cand_t[4 * i + 2], cand_t[4 * i + 3], 1.0, 0.0}, s2[2];
+            refine_one(&soft, range, iterations, tol[0], p, s2);
+            for (int k = 0; k < 4; k++) p[k] = (double)(T)p[k];
+            p[4] = 1.0, p[5] = 0.0;
+            refine_one(&sharp, range, iterations, tol[1], p, s2);
+            for (int k = 0; k < 4; k++) cand_t[4 * n + k] = (T)p[k];
+            sums_t[2 * n] = (T)s2[0], sums_t[2 * n + 1] = (T)s2[1];
+            n++;
+        }
+        /* the best by the objective, and its warp */
+        int64_t pick = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (ncc) {
+                double q[4];
+                for (int k = 0; k < 4; k++) q[k] = (double)cand_t[4 * i + k];
+                DM_T(warp_into)(xl[0], q, C, H, W, h, w, u, ti, tf);
+                err[i] = (T)DM_T(ncc_error)(tl[0], u, wt ? wl[0] : NULL, C, hw, (double)total[b]);
+            } else {
+                err[i] = sums_t[2 * i + (objective == 0)] / total[b];
+            }
+            if (i > 0 && !isnan(err[i]) && (isnan(err[pick]) || err[i] < err[pick])) pick = i;
+        }
+        double q[4];
+        for (int k = 0; k < 4; k++) {
+            answer[4 * b + k] = cand_t[4 * pick + k];
+            q[k] = (double)cand_t[4 * pick + k];
+        }
+        error[b] = err[pick];
+        DM_T(warp_into)(xl[0], q, C, H, W, h, w, warped + b * C * hw, ti, tf);
+    }
+done:
+    free(dbuf);
+    free(tbuf);
+    free(ibuf);
+    free(alive);
+    free(blurred);
+    return failed;
+}
+
 /* the parameters of this instance, so that the next one defines its own */
 #undef T
 #undef SUF

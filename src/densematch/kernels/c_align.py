@@ -12,10 +12,10 @@ __all__ = [
     "align_best_shifts",
     "align_cross",
     "align_grid",
-    "align_levels",
     "align_pick",
     "align_refine",
     "align_scores",
+    "align_search",
     "align_warp",
     "certify_bound",
 ]
@@ -70,65 +70,125 @@ def align_refine(
     return p, out
 
 
-def align_levels(
-    levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
-    owner: torch.Tensor,
-    cand: torch.Tensor,
-    keep: list[int],
-    tolerance: list[float],
-    ranges: tuple[float, float, float, float],
-    photometric: bool,
+def align_search(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor | None,
+    total: torch.Tensor,
+    *,
+    levels: int,
+    grid_h: torch.Tensor,
+    grid_w: torch.Tensor,
+    n_shift: tuple[int, int],
+    grid: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor] | None = None,
+    given: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shifts_kept: int = 3,
+    pick: int,
+    candidates: int,
+    keep: tuple[int, int],
+    objective: int,
     iterations: int,
+    ranges: tuple[float, float, float, float],
+    near: tuple[float, float, float, float],
     same: tuple[float, float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """align's refinement down its pyramid in one call (align.c): ``levels`` coarsest first, each
-    (t (B, C, h, w), x (B, C, H, W), weights (B or 1, h, w), downsampling factor), float64. The
-    candidates ``cand`` (M, 4), full-resolution (scale_h, scale_w, shift_y, shift_x) of the
-    pairs ``owner`` (M,), grouped by pair in ascending order, are refined at each level to its
-    ``tolerance`` (:func:`align_refine`'s iteration, gain and bias from 1 and 0 where
-    ``photometric``); after each level but the last each pair keeps its ``keep[l]`` best by the
-    squared error, less any within ``same`` (scales, full-resolution shifts) of a better one.
-    Returns the last level's candidates, their owners, their starts there and their sums
-    (squared, absolute), full resolution. On this thread."""
-    lib = _loaded("align_levels", owner, cand, *(v for level in levels for v in level[:3]))
-    b, c = levels[0][0].shape[:2]
-    shared = levels[0][2].shape[0] != b
+    tolerance: tuple[float, float],
+    far: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """align's whole search in one call (align.c: dm_align_search), pair by pair: the pyramid of
+    ``levels`` levels (each halving the one below), the grid at its coarsest level, the candidates,
+    their refinement down the pyramid, the far ones refined again (blurred, then sharp), the best
+    by the objective and its warp.
+
+    ``t`` (B, C, h, w) and ``x`` (B, C, H, W), float32 or float64; ``weights`` (B, h, w), or
+    (1, h, w) shared, or None for uniform ones, and ``total`` (B,) their sums times C, of that
+    dtype. The grid's scales ``grid_h`` (nh,) and ``grid_w`` (nw,) (float64) and its integer shifts
+    ``n_shift`` (n_y, n_x); ``grid``: Ry's taps (i0, i1, w0, w1: each (nh, rows)) and Rx's ((nw,
+    cols)) at the coarsest level and the largest valid shifts max_y (nh,), max_x (nw,), for C to
+    search it, keeping ``shifts_kept`` minima per scale pair; or ``given``: those minima (B, nh,
+    nw, K) and their flat shift indices, found elsewhere. ``pick`` and ``candidates``, ``keep``
+    (after the coarsest level, after the others), ``objective`` (0 "l1", 1 "l2", 2 "ncc": gain
+    and bias), ``iterations``, the scale ``ranges`` (lo_h, hi_h, lo_w, hi_w), ``near`` (the
+    candidates' spacing), ``same`` (twins), ``tolerance`` (coarse levels, full resolution) and
+    ``far`` as :func:`densematch.alignment.api._search` names them.
+
+    Returns the answers (B, 4) (scale_h, scale_w, shift_y, shift_x), their errors (B,), the warps
+    (B, C, h, w), the landscape (B, nh, nw) and each scale pair's best shift (B, nh, nw, 2) in
+    full-resolution pixels (NaN where none). On this thread."""
+    operands = () if grid is None else (*grid[0], *grid[1], *grid[2:])
+    lib = _loaded("align_search", t, x, weights, total, grid_h, grid_w, given, operands)
+    b, c, h, w = t.shape
+    big_h, big_w = x.shape[-2:]
+    nh, nw = grid_h.shape[0], grid_w.shape[0]
+    ny, nx = n_shift
     _require(
-        len(keep) == len(levels) - 1 == len(tolerance) - 1
-        and all(
-            t.dtype == x.dtype == wt.dtype == torch.float64
-            and t.shape[:2] == x.shape[:2] == (b, c)
-            and wt.shape == ((1,) if shared else (b,)) + t.shape[-2:]
-            for t, x, wt, _ in levels
-        )
-        and cand.ndim == 2
-        and cand.shape[1] == 4
-        and owner.shape == cand.shape[:1]
-        and _within(owner, 0, b - 1)
-        and _within(owner[1:] - owner[:-1], 0, b),
-        "levels must hold float64 (B, C, h, w), (B, C, H, W), (B or 1, h, w) and cand (M, 4) full-resolution "
-        "candidates of the pairs owner (M,), grouped in ascending order",
+        t.dtype in _SUFFIX
+        and x.dtype == total.dtype == t.dtype
+        and x.shape[:2] == (b, c)
+        and total.shape == (b,)
+        and grid_h.dtype == grid_w.dtype == torch.float64
+        and 1 <= levels <= 62
+        and min(h, w, big_h, big_w) >> (levels - 1) >= 1
+        and (weights is None or (weights.dtype == t.dtype and weights.shape in ((b, h, w), (1, h, w))))
+        and (grid is None) != (given is None)
+        and objective in (0, 1, 2)
+        and min(pick, candidates, *keep, iterations, ny, nx) >= 1,
+        "t (B, C, h, w), x (B, C, H, W), weights (B or 1, h, w) and total (B,) of one float dtype, levels that "
+        "leave every side a pixel, grid_h and grid_w float64, one of grid and given, objective 0, 1 or 2",
     )
-    parts = [v.reshape(-1) for level in levels for v in level[:3]]
-    offsets = torch.tensor([0, *(p.numel() for p in parts[:-1])], dtype=torch.int64).cumsum(0)
-    data = torch.cat(parts).contiguous()
-    dims = torch.tensor([[*t.shape[-2:], *x.shape[-2:]] for t, x, _, _ in levels], dtype=torch.int64)
-    factor = torch.tensor([float(f) for *_, f in levels], dtype=torch.float64)
-    # every operand held by a name until the call returns: a temporary's memory would be freed
-    steps = torch.tensor([*keep, 0], dtype=torch.int64)
-    tol, box, twins = (torch.tensor(v, dtype=torch.float64) for v in (tolerance, ranges, same))
-    owner = owner.to(torch.int64).clone()
-    cand = cand.to(torch.float64).clone()
-    m = cand.shape[0]
-    start, sums = torch.empty(m, 4, dtype=torch.float64), torch.empty(m, 2, dtype=torch.float64)
-    kept = lib.dm_align_levels(
-        data.data_ptr(), offsets.data_ptr(), dims.data_ptr(), factor.data_ptr(), steps.data_ptr(), tol.data_ptr(),
-        len(levels), c, shared, 6 if photometric else 4, box.data_ptr(), iterations, twins.data_ptr(), m,
-        owner.data_ptr(), cand.data_ptr(), start.data_ptr(), sums.data_ptr(),
+    coarse = [v >> (levels - 1) for v in (h, w, big_h, big_w)]
+    if grid is not None:
+        row_taps, col_taps, max_y, max_x = grid
+        k = shifts_kept
+        rows, cols = row_taps[0].shape[1], col_taps[0].shape[1]
+        _require(
+            all(v.shape == (nh, rows) for v in row_taps)
+            and all(v.dtype == torch.int64 and v.is_contiguous() for v in (*row_taps[:2], max_y, max_x))
+            and row_taps[2].dtype == row_taps[3].dtype == t.dtype
+            and max_y.shape == (nh,)
+            and max_x.shape == (nw,)
+            and _within(row_taps[0], 0, coarse[2] - 1)
+            and _within(row_taps[1], 0, coarse[2] - 1)
+            and k >= 1,
+            "Ry's taps (nh, rows) inside the coarsest image, max_y (nh,) and max_x (nw,) int64, k >= 1",
+        )
+        _grid_check(t.dtype, (coarse[0], coarse[1]), col_taps, (rows, coarse[3]), n_shift)
+        taps = (*(v.contiguous() for v in row_taps), *col_taps, max_y, max_x)
+        best = torch.empty(b, nh, nw, k, dtype=t.dtype)
+        where = torch.empty(b, nh, nw, k, dtype=torch.int64)
+    else:
+        assert given is not None
+        best, where = (v.contiguous() for v in given)
+        k, rows, cols = best.shape[-1], 0, 0
+        _require(
+            best.shape == where.shape and best.shape[:3] == (b, nh, nw) and best.dtype == t.dtype,
+            "given must be the best shifts (B, nh, nw, K) in t's dtype and their flat indices",
+        )
+        null = torch.empty(0, dtype=torch.int64)
+        taps = (null, null, best[:0], best[:0], null, null, best[:0], best[:0], null, null)
+    _require(pick <= nh * nw * k and candidates <= pick, "candidates <= pick <= nh nw K")
+    objective_sizes = (pick, candidates, *keep, objective, iterations)
+    sizes = torch.tensor(
+        (b, c, h, w, big_h, big_w, levels, grid is None, weights is not None and weights.shape[0] != b,
+         nh, rows, nw, cols, ny, nx, k, *objective_sizes),
+        dtype=torch.int64,
     )  # fmt: skip
-    if kept < 0:
-        raise MemoryError("densematch's C kernels: align_levels could not allocate its scratch")
-    return cand[:kept], owner[:kept], start[:kept], sums[:kept]
+    reals = torch.tensor((*ranges, *near, *same, tolerance[1], tolerance[0], far), dtype=torch.float64)
+    t, x, total = t.contiguous(), x.contiguous(), total.contiguous()
+    wt = None if weights is None else weights.contiguous()
+    gh, gw = grid_h.contiguous(), grid_w.contiguous()
+    landscape = torch.empty(b, nh, nw, dtype=t.dtype)
+    shifts = torch.empty(b, nh, nw, 2, dtype=t.dtype)
+    answer, error = torch.empty(b, 4, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
+    warped = torch.empty(b, c, h, w, dtype=t.dtype)
+    failed = getattr(lib, f"dm_align_search_{_SUFFIX[t.dtype]}")(
+        t.data_ptr(), x.data_ptr(), None if wt is None else wt.data_ptr(), total.data_ptr(), sizes.data_ptr(),
+        reals.data_ptr(), *(v.data_ptr() for v in taps), gh.data_ptr(), gw.data_ptr(), best.data_ptr(),
+        where.data_ptr(), landscape.data_ptr(), shifts.data_ptr(), answer.data_ptr(), error.data_ptr(),
+        warped.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("densematch's C kernels: align_search could not allocate its scratch")
+    return answer, error, warped, landscape, shifts
 
 
 def align_cross(
@@ -187,7 +247,7 @@ def align_grid(
         "x (B, C, H, W), t (B, C, h, w), Ry's taps (nh, rows) inside H, max_y (nh,) and max_x (nw,) int64, k >= 1",
     )
     x, t = x.contiguous(), t.contiguous()
-    _grid_check(x, t, col_taps, (rows, big_w), n_shift)
+    _grid_check(x.dtype, (h, w), col_taps, (rows, big_w), n_shift)
     rt = tuple(v.contiguous() for v in row_taps)
     best = torch.empty(b, nh, nw, k, dtype=x.dtype)
     where = torch.empty(b, nh, nw, k, dtype=torch.int64)
@@ -216,8 +276,11 @@ def _grid(
     h, w = t.shape[-2:]
     nw, cols = taps[0].shape
     ny, nx = n_shift
-    _require(along_y.is_contiguous() and t.shape[:2] == (b, c), "along_y (B, C, nh, rows, W) must be contiguous")
-    _grid_check(along_y, t, taps, (rows, big_w), n_shift)
+    _require(
+        along_y.is_contiguous() and t.is_contiguous() and t.dtype == along_y.dtype and t.shape[:2] == (b, c),
+        "along_y (B, C, nh, rows, W) and t (B, C, h, w) must be contiguous, of one dtype",
+    )
+    _grid_check(along_y.dtype, (h, w), taps, (rows, big_w), n_shift)
     out = torch.empty(b, nh, nw, ny, nx, dtype=along_y.dtype)
     sizes = (b, c, nh, rows, big_w, h, w, nw, cols, ny, nx)
     ptrs = (along_y.data_ptr(), t.data_ptr(), *(v.data_ptr() for v in taps))
@@ -227,21 +290,22 @@ def _grid(
 
 
 def _grid_check(
-    image: torch.Tensor,
-    t: torch.Tensor,
+    dtype: torch.dtype,
+    tpl: tuple[int, int],
     taps: tuple[torch.Tensor, ...],
     size: tuple[int, int],
     n_shift: tuple[int, int],
 ) -> None:
-    """The rules align's grid kernels share: one float dtype, contiguous, Rx's taps (nw, cols)
-    inside the ``size`` (rows, W) stretched along y, i1 = i0 or i0 + 1, every shift's window inside."""
+    """The rules align's grid kernels share: the template (h, w) ``tpl``, Rx's taps (nw, cols) of
+    one float ``dtype`` and contiguous, inside the ``size`` (rows, W) stretched along y, i1 = i0
+    or i0 + 1, every shift's window inside."""
     i0, i1, w0, w1 = taps
     nw, cols = i0.shape
     (rows, big_w), (ny, nx) = size, n_shift
-    h, w = t.shape[-2:]
+    h, w = tpl
     _require(
-        image.dtype in _SUFFIX
-        and all(v.dtype == image.dtype and v.is_contiguous() for v in (t, w0, w1))
+        dtype in _SUFFIX
+        and all(v.dtype == dtype and v.is_contiguous() for v in (w0, w1))
         and all(v.dtype == torch.int64 and v.is_contiguous() and v.shape == (nw, cols) for v in (i0, i1))
         and w0.shape == w1.shape == (nw, cols)
         and ny + h - 1 <= rows
@@ -280,7 +344,7 @@ def align_pick(
     n: int,
     m: int,
 ) -> torch.Tensor:
-    """align's candidates from its grid (align.c), as
+    """align's candidates from its grid (align.c, as :func:`align_search` takes them), as
     :func:`densematch.alignment.search.pick_candidates` picks them: of each pair's scale pairs'
     best shifts ``best`` (B, nh, nw, S) (flat shift indices ``where``, rows of ``n_x``), the ``n``
     lowest, then ``m`` greedily, each the first left once those within ``near`` (scale_h,

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define DM_ABI_VERSION 3
+#define DM_ABI_VERSION 4
 
 int64_t dm_abi_version(void);
 
@@ -45,9 +45,8 @@ int dm_local_flow_f64(const double *a, const double *b, int64_t H, int64_t W, in
 void dm_local_flow_grad_f32(const float *a, const float *b, int64_t H, int64_t W, int64_t C, const float *flow, int bilinear, const uint8_t *mask_b, const int64_t *oy, const int64_t *ox, int64_t m, int64_t y0, int64_t y1, const float *grad, float *ga, float *gb, float *gf);
 void dm_local_flow_grad_f64(const double *a, const double *b, int64_t H, int64_t W, int64_t C, const double *flow, int bilinear, const uint8_t *mask_b, const int64_t *oy, const int64_t *ox, int64_t m, int64_t y0, int64_t y1, const double *grad, double *ga, double *gb, double *gf);
 
-/* align.c: align's refinement (one level, or down the pyramid), cross term, grid scores, whole grid, best shifts, candidates and warp */
+/* align.c: align's refinement, cross term, grid scores, whole grid, best shifts, candidates, warp, and the whole search */
 int dm_align_refine(const double *t, const double *x, const double *wt, int wt_shared, int64_t C, int64_t h, int64_t w, int64_t H, int64_t W, const int64_t *owner, int64_t m, int P, const double *range, int iterations, double tolerance, double *p, double *out);
-int64_t dm_align_levels(const double *data, const int64_t *offsets, const int64_t *dims, const double *factor, const int64_t *keep, const double *tolerance, int64_t L, int64_t C, int wt_shared, int P, const double *range, int iterations, const double *same, int64_t m, int64_t *owner, double *cand, double *start, double *sums);
 void dm_align_pick(const double *best, const int64_t *where, int64_t B, int64_t P, int64_t S, const double *grid_h, const double *grid_w, int64_t nw, int64_t n_x, const double *near, int64_t n, int64_t M, int64_t *order, double *params, unsigned char *alive, double *out);
 int dm_align_cross_f32(const float *a, const float *t, const int64_t *i0, const int64_t *i1, const float *w0, const float *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h, int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, float *out);
 int dm_align_cross_f64(const double *a, const double *t, const int64_t *i0, const int64_t *i1, const double *w0, const double *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h, int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, double *out);
@@ -59,6 +58,8 @@ int dm_align_grid_f32(const float *x, const float *t, const int64_t *r0, const i
 int dm_align_grid_f64(const double *x, const double *t, const int64_t *r0, const int64_t *r1, const double *v0, const double *v1, const int64_t *i0, const int64_t *i1, const double *w0, const double *w1, int64_t B, int64_t C, int64_t H, int64_t W, int64_t h, int64_t w, int64_t nh, int64_t rows, int64_t nw, int64_t cols, int64_t ny, int64_t nx, const int64_t *max_y, const int64_t *max_x, int ncc, int64_t K, double *best, int64_t *where);
 void dm_align_best_shifts_f32(const float *score, int64_t M, int64_t ny, int64_t nx, int64_t K, float *best, int64_t *where);
 void dm_align_best_shifts_f64(const double *score, int64_t M, int64_t ny, int64_t nx, int64_t K, double *best, int64_t *where);
+int dm_align_search_f32(const float *t, const float *x, const float *wt, const float *total, const int64_t *sizes, const double *reals, const int64_t *r0, const int64_t *r1, const float *v0, const float *v1, const int64_t *i0, const int64_t *i1, const float *w0, const float *w1, const int64_t *max_y, const int64_t *max_x, const double *grid_h, const double *grid_w, float *best, int64_t *where, float *landscape, float *shifts, float *answer, float *error, float *warped);
+int dm_align_search_f64(const double *t, const double *x, const double *wt, const double *total, const int64_t *sizes, const double *reals, const int64_t *r0, const int64_t *r1, const double *v0, const double *v1, const int64_t *i0, const int64_t *i1, const double *w0, const double *w1, const int64_t *max_y, const int64_t *max_x, const double *grid_h, const double *grid_w, double *best, int64_t *where, double *landscape, double *shifts, double *answer, double *error, double *warped);
 
 /* certify.c: certify_alignment's bound */
 int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H, int64_t W, const double *cells, int64_t M, const double *half, const double *pivot, const int64_t *rows, int64_t n_rows, int exact, int squared, double stop, double *out);
