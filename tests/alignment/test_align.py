@@ -444,6 +444,17 @@ class TestSearch:
         with pytest.raises(ValueError, match="weights \\(B or 1, h, w\\)"):
             native.align_search(t, x, torch.ones(2, 8, 9), total, given=(best, where), **rule)
 
+    def test_a_grid_kept_between_calls_is_not_the_callers(self):
+        # the C search keeps each size's grid plan between calls: the scales handed back are
+        # copies, so that a caller's change never reaches the next call
+        c = next(alignment_cases(1, seed=9, kinds=("photo",), sizes=(SIZES[0],), noise=(0.0,)))
+        first = align(c.template, c.image)
+        expected = first.scales_h.clone()
+        with torch.inference_mode():  # align's tensors are inference tensors: changed in place only there
+            first.scales_h += 1.0
+        second = align(c.template, c.image)
+        assert torch.equal(second.scales_h, expected) and second.shift_x == first.shift_x
+
     @needs_c
     @pytest.mark.parametrize("objective", ["l1", "l2", "ncc"])
     def test_the_c_search_is_its_steps(self, objective):

@@ -14,7 +14,10 @@ whose coarsest level has a template of 20 to 39 pixels on its shorter side:
 2. Distinct candidates: per scale pair the best few shifts, of those the best few far apart.
 3. Each candidate is refined continuously (Levenberg-Marquardt on the four parameters, with
    gain and bias for NCC) level by level, the best few going on to the next, and at full
-   resolution the best by the requested objective wins (refine.py; in C on a CPU).
+   resolution the best by the requested objective wins (refine.py).
+
+On a CPU with the C kernels, steps 1-3 from the pyramid to the answer's warp are one call of C
+(:func:`_search_c`); the torch path takes them one at a time (:func:`_search_steps`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ..threads import share_out, share_size, workers_for
 from .refine import _ITERATIONS, objective_at, refine
 from .search import (
     _SHIFTS,
+    _Plan,
     _plan,
     candidate_rule,
     downsample,
@@ -370,13 +374,13 @@ def align(
     warped = (found.warped / unit + level).reshape(t.shape)
     err = found.error
     # 1 - NCC is never below 0; rounding of a perfect fit may put it a hair under
-    err = {"l1": err / unit, "l2": err / unit**2, "ncc": err.clamp_min(0.0)}[objective]
+    err = err / unit if objective == "l1" else err / unit**2 if objective == "l2" else err.clamp_min(0.0)
     # the grid search's squared error, or 1 - NCC
     landscape = found.landscape if objective == "ncc" else found.landscape / unit**2
     warp_params = (found.scale_h, found.scale_w, found.shift_y, found.shift_x)
     bounds = _at_bound(found.scale_h, found.scale_w, (lo_h, hi_h), (lo_w, hi_w))
     grids = (found.grid_h, found.grid_w)
-    relative = err / _spread(raw[0], mask, objective).to(err.dtype)
+    relative = err / _spread(raw[0], mask, objective, template_mask is None).to(err.dtype)
     if t.ndim == 2:
         sh, sw, sy, sx = (float(v.item()) for v in warp_params)
         one = certificates[0] if certificates else None
@@ -386,12 +390,17 @@ def align(
     return Alignment(*warp_params, err, warped, landscape, found.shifts, *grids, bounds, certificates, relative)
 
 
-def _spread(t: torch.Tensor, mask: torch.Tensor, objective: str) -> torch.Tensor:
+def _spread(t: torch.Tensor, mask: torch.Tensor, objective: str, uniform: bool) -> torch.Tensor:
     """(B,) the error of the best flat fit to each template ``t`` (B, C, h, w) under the weights
     ``mask`` (B, 1, h, w): the weighted mean absolute ("l1") or squared ("l2") deviation from
-    each channel's mean; 1 for "ncc". The smallest normal float where the template is flat."""
+    each channel's mean; 1 for "ncc". The smallest normal float where the template is flat.
+    ``uniform``: every weight is 1 (plain means)."""
     if objective == "ncc":
         return torch.ones(t.shape[0], dtype=t.dtype, device=t.device)
+    if uniform:  # plain means
+        dev = t - t.mean((2, 3), keepdim=True)
+        dev = dev.abs() if objective == "l1" else dev.square()
+        return dev.mean((1, 2, 3)).clamp_min(torch.finfo(t.dtype).tiny)
     total = mask.sum((2, 3), keepdim=True)
     dev = t - (t * mask).sum((2, 3), keepdim=True) / total
     dev = dev.abs() if objective == "l1" else dev.square()
@@ -608,6 +617,8 @@ def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
         parts[i] = _search(t[part], x[part], mask[part], settings)
 
     share_out(range(len(starts)), search, workers, name="densematch-align")
+    if len(starts) == 1:
+        return parts[0]
     done = [parts[i] for i in range(len(starts))]
     shared = ("grid_h", "grid_w")  # the same for every pair
     return _Found(
@@ -648,7 +659,8 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], tor
         weight = mask * hann
         weight_sum = weight.sum((2, 3), keepdim=True).clamp_min(1e-30)
     mean = (t * weight).sum((2, 3), keepdim=True) / weight_sum
-    power = torch.fft.rfft2((t - mean) * weight).abs().square().sum(1) * doubled  # (B, h, w // 2 + 1)
+    spectrum = torch.view_as_real(torch.fft.rfft2((t - mean) * weight))
+    power = spectrum.square().sum((1, 4)) * doubled  # (B, h, w // 2 + 1)
     total = power.sum((1, 2)).clamp_min(1e-300)
 
     def share(f: int) -> torch.Tensor:
@@ -738,9 +750,8 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
     coarse = levels[0]
     small = (b, c, h // coarse, w // coarse)  # the coarsest level: each halving floors
     small_x = (b, c, x.shape[-2] // coarse, x.shape[-1] // coarse)
-    grid_h = scale_grid(*settings.range_h, small[-2], x.device, x.dtype)
-    grid_w = scale_grid(*settings.range_w, small[-1], x.device, x.dtype)
-    plan = _plan(small, small_x, not settings.uniform, grid_h, grid_w, settings.budget, True)
+    setup = _c_grid(settings.range_h, settings.range_w, small, small_x, settings.uniform, settings.budget, x.dtype)
+    plan = setup.plan
     _refine_chunk(t, x, settings)  # the budget's rule, as in torch, at its largest level (C holds less)
     weights = None if settings.uniform else (mask[:1, 0] if mask.stride(0) == 0 else mask[:, 0])
     if settings.uniform:
@@ -754,17 +765,56 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
         tc, xc = downsample(t, coarse), downsample(x, coarse)
         mc = None if weights is None else downsample(mask[:1] if mask.stride(0) == 0 else mask, coarse)
         given = grid_minima(tc, xc, mc, settings.photometric, plan, True)
-    n_pick, n_cand, near = candidate_rule(grid_h, grid_w, _SHIFTS if given is None else given[0].shape[-1])
     answer, error, warped, landscape, shifts = native.align_search(
-        t, x, weights, total, levels=len(levels), grid_h=grid_h.double(), grid_w=grid_w.double(),
-        n_shift=plan.n_shift, grid=grid, given=given, shifts_kept=min(_SHIFTS, plan.n_shift[0] * plan.n_shift[1]),
-        pick=n_pick, candidates=n_cand, keep=(_KEEP[0], _KEEP[-1]),
-        objective=OBJECTIVES.index(settings.objective), iterations=_ITERATIONS,
-        ranges=(*settings.range_h, *settings.range_w), near=near, same=_SAME,
+        t, x, weights, total, levels=len(levels), grid_h=setup.grid_h64, grid_w=setup.grid_w64,
+        n_shift=plan.n_shift, grid=grid, given=given, shifts_kept=setup.shifts_kept, pick=setup.pick,
+        candidates=setup.candidates, keep=(_KEEP[0], _KEEP[-1]), objective=OBJECTIVES.index(settings.objective),
+        iterations=_ITERATIONS, ranges=(*settings.range_h, *settings.range_w), near=setup.near, same=_SAME,
         tolerance=(_COARSE_TOLERANCE, _TOLERANCE), far=_FAR,
     )  # fmt: skip
     sh, sw, sy, sx = answer.unbind(1)
-    return _Found(sh, sw, sy, sx, error, warped, landscape, shifts, grid_h, grid_w)
+    grids = (setup.grid_h.clone(), setup.grid_w.clone())  # the caller's own: the kept ones stay as made
+    return _Found(sh, sw, sy, sx, error, warped, landscape, shifts, *grids)
+
+
+@dataclass(frozen=True)
+class _CGrid:
+    """The coarsest level's grid as :func:`_search_c` hands it to C: its scales (in the search's
+    dtype and in float64), its :func:`_plan`, the minima kept per scale pair and the candidate
+    rule (:func:`candidate_rule`)."""
+
+    grid_h: torch.Tensor
+    grid_w: torch.Tensor
+    grid_h64: torch.Tensor
+    grid_w64: torch.Tensor
+    plan: _Plan
+    shifts_kept: int
+    pick: int
+    candidates: int
+    near: tuple[float, float, float, float]
+
+
+@functools.lru_cache(maxsize=8)
+def _c_grid(
+    range_h: tuple[float, float],
+    range_w: tuple[float, float],
+    small: tuple[int, int, int, int],
+    small_x: tuple[int, int, int, int],
+    uniform: bool,
+    budget: int,
+    dtype: torch.dtype,
+) -> _CGrid:
+    """:class:`_CGrid` for a coarsest level of templates ``small`` (B, C, h, w) in images
+    ``small_x`` on the CPU, kept (read-only, made outside inference mode): a loop over pairs of
+    one size plans its grid once. A ValueError where ``budget`` cannot hold it, as :func:`_plan`."""
+    cpu = torch.device("cpu")
+    with torch.inference_mode(False):
+        grid_h = scale_grid(*range_h, small[-2], cpu, dtype)
+        grid_w = scale_grid(*range_w, small[-1], cpu, dtype)
+        plan = _plan(small, small_x, not uniform, grid_h, grid_w, budget, True)
+        kept = min(_SHIFTS, plan.n_shift[0] * plan.n_shift[1])  # as many as grid_minima's too
+        pick, candidates, near = candidate_rule(grid_h, grid_w, kept)
+        return _CGrid(grid_h, grid_w, grid_h.double(), grid_w.double(), plan, kept, pick, candidates, near)
 
 
 def _tolerance(f: int) -> float:

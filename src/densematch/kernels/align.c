@@ -34,9 +34,9 @@ static inline double fold(v4d v) { return (v[0] + v[1]) + (v[2] + v[3]); }
  * both are the same clamped row (no y-derivative). Four lanes, then a fixed fold and the
  * columns left over: one order on every CPU. */
 static inline __attribute__((always_inline)) void row_sums(
-    const int nb, const double *y0, const double *y1, const double *d0, const double *d1, const double *T,
-    const double *wt, const double *bc, int64_t w, double f, int rows_differ, double G, double B, double S[5][5],
-    double R[5], double sums[2]) {
+    const int nb, const int weighted, const double *y0, const double *y1, const double *d0, const double *d1,
+    const double *T, const double *wt, const double *bc, int64_t w, double f, int rows_differ, double G, double B,
+    double S[5][5], double R[5], double sums[2]) {
     v4d acc[5][5], accr[5], acc2 = {0, 0, 0, 0}, acc1 = {0, 0, 0, 0};
     for (int i = 0; i < nb; i++) {
         accr[i] = (v4d){0, 0, 0, 0};
@@ -45,22 +45,22 @@ static inline __attribute__((always_inline)) void row_sums(
     const v4d one = {1, 1, 1, 1}, zero = {0, 0, 0, 0}, fv = one * f, gv = one * G, bv = one * B;
     int64_t c = 0;
     for (; c + 4 <= w; c += 4) {
-        v4d a0, a1, e0, e1, tv, wv, bcv;
+        v4d a0, a1, e0, e1, tv, wv = one, bcv;
         memcpy(&a0, y0 + c, 32);
         memcpy(&a1, y1 + c, 32);
         memcpy(&e0, d0 + c, 32);
         memcpy(&e1, d1 + c, 32);
         memcpy(&tv, T + c, 32);
-        memcpy(&wv, wt + c, 32);
+        if (weighted) memcpy(&wv, wt + c, 32);
         memcpy(&bcv, bc + c, 32);
         const v4d u = (one - fv) * a0 + fv * a1, gx = (one - fv) * e0 + fv * e1;
         const v4d gy = rows_differ ? a1 - a0 : zero, res = gv * u + bv - tv;
         const v4d q[5] = {gy, gx * bcv, gx, u, one};
-        const v4d wres = wv * res;
+        const v4d wres = weighted ? wv * res : res;
         acc2 += wres * res;
-        acc1 += wv * vabs(res);
+        acc1 += weighted ? wv * vabs(res) : vabs(res);
         for (int i = 0; i < nb; i++) {
-            const v4d wq = wv * q[i];
+            const v4d wq = weighted ? wv * q[i] : q[i];
             accr[i] += wq * res;
             for (int j = i; j < nb; j++) acc[i][j] += wq * q[j];
         }
@@ -74,10 +74,11 @@ static inline __attribute__((always_inline)) void row_sums(
         const double u = (1 - f) * y0[c] + f * y1[c], gx = (1 - f) * d0[c] + f * d1[c];
         const double gy = rows_differ ? y1[c] - y0[c] : 0.0, res = G * u + B - T[c];
         const double q[5] = {gy, gx * bc[c], gx, u, 1.0};
-        s2 += wt[c] * res * res;
-        s1 += wt[c] * fabs(res);
+        const double wc = weighted ? wt[c] : 1.0;
+        s2 += wc * res * res;
+        s1 += wc * fabs(res);
         for (int i = 0; i < nb; i++) {
-            const double wq = wt[c] * q[i];
+            const double wq = wc * q[i];
             r[i] += wq * res;
             for (int j = i; j < nb; j++) ss[i][j] += wq * q[j];
         }
@@ -109,7 +110,7 @@ static void taps(int64_t n_out, int64_t n_in, double scale, double shift, int64_
 static inline int64_t refine_scratch(int64_t C, int64_t h, int64_t w, int64_t H) { return h + 2 * w + 2 * C * H * w; }
 
 typedef struct {
-    const double *t, *x, *wt; /* one pair: template (C, h, w), image (C, H, W), weights (h, w) */
+    const double *t, *x, *wt; /* one pair: template (C, h, w), image (C, H, W), weights (h, w), or NULL: ones */
     int64_t C, h, w, H, W;
     int P;            /* 4, or 6 with gain and bias */
     double *scratch;  /* refine_scratch values */
@@ -143,15 +144,20 @@ static double normal_equations(const pair_t *s, const double *q, double *jtj, do
     for (int64_t r = 0; r < h; r++) {
         double Sr[5][5] = {{0}}, Rr[5] = {0};
         for (int64_t ch = 0; ch < C; ch++) {
-            const double *T = s->t + (ch * h + r) * w, *wt = s->wt + r * w;
+            const double *T = s->t + (ch * h + r) * w, *wt = s->wt ? s->wt + r * w : NULL;
             const double *Yc = Y + ch * n_rows * w, *dYc = dY + ch * n_rows * w;
             const double *y0 = Yc + (ri0[r] - lo) * w, *y1 = Yc + (ri1[r] - lo) * w;
             const double *d0 = dYc + (ri0[r] - lo) * w, *d1 = dYc + (ri1[r] - lo) * w;
             const int differ = ri1[r] != ri0[r];
-            if (nb == 3)
-                row_sums(3, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+            /* each case its own inlined copy; uniform weights (NULL) multiply by nothing: the same bits */
+            if (nb == 3 && wt)
+                row_sums(3, 1, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+            else if (nb == 3)
+                row_sums(3, 0, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+            else if (wt)
+                row_sums(5, 1, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
             else
-                row_sums(5, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+                row_sums(5, 0, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
         }
         /* the Jacobian's column k is coef[k] * q[basis[k]] on this row */
         const int basis[6] = {0, 1, 0, 2, 3, 4};
@@ -310,8 +316,8 @@ static int64_t keep_best(int64_t *idx, int64_t n, const double *err, const doubl
     return m;
 }
 
-/* One pair at one level of align's pyramid: template (C, h, w), image (C, H, W) and weights (h, w),
- * float64, and the level's downsampling factor */
+/* One pair at one level of align's pyramid: template (C, h, w), image (C, H, W) and weights (h, w)
+ * (NULL: ones), float64, and the level's downsampling factor */
 typedef struct {
     const double *t, *x, *wt;
     int64_t h, w, H, W;

@@ -370,7 +370,7 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
     for (int64_t j = 0; j < L; j++) {
         lh[j] = h >> j, lw[j] = w >> j, lH[j] = H >> j, lW[j] = W >> j;
         const int64_t plane = C * (lh[j] * lw[j] + lH[j] * lW[j]);
-        n_d += plane + lh[j] * lw[j];
+        n_d += plane + (wt ? lh[j] * lw[j] : 0);
         if (j > 0) n_t += plane, n_w += lh[j] * lw[j];
     }
     const int64_t big = refine_scratch(C, h, w, H), big_i = 2 * (h + w), hw = h * w, grid = nh * nw * K;
@@ -413,15 +413,15 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
                 at_w += lh[j] * lw[j];
             }
         }
-        /* every level in float64 for the refinement, coarsest first; uniform weights are ones */
+        /* every level in float64 for the refinement, coarsest first (uniform weights: none) */
         level_t lv[62];
         for (int64_t j = 0, at = 0; j < L; j++) {
-            const int64_t nt = C * lh[j] * lw[j], nxs = C * lH[j] * lW[j], np = lh[j] * lw[j];
+            const int64_t nt = C * lh[j] * lw[j], nxs = C * lH[j] * lW[j], np = wt ? lh[j] * lw[j] : 0;
             double *dt = pyr + at, *dx = dt + nt, *dw = dx + nxs;
             for (int64_t i = 0; i < nt; i++) dt[i] = (double)tl[j][i];
             for (int64_t i = 0; i < nxs; i++) dx[i] = (double)xl[j][i];
-            for (int64_t i = 0; i < np; i++) dw[i] = wt ? (double)wl[j][i] : 1.0;
-            lv[L - 1 - j] = (level_t){dt, dx, dw, lh[j], lw[j], lH[j], lW[j], (double)((int64_t)1 << j)};
+            for (int64_t i = 0; i < np; i++) dw[i] = (double)wl[j][i];
+            lv[L - 1 - j] = (level_t){dt, dx, wt ? dw : NULL, lh[j], lw[j], lH[j], lW[j], (double)((int64_t)1 << j)};
             at += nt + nxs + np;
         }
         /* the grid and its landscape */
