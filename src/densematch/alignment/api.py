@@ -647,48 +647,64 @@ def _levels(t: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
 def _low_band(t: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], torch.Tensor]:
     """For a factor f, the least over the pairs of ``t`` (B, C, h, w) of the share of the
     template's energy (weighted by ``mask``, or uniformly where None, its mean off, under a
-    Hann window against the crop's edges) at frequencies a level of factor f resolves: below _BAND_EDGE / f cycles per
-    pixel on both axes (0.7 of its Nyquist frequency), less the window's main lobe. Above them, a block mean keeps only
-    aliases, which stretch and shift differently from the template's texture: a fine periodic
-    texture (period under 2 f) has none left, and its coarse grid finds the wrong phase."""
+    Hann window against the crop's edges) at frequencies a level of factor f resolves: below
+    _BAND_EDGE / f cycles per pixel on both axes (0.7 of its Nyquist frequency), less the
+    window's main lobe. Above them, a block mean keeps only aliases, which stretch and shift
+    differently from the template's texture: a fine periodic texture (period under 2 f) has none
+    left, and its coarse grid finds the wrong phase. The energy is the windowed template's sum of
+    squares (Parseval), the band's a DFT of its few frequencies only (:func:`_band_dft`): two
+    small products instead of the whole spectrum."""
     h, w = t.shape[-2:]
-    hann, hann_sum, doubled = _spectrum_parts(h, w, t.dtype, t.device)
+    hann, hann_sum = _window(h, w, t.dtype, t.device)
     if mask is None:  # uniform weights: the window's own, and its sum kept
         weight, weight_sum = hann, hann_sum
     else:
         weight = mask * hann
         weight_sum = weight.sum((2, 3), keepdim=True).clamp_min(1e-30)
-    mean = (t * weight).sum((2, 3), keepdim=True) / weight_sum
-    spectrum = torch.view_as_real(torch.fft.rfft2((t - mean) * weight))
-    power = spectrum.square().sum((1, 4)) * doubled  # (B, h, w // 2 + 1)
-    total = power.sum((1, 2)).clamp_min(1e-300)
+    v = (t - (t * weight).sum((2, 3), keepdim=True) / weight_sum) * weight
+    total = (v.square().sum((1, 2, 3)) * (h * w)).clamp_min(1e-300)
 
     def share(f: int) -> torch.Tensor:
-        return ((power * _band(h, w, f, t.device)).sum((1, 2)) / total).min()
+        rows, cols = _band_dft(h, w, f, t.dtype, t.device)
+        n_y, n_x = rows.shape[0] // 2, cols.shape[1] // 2
+        z = rows @ v @ cols  # (B, C, 2 n_y, 2 n_x): cos and sin along y, against cos and sin along x
+        re = z[..., :n_y, :n_x] - z[..., n_y:, n_x:]
+        im = z[..., n_y:, :n_x] + z[..., :n_y, n_x:]
+        return ((re.square() + im.square()).sum((1, 2, 3)) / total).min()
 
     return share
 
 
 @functools.lru_cache(maxsize=8)
-def _spectrum_parts(h: int, w: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """:func:`_low_band`'s constants for an (h, w) template, kept (read-only, made outside
-    inference mode so that autograd may read them): the Hann window (h, w), its sum, and the
-    weights (w // 2 + 1,) of rfft2's columns (2 where one column holds two frequencies)."""
+def _window(h: int, w: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_low_band`'s Hann window (h, w) and its sum, kept (read-only, made outside inference
+    mode so that autograd may read them)."""
     with torch.inference_mode(False):
         hann = torch.outer(*(torch.hann_window(n, periodic=False, dtype=dtype, device=device) for n in (h, w)))
-        doubled = torch.ones(w // 2 + 1, dtype=dtype, device=device)
-        doubled[1 : (w + 1) // 2] = 2
-        return hann, hann.sum().clamp_min(1e-30), doubled
+        return hann, hann.sum().clamp_min(1e-30)
 
 
 @functools.lru_cache(maxsize=16)
-def _band(h: int, w: int, f: int, device: torch.device) -> torch.Tensor:
-    """(h, w // 2 + 1): rfft2's frequencies a level of factor f resolves (:func:`_low_band`),
-    less the window's main lobe (2 / n), which smears a line over it; kept, read-only."""
+def _band_dft(
+    h: int, w: int, f: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DFT of an (h, w) image at the frequencies a level of factor f resolves (:func:`_low_band`):
+    below _BAND_EDGE / f cycles per pixel on both axes, less the window's main lobe (2 / n),
+    which smears a line over it. Rows (2 n_y, h): the cosines, then the sines, of the n_y
+    frequencies along y (both signs); columns (w, 2 n_x): those of the n_x non-negative ones along
+    x, each times the square root of 2 where it stands for its negative too (as rfft2's columns
+    do), so that the squared sums are the band's power. Kept, read-only."""
     with torch.inference_mode(False):
-        fy = torch.fft.fftfreq(h, device=device).abs()[:, None]
-        fx = torch.fft.rfftfreq(w, device=device)[None, :]
-        return (fy < _BAND_EDGE / f - 2 / h) & (fx < _BAND_EDGE / f - 2 / w)
+        fy = torch.fft.fftfreq(h, dtype=torch.float64)
+        fx = torch.fft.rfftfreq(w, dtype=torch.float64)
+        ky = torch.nonzero(fy.abs() < _BAND_EDGE / f - 2 / h)[:, 0].double()
+        kx = torch.nonzero(fx < _BAND_EDGE / f - 2 / w)[:, 0].double()
+        along_y = 2 * math.pi * ky[:, None] * torch.arange(h, dtype=torch.float64) / h  # (n_y, h)
+        along_x = 2 * math.pi * torch.arange(w, dtype=torch.float64)[:, None] * kx / w  # (w, n_x)
+        twice = ((kx > 0) & (kx < (w + 1) // 2)).double() + 1  # rfft2's doubled columns
+        rows = torch.cat((along_y.cos(), along_y.sin()))
+        cols = torch.cat((along_x.cos(), along_x.sin()), 1) * twice.sqrt().repeat(2)
+        return rows.to(dtype=dtype, device=device), cols.to(dtype=dtype, device=device)
 
 
 def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
