@@ -138,7 +138,7 @@ static double normal_equations(const pair_t *s, const double *q, double *jtj, do
             for (int64_t c = 0; c < w; c++) {
                 const double a = xr[cj0[c]], b = xr[cj1[c]];
                 yo[c] = (1 - cg[c]) * a + cg[c] * b;
-                dyo[c] = cj1[c] != cj0[c] ? b - a : 0.0;
+                dyo[c] = b - a; /* 0 where both taps are the last column: one value twice */
             }
         }
     for (int64_t r = 0; r < h; r++) {

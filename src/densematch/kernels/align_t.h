@@ -104,21 +104,21 @@ int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64
                         const double v = (double)ar[j], next = j + 1 < W ? (double)ar[j + 1] : 0.0;
                         q2[j] += v * v;
                         qx[j] += v * next;
-                        q1[j] += v;
+                        if (ncc) q1[j] += v; /* the sums of S only NCC reads */
                     }
                 }
             for (int64_t r = 1; r <= reach_y; r++)
                 for (int64_t j = 0; j < W; j++) {
                     cum[r * W + j] += cum[(r - 1) * W + j];
                     cum_x[r * W + j] += cum_x[(r - 1) * W + j];
-                    cum_1[r * W + j] += cum_1[(r - 1) * W + j];
+                    if (ncc) cum_1[r * W + j] += cum_1[(r - 1) * W + j];
                 }
             for (int64_t j = 0; j < W; j++)
                 for (int64_t y = 0; y < N; y++) {
                     const int64_t top = (y < ny ? y : 0) * W + j, end = top + h * W;
                     v2[j * N + y] = cum[end] - cum[top];
                     vx[j * N + y] = cum_x[end] - cum_x[top];
-                    v1[j * N + y] = cum_1[end] - cum_1[top];
+                    if (ncc) v1[j * N + y] = cum_1[end] - cum_1[top];
                 }
             for (int64_t s = 0; s < nw; s++) {
                 const int64_t *p0 = i0 + s * cols, *p1 = i1 + s * cols;
@@ -131,10 +131,9 @@ int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64
                     const double *ab = p1[k] == p0[k] ? a2 : vx + p0[k] * N;
                     const double c2 = f0 * f0, cx = 2 * f0 * f1, d2 = f1 * f1;
                     double *e = g2 + (k + 1) * N, *u = g1 + (k + 1) * N;
-                    for (int64_t y = 0; y < N; y++) {
-                        e[y] = e[y - N] + ((c2 * a2[y] + cx * ab[y]) + d2 * b2[y]);
-                        u[y] = u[y - N] + (f0 * a1[y] + f1 * b1[y]);
-                    }
+                    for (int64_t y = 0; y < N; y++) e[y] = e[y - N] + ((c2 * a2[y] + cx * ab[y]) + d2 * b2[y]);
+                    if (ncc)
+                        for (int64_t y = 0; y < N; y++) u[y] = u[y - N] + (f0 * a1[y] + f1 * b1[y]);
                 }
                 T *o = out + ((b * nh + n) * nw + s) * ny * nx;
                 for (int64_t x = 0; x < nx; x++) {
