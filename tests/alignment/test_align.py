@@ -422,38 +422,46 @@ class TestSearch:
         for bad in ((i0, i0 + 2, w0, w1), (i0 - 1, i1, w0, w1), (i0, i1.clamp(max=16) + 1, w0, w1)):
             with pytest.raises(ValueError, match="i1 = i0 or i0 \\+ 1"):
                 native.align_scores(a, t, tuple(v.contiguous() for v in bad), (20, 12), False)
-        # align_search: one of grid and given, weights of the template's size, levels that leave a pixel
+        # align_search: one of the grid's taps and given, weights of the template's size, a grid
+        # made for the coarsest level
         t, x = torch.rand(2, 1, 8, 8), torch.rand(2, 1, 10, 10)
-        grid = torch.linspace(0.9, 1.1, 3, dtype=torch.float64)
+        scales = torch.linspace(0.9, 1.1, 3, dtype=torch.float64)
+        grid = native.AlignGrid(scales, scales, (3, 3), (8, 8), (10, 10), torch.float32, kept=1)
         best, where = torch.rand(2, 3, 3, 1), torch.zeros(2, 3, 3, 1, dtype=torch.int64)
         rule = {
-            "levels": 1, "grid_h": grid, "grid_w": grid, "n_shift": (3, 3), "pick": 9, "candidates": 8,
-            "keep": (4, 2), "objective": 0, "iterations": 5, "ranges": (0.9, 1.1, 0.9, 1.1),
-            "near": (0.1, 0.1, 2.0, 2.0), "same": (1e-3, 0.1), "tolerance": (0.05, 1e-3), "far": 1.0,
+            "levels": 1, "pick": 9, "candidates": 8, "keep": (4, 2), "objective": 0, "iterations": 5,
+            "ranges": (0.9, 1.1, 0.9, 1.1), "near": (0.1, 0.1, 2.0, 2.0), "same": (1e-3, 0.1),
+            "tolerance": (0.05, 1e-3), "far": 1.0,
         }  # fmt: skip
         total = torch.full((2,), 64.0)
-        answer, *_ = native.align_search(t, x, None, total, given=(best, where), **rule)  # accepted
+        answer, *_ = native.align_search(t, x, None, total, grid, given=(best, where), **rule)  # accepted
         assert answer.shape == (2, 4)
         for bad, message in (
-            ({}, "one of grid and given"),
-            ({"given": (best, where), "levels": 5}, "levels that leave every side a pixel"),
+            ({}, "one of the grid's taps and given"),
+            ({"given": (best, where), "levels": 2}, "grid must be made for the coarsest level"),
             ({"given": (best[:1], where[:1])}, "best shifts \\(B, nh, nw, K\\)"),
         ):
             with pytest.raises(ValueError, match=message):
-                native.align_search(t, x, None, total, **{**rule, **bad})
+                native.align_search(t, x, None, total, grid, **{**rule, **bad})
         with pytest.raises(ValueError, match="weights \\(B or 1, h, w\\)"):
-            native.align_search(t, x, torch.ones(2, 8, 9), total, given=(best, where), **rule)
-
-    def test_a_grid_kept_between_calls_is_not_the_callers(self):
-        # the C search keeps each size's grid plan between calls: the scales handed back are
-        # copies, so that a caller's change never reaches the next call
-        c = next(alignment_cases(1, seed=9, kinds=("photo",), sizes=(SIZES[0],), noise=(0.0,)))
-        first = align(c.template, c.image)
-        expected = first.scales_h.clone()
-        with torch.inference_mode():  # align's tensors are inference tensors: changed in place only there
-            first.scales_h += 1.0
-        second = align(c.template, c.image)
-        assert torch.equal(second.scales_h, expected) and second.shift_x == first.shift_x
+            native.align_search(t, x, torch.ones(2, 8, 9), total, grid, given=(best, where), **rule)
+        # the grid's taps checked once, where it is made: Ry's outside the image refused
+        r0, r1, v0, v1 = bilinear_taps(12, 10, scales.float(), torch.zeros(3))
+        c0, c1, u0, u1 = bilinear_taps(10, 10, scales.float(), torch.zeros(3))
+        limits = (torch.full((3,), 2), torch.full((3,), 2))
+        native.AlignGrid(
+            scales, scales, (3, 3), (8, 8), (10, 10), torch.float32, ((r0, r1, v0, v1), (c0, c1, u0, u1), *limits)
+        )
+        with pytest.raises(ValueError, match="Ry's taps \\(nh, rows\\) inside the image"):
+            native.AlignGrid(
+                scales,
+                scales,
+                (3, 3),
+                (8, 8),
+                (10, 10),
+                torch.float32,
+                ((r0, r1 + 1, v0, v1), (c0, c1, u0, u1), *limits),
+            )
 
     @needs_c
     @pytest.mark.parametrize("objective", ["l1", "l2", "ncc"])

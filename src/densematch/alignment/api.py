@@ -685,9 +685,7 @@ def _window(h: int, w: int, dtype: torch.dtype, device: torch.device) -> tuple[t
 
 
 @functools.lru_cache(maxsize=16)
-def _band_dft(
-    h: int, w: int, f: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _band_dft(h: int, w: int, f: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The DFT of an (h, w) image at the frequencies a level of factor f resolves (:func:`_low_band`):
     below _BAND_EDGE / f cycles per pixel on both axes, less the window's main lobe (2 / n),
     which smears a line over it. Rows (2 n_y, h): the cosines, then the sines, of the n_y
@@ -767,23 +765,19 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
     small = (b, c, h // coarse, w // coarse)  # the coarsest level: each halving floors
     small_x = (b, c, x.shape[-2] // coarse, x.shape[-1] // coarse)
     setup = _c_grid(settings.range_h, settings.range_w, small, small_x, settings.uniform, settings.budget, x.dtype)
-    plan = setup.plan
     _refine_chunk(t, x, settings)  # the budget's rule, as in torch, at its largest level (C holds less)
     weights = None if settings.uniform else (mask[:1, 0] if mask.stride(0) == 0 else mask[:, 0])
     if settings.uniform:
         total = torch.full((b,), float(h * w * c), dtype=x.dtype)
     else:
         total = mask.sum((1, 2, 3)) * c
-    grid, given = None, None
-    if plan.products and plan.row_taps is not None and plan.col_taps is not None:
-        grid = (plan.row_taps, plan.col_taps, plan.max_y, plan.max_x)
-    else:
+    given = None
+    if setup.grid.taps is None:  # the grid's minima from torch's chunks
         tc, xc = downsample(t, coarse), downsample(x, coarse)
         mc = None if weights is None else downsample(mask[:1] if mask.stride(0) == 0 else mask, coarse)
-        given = grid_minima(tc, xc, mc, settings.photometric, plan, True)
+        given = grid_minima(tc, xc, mc, settings.photometric, setup.plan, True)
     answer, error, warped, landscape, shifts = native.align_search(
-        t, x, weights, total, levels=len(levels), grid_h=setup.grid_h64, grid_w=setup.grid_w64,
-        n_shift=plan.n_shift, grid=grid, given=given, shifts_kept=setup.shifts_kept, pick=setup.pick,
+        t, x, weights, total, setup.grid, levels=len(levels), given=given, pick=setup.pick,
         candidates=setup.candidates, keep=(_KEEP[0], _KEEP[-1]), objective=OBJECTIVES.index(settings.objective),
         iterations=_ITERATIONS, ranges=(*settings.range_h, *settings.range_w), near=setup.near, same=_SAME,
         tolerance=(_COARSE_TOLERANCE, _TOLERANCE), far=_FAR,
@@ -796,15 +790,14 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
 @dataclass(frozen=True)
 class _CGrid:
     """The coarsest level's grid as :func:`_search_c` hands it to C: its scales (in the search's
-    dtype and in float64), its :func:`_plan`, the minima kept per scale pair and the candidate
-    rule (:func:`candidate_rule`)."""
+    dtype), its :func:`_plan`, the grid checked for C (:class:`densematch.kernels.native.AlignGrid`:
+    with its taps where C searches it, its products costing less than transforms with uniform
+    weights) and the candidate rule (:func:`candidate_rule`)."""
 
     grid_h: torch.Tensor
     grid_w: torch.Tensor
-    grid_h64: torch.Tensor
-    grid_w64: torch.Tensor
     plan: _Plan
-    shifts_kept: int
+    grid: native.AlignGrid
     pick: int
     candidates: int
     near: tuple[float, float, float, float]
@@ -828,9 +821,13 @@ def _c_grid(
         grid_h = scale_grid(*range_h, small[-2], cpu, dtype)
         grid_w = scale_grid(*range_w, small[-1], cpu, dtype)
         plan = _plan(small, small_x, not uniform, grid_h, grid_w, budget, True)
+        taps = None
+        if plan.products and plan.row_taps is not None and plan.col_taps is not None:  # C searches it
+            taps = (plan.row_taps, plan.col_taps, plan.max_y, plan.max_x)
         kept = min(_SHIFTS, plan.n_shift[0] * plan.n_shift[1])  # as many as grid_minima's too
+        grid = native.AlignGrid(grid_h, grid_w, plan.n_shift, small[-2:], small_x[-2:], dtype, taps, kept)
         pick, candidates, near = candidate_rule(grid_h, grid_w, kept)
-        return _CGrid(grid_h, grid_w, grid_h.double(), grid_w.double(), plan, kept, pick, candidates, near)
+        return _CGrid(grid_h, grid_w, plan, grid, pick, candidates, near)
 
 
 def _tolerance(f: int) -> float:

@@ -4,11 +4,13 @@ bound per cell."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .loader import _SUFFIX, _loaded, _require
 
 __all__ = [
+    "AlignGrid",
     "align_best_shifts",
     "align_cross",
     "align_grid",
@@ -70,19 +72,66 @@ def align_refine(
     return p, out
 
 
+class AlignGrid:
+    """align's coarsest-level grid as :func:`align_search` reads it, checked once, so that a loop
+    over pairs of one size checks it once: the scales ``grid_h`` (nh,) and ``grid_w`` (nw,), the
+    integer shifts ``n_shift`` (n_y, n_x) of a template of ``tpl`` (h, w) pixels in an image of
+    ``image`` (H, W) at that level, in ``dtype``. With ``taps`` (Ry's i0, i1, w0, w1, each (nh,
+    rows); Rx's, each (nw, cols), :func:`densematch.alignment.warp.bilinear_taps`; the largest
+    valid shifts max_y (nh,) and max_x (nw,)) C searches the grid itself, keeping ``kept`` minima
+    per scale pair; without them the minima come to :func:`align_search` as ``given``. It holds
+    copies of its own: a later change to the tensors it was made from does not reach it."""
+
+    def __init__(
+        self,
+        grid_h: torch.Tensor,
+        grid_w: torch.Tensor,
+        n_shift: tuple[int, int],
+        tpl: tuple[int, int],
+        image: tuple[int, int],
+        dtype: torch.dtype,
+        taps: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor] | None = None,
+        kept: int = 3,
+    ) -> None:
+        _require(
+            dtype in _SUFFIX and min(*n_shift, *tpl, *image, kept, grid_h.numel(), grid_w.numel()) >= 1,
+            "a float dtype, and n_shift, tpl, image, kept and the scales all positive",
+        )
+        self.grid_h, self.grid_w = (v.detach().to("cpu", torch.float64).reshape(-1).clone() for v in (grid_h, grid_w))
+        self.n_shift, self.tpl, self.image, self.dtype, self.kept = n_shift, tpl, image, dtype, kept
+        self.taps: tuple[torch.Tensor, ...] | None = None
+        self.rows = self.cols = 0
+        if taps is None:
+            return
+        row_taps, col_taps, max_y, max_x = taps
+        _loaded("AlignGrid", row_taps, col_taps, max_y, max_x)
+        nh, nw = self.grid_h.numel(), self.grid_w.numel()
+        self.rows = row_taps[0].shape[-1]
+        _require(
+            all(v.shape == (nh, self.rows) for v in row_taps)
+            and row_taps[0].dtype == row_taps[1].dtype == max_y.dtype == max_x.dtype == torch.int64
+            and row_taps[2].dtype == row_taps[3].dtype == dtype
+            and max_y.shape == (nh,)
+            and max_x.shape == (nw,)
+            and _within(row_taps[0], 0, image[0] - 1)
+            and _within(row_taps[1], 0, image[0] - 1),
+            "Ry's taps (nh, rows) inside the image, max_y (nh,) and max_x (nw,) int64",
+        )
+        col_taps = tuple(v.contiguous() for v in col_taps)
+        self.cols = col_taps[0].shape[-1]
+        _grid_check(dtype, tpl, col_taps, (self.rows, image[1]), n_shift)
+        self.taps = tuple(v.contiguous().clone() for v in (*row_taps, *col_taps, max_y, max_x))
+
+
 def align_search(
     t: torch.Tensor,
     x: torch.Tensor,
     weights: torch.Tensor | None,
     total: torch.Tensor,
+    grid: AlignGrid,
     *,
     levels: int,
-    grid_h: torch.Tensor,
-    grid_w: torch.Tensor,
-    n_shift: tuple[int, int],
-    grid: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor] | None = None,
     given: tuple[torch.Tensor, torch.Tensor] | None = None,
-    shifts_kept: int = 3,
     pick: int,
     candidates: int,
     keep: tuple[int, int],
@@ -101,88 +150,68 @@ def align_search(
 
     ``t`` (B, C, h, w) and ``x`` (B, C, H, W), float32 or float64; ``weights`` (B, h, w), or
     (1, h, w) shared, or None for uniform ones, and ``total`` (B,) their sums times C, of that
-    dtype. The grid's scales ``grid_h`` (nh,) and ``grid_w`` (nw,) (float64) and its integer shifts
-    ``n_shift`` (n_y, n_x); ``grid``: Ry's taps (i0, i1, w0, w1: each (nh, rows)) and Rx's ((nw,
-    cols)) at the coarsest level and the largest valid shifts max_y (nh,), max_x (nw,), for C to
-    search it, keeping ``shifts_kept`` minima per scale pair; or ``given``: those minima (B, nh,
-    nw, K) and their flat shift indices, found elsewhere. ``pick`` and ``candidates``, ``keep``
-    (after the coarsest level, after the others), ``objective`` (0 "l1", 1 "l2", 2 "ncc": gain
-    and bias), ``iterations``, the scale ``ranges`` (lo_h, hi_h, lo_w, hi_w), ``near`` (the
-    candidates' spacing), ``same`` (twins), ``tolerance`` (coarse levels, full resolution) and
-    ``far`` as :func:`densematch.alignment.api._search` names them.
+    dtype. ``grid`` (:class:`AlignGrid`, made for the coarsest level's sizes and this dtype): C
+    searches it where it has its taps; else ``given`` are its minima (B, nh, nw, K) and their
+    flat shift indices, found elsewhere. ``pick`` and ``candidates``, ``keep`` (after the
+    coarsest level, after the others), ``objective`` (0 "l1", 1 "l2", 2 "ncc": gain and bias),
+    ``iterations``, the scale ``ranges`` (lo_h, hi_h, lo_w, hi_w), ``near`` (the candidates'
+    spacing), ``same`` (twins), ``tolerance`` (coarse levels, full resolution) and ``far`` as
+    :func:`densematch.alignment.api._search` names them.
 
     Returns the answers (B, 4) (scale_h, scale_w, shift_y, shift_x), their errors (B,), the warps
     (B, C, h, w), the landscape (B, nh, nw) and each scale pair's best shift (B, nh, nw, 2) in
     full-resolution pixels (NaN where none). On this thread."""
-    operands = () if grid is None else (*grid[0], *grid[1], *grid[2:])
-    lib = _loaded("align_search", t, x, weights, total, grid_h, grid_w, given, operands)
+    lib = _loaded("align_search", t, x, weights, total, given)
     b, c, h, w = t.shape
     big_h, big_w = x.shape[-2:]
-    nh, nw = grid_h.shape[0], grid_w.shape[0]
-    ny, nx = n_shift
+    nh, nw = grid.grid_h.numel(), grid.grid_w.numel()
     _require(
-        t.dtype in _SUFFIX
-        and x.dtype == total.dtype == t.dtype
+        t.dtype == x.dtype == total.dtype == grid.dtype
         and x.shape[:2] == (b, c)
         and total.shape == (b,)
-        and grid_h.dtype == grid_w.dtype == torch.float64
         and 1 <= levels <= 62
-        and min(h, w, big_h, big_w) >> (levels - 1) >= 1
         and (weights is None or (weights.dtype == t.dtype and weights.shape in ((b, h, w), (1, h, w))))
-        and (grid is None) != (given is None)
         and objective in (0, 1, 2)
-        and min(pick, candidates, *keep, iterations, ny, nx) >= 1,
-        "t (B, C, h, w), x (B, C, H, W), weights (B or 1, h, w) and total (B,) of one float dtype, levels that "
-        "leave every side a pixel, grid_h and grid_w float64, one of grid and given, objective 0, 1 or 2",
+        and min(pick, candidates, *keep, iterations) >= 1,
+        "t (B, C, h, w), x (B, C, H, W), weights (B or 1, h, w) and total (B,) of the grid's float dtype, "
+        "objective 0, 1 or 2",
     )
-    coarse = [v >> (levels - 1) for v in (h, w, big_h, big_w)]
-    if grid is not None:
-        row_taps, col_taps, max_y, max_x = grid
-        k = shifts_kept
-        rows, cols = row_taps[0].shape[1], col_taps[0].shape[1]
-        _require(
-            all(v.shape == (nh, rows) for v in row_taps)
-            and all(v.dtype == torch.int64 and v.is_contiguous() for v in (*row_taps[:2], max_y, max_x))
-            and row_taps[2].dtype == row_taps[3].dtype == t.dtype
-            and max_y.shape == (nh,)
-            and max_x.shape == (nw,)
-            and _within(row_taps[0], 0, coarse[2] - 1)
-            and _within(row_taps[1], 0, coarse[2] - 1)
-            and k >= 1,
-            "Ry's taps (nh, rows) inside the coarsest image, max_y (nh,) and max_x (nw,) int64, k >= 1",
-        )
-        _grid_check(t.dtype, (coarse[0], coarse[1]), col_taps, (rows, coarse[3]), n_shift)
-        taps = (*(v.contiguous() for v in row_taps), *col_taps, max_y, max_x)
+    coarse = tuple(v >> (levels - 1) for v in (h, w, big_h, big_w))
+    _require(
+        grid.tpl == coarse[:2] and grid.image == coarse[2:],
+        f"grid must be made for the coarsest level's template {coarse[:2]} and image {coarse[2:]}",
+    )
+    _require((grid.taps is None) == (given is not None), "one of the grid's taps and given")
+    if given is None:
+        k = grid.kept
         best = torch.empty(b, nh, nw, k, dtype=t.dtype)
         where = torch.empty(b, nh, nw, k, dtype=torch.int64)
+        taps = grid.taps
     else:
-        assert given is not None
         best, where = (v.contiguous() for v in given)
-        k, rows, cols = best.shape[-1], 0, 0
+        k = best.shape[-1]
         _require(
             best.shape == where.shape and best.shape[:3] == (b, nh, nw) and best.dtype == t.dtype,
             "given must be the best shifts (B, nh, nw, K) in t's dtype and their flat indices",
         )
-        null = torch.empty(0, dtype=torch.int64)
-        taps = (null, null, best[:0], best[:0], null, null, best[:0], best[:0], null, null)
+        taps = None
     _require(pick <= nh * nw * k and candidates <= pick, "candidates <= pick <= nh nw K")
-    objective_sizes = (pick, candidates, *keep, objective, iterations)
-    sizes = torch.tensor(
-        (b, c, h, w, big_h, big_w, levels, grid is None, weights is not None and weights.shape[0] != b,
-         nh, rows, nw, cols, ny, nx, k, *objective_sizes),
-        dtype=torch.int64,
+    sizes = np.array(
+        (b, c, h, w, big_h, big_w, levels, given is not None, weights is not None and weights.shape[0] != b,
+         nh, grid.rows, nw, grid.cols, *grid.n_shift, k, pick, candidates, *keep, objective, iterations),
+        dtype=np.int64,
     )  # fmt: skip
-    reals = torch.tensor((*ranges, *near, *same, tolerance[1], tolerance[0], far), dtype=torch.float64)
+    reals = np.array((*ranges, *near, *same, tolerance[1], tolerance[0], far), dtype=np.float64)
     t, x, total = t.contiguous(), x.contiguous(), total.contiguous()
     wt = None if weights is None else weights.contiguous()
-    gh, gw = grid_h.contiguous(), grid_w.contiguous()
     landscape = torch.empty(b, nh, nw, dtype=t.dtype)
     shifts = torch.empty(b, nh, nw, 2, dtype=t.dtype)
     answer, error = torch.empty(b, 4, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
     warped = torch.empty(b, c, h, w, dtype=t.dtype)
+    pointers = [None] * 10 if taps is None else [v.data_ptr() for v in taps]
     failed = getattr(lib, f"dm_align_search_{_SUFFIX[t.dtype]}")(
-        t.data_ptr(), x.data_ptr(), None if wt is None else wt.data_ptr(), total.data_ptr(), sizes.data_ptr(),
-        reals.data_ptr(), *(v.data_ptr() for v in taps), gh.data_ptr(), gw.data_ptr(), best.data_ptr(),
+        t.data_ptr(), x.data_ptr(), None if wt is None else wt.data_ptr(), total.data_ptr(), sizes.ctypes.data,
+        reals.ctypes.data, *pointers, grid.grid_h.data_ptr(), grid.grid_w.data_ptr(), best.data_ptr(),
         where.data_ptr(), landscape.data_ptr(), shifts.data_ptr(), answer.data_ptr(), error.data_ptr(),
         warped.data_ptr(),
     )  # fmt: skip
