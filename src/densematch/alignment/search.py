@@ -78,7 +78,7 @@ def grid_search(
     and each scale pair's best integer shift (B, nh, nw, 2) as (shift_y, shift_x), NaN where
     the pair has no valid shift. ``in_c``: in C (kernels/align.c) where it runs, as the public
     call resolved it (:func:`densematch.kernels.ops_for`): the whole grid of uniform weights in
-    one call (else the best shifts of torch's chunks), and the candidates."""
+    one call (else the best shifts of torch's chunks); the candidates by :func:`pick_candidates`."""
     plan = _plan(tuple(t.shape), tuple(x.shape), mask is not None, grid_h, grid_w, budget, in_c)
     n_y, n_x = plan.n_shift
     if plan.products and plan.col_taps is not None:  # uniform weights in C: the whole grid in one call
