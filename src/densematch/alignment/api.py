@@ -639,12 +639,12 @@ def _levels(t: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
         f *= 2
     if f > 1:
         low = _low_band(t, mask)
-        while f > 1 and float(low(f)) < _LOW_BAND:
+        while f > 1 and low(f) < _LOW_BAND:
             f //= 2
     return [f >> i for i in range(f.bit_length())]
 
 
-def _low_band(t: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], torch.Tensor]:
+def _low_band(t: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], float]:
     """For a factor f, the least over the pairs of ``t`` (B, C, h, w) of the share of the
     template's energy (weighted by ``mask``, or uniformly where None, its mean off, under a
     Hann window against the crop's edges) at frequencies a level of factor f resolves: below
@@ -653,56 +653,53 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], tor
     differently from the template's texture: a fine periodic texture (period under 2 f) has none
     left, and its coarse grid finds the wrong phase. The energy is the windowed template's sum of
     squares (Parseval), the band's a DFT of its few frequencies only (:func:`_band_dft`): two
-    small products instead of the whole spectrum."""
+    small products instead of the whole spectrum, in float64 on the host (numpy: a dozen small
+    operations, which torch's per-operation cost would make most of the call)."""
     h, w = t.shape[-2:]
-    hann, hann_sum = _window(h, w, t.dtype, t.device)
-    if mask is None:  # uniform weights: the window's own, and its sum kept
-        weight, weight_sum = hann, hann_sum
-    else:
-        weight = mask * hann
-        weight_sum = weight.sum((2, 3), keepdim=True).clamp_min(1e-30)
-    v = (t - (t * weight).sum((2, 3), keepdim=True) / weight_sum) * weight
-    total = (v.square().sum((1, 2, 3)) * (h * w)).clamp_min(1e-300)
+    v = t.detach().cpu().numpy().astype(np.float64)
+    weight = _window(h, w)
+    if mask is not None:
+        weight = mask.detach().cpu().numpy() * weight
+    weight_sum = np.maximum(weight.sum((-2, -1), keepdims=True), 1e-30)
+    v = (v - (v * weight).sum((-2, -1), keepdims=True) / weight_sum) * weight
+    total = np.maximum(np.square(v).sum((1, 2, 3)) * (h * w), 1e-300)
 
-    def share(f: int) -> torch.Tensor:
-        rows, cols = _band_dft(h, w, f, t.dtype, t.device)
+    def share(f: int) -> float:
+        rows, cols = _band_dft(h, w, f)
         n_y, n_x = rows.shape[0] // 2, cols.shape[1] // 2
-        z = rows @ v @ cols  # (B, C, 2 n_y, 2 n_x): cos and sin along y, against cos and sin along x
+        z = rows @ (v @ cols)  # (B, C, 2 n_y, 2 n_x): cos and sin along y, against cos and sin along x
         re = z[..., :n_y, :n_x] - z[..., n_y:, n_x:]
         im = z[..., n_y:, :n_x] + z[..., :n_y, n_x:]
-        return ((re.square() + im.square()).sum((1, 2, 3)) / total).min()
+        return float(((np.square(re) + np.square(im)).sum((1, 2, 3)) / total).min())
 
     return share
 
 
 @functools.lru_cache(maxsize=8)
-def _window(h: int, w: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_low_band`'s Hann window (h, w) and its sum, kept (read-only, made outside inference
-    mode so that autograd may read them)."""
-    with torch.inference_mode(False):
-        hann = torch.outer(*(torch.hann_window(n, periodic=False, dtype=dtype, device=device) for n in (h, w)))
-        return hann, hann.sum().clamp_min(1e-30)
+def _window(h: int, w: int) -> np.ndarray:
+    """:func:`_low_band`'s Hann window (h, w), kept (read-only)."""
+    window = np.outer(*(torch.hann_window(n, periodic=False, dtype=torch.float64).numpy() for n in (h, w)))
+    window.flags.writeable = False
+    return window
 
 
 @functools.lru_cache(maxsize=16)
-def _band_dft(h: int, w: int, f: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _band_dft(h: int, w: int, f: int) -> tuple[np.ndarray, np.ndarray]:
     """The DFT of an (h, w) image at the frequencies a level of factor f resolves (:func:`_low_band`):
     below _BAND_EDGE / f cycles per pixel on both axes, less the window's main lobe (2 / n),
     which smears a line over it. Rows (2 n_y, h): the cosines, then the sines, of the n_y
     frequencies along y (both signs); columns (w, 2 n_x): those of the n_x non-negative ones along
     x, each times the square root of 2 where it stands for its negative too (as rfft2's columns
     do), so that the squared sums are the band's power. Kept, read-only."""
-    with torch.inference_mode(False):
-        fy = torch.fft.fftfreq(h, dtype=torch.float64)
-        fx = torch.fft.rfftfreq(w, dtype=torch.float64)
-        ky = torch.nonzero(fy.abs() < _BAND_EDGE / f - 2 / h)[:, 0].double()
-        kx = torch.nonzero(fx < _BAND_EDGE / f - 2 / w)[:, 0].double()
-        along_y = 2 * math.pi * ky[:, None] * torch.arange(h, dtype=torch.float64) / h  # (n_y, h)
-        along_x = 2 * math.pi * torch.arange(w, dtype=torch.float64)[:, None] * kx / w  # (w, n_x)
-        twice = ((kx > 0) & (kx < (w + 1) // 2)).double() + 1  # rfft2's doubled columns
-        rows = torch.cat((along_y.cos(), along_y.sin()))
-        cols = torch.cat((along_x.cos(), along_x.sin()), 1) * twice.sqrt().repeat(2)
-        return rows.to(dtype=dtype, device=device), cols.to(dtype=dtype, device=device)
+    ky = np.flatnonzero(np.abs(np.fft.fftfreq(h)) < _BAND_EDGE / f - 2 / h)
+    kx = np.flatnonzero(np.fft.rfftfreq(w) < _BAND_EDGE / f - 2 / w)
+    along_y = 2 * np.pi * np.outer(ky, np.arange(h)) / h  # (n_y, h)
+    along_x = 2 * np.pi * np.outer(np.arange(w), kx) / w  # (w, n_x)
+    twice = ((kx > 0) & (kx < (w + 1) // 2)) + 1.0  # rfft2's doubled columns
+    rows = np.concatenate((np.cos(along_y), np.sin(along_y)))
+    cols = np.concatenate((np.cos(along_x), np.sin(along_x)), 1) * np.tile(np.sqrt(twice), 2)
+    rows.flags.writeable = cols.flags.writeable = False
+    return rows, cols
 
 
 def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
