@@ -466,15 +466,16 @@ class TestSearch:
     @needs_c
     @pytest.mark.parametrize("objective", ["l1", "l2", "ncc"])
     def test_the_c_search_is_its_steps(self, objective):
-        # native.align_search (pyramid to warp in one call) against the same steps taken one call
-        # at a time (_search_steps with the C grid and refinement): a batch of three photographs
-        # and masks, one whose full-resolution path is long (refined again, blurred then sharp),
-        # colour, float64, and a weighted template (the grid then torch's, given to C). The same
-        # landscapes and best shifts to the bit; the same answers (the steps hold each level's in
-        # the search's dtype, C in float64: their sums part at 1e-7)
+        # native.align_search (each pair at unit amplitude, pyramid to warp, in one call) against
+        # the same steps taken one call at a time at torch's unit amplitude (_centred, then
+        # _search_steps with the C grid and refinement) and brought back to the pairs' units: a
+        # batch of three photographs and masks, one whose full-resolution path is long (refined
+        # again, blurred then sharp), colour, float64, a weighted template (the grid then torch's,
+        # given to C), and images on a level of 100. The same answers, errors, warps, landscapes
+        # and errors against the template's spread, up to the rounding of the two centrings
         from itertools import islice
 
-        from densematch.alignment.api import _centred, _search_c, _search_steps, _Settings
+        from densematch.alignment.api import _centred, _own_units, _search_c, _search_steps, _Settings, _spread
 
         far = next(islice(alignment_cases(231, seed=0), 230, None))  # 64x80 in its image
         photos = list(alignment_cases(3, seed=21, sizes=(SIZES[0],), kinds=("photo", "mask")))
@@ -488,25 +489,33 @@ class TestSearch:
             (*colour, None),
             (batch[0][:1].double(), batch[1][:1].double(), None),
             (batch[0][1:], batch[1][1:], weights.expand(2, -1, -1, -1)),
+            (batch[0][:1] * 3 + 100, batch[1][:1] * 3 + 100, None),
         ]
         with torch.inference_mode():
             for t, x, mask in runs:
-                t, x, _, _ = _centred(t, x)
                 uniform = mask is None
-                mask = torch.ones(1, 1, *t.shape[-2:], dtype=t.dtype).expand(t.shape[0], 1, -1, -1) if uniform else mask
+                mask = torch.ones(1, 1, *t.shape[-2:]).expand(t.shape[0], 1, -1, -1) if uniform else mask
+                mask = mask.to(t.dtype)
                 settings = _Settings((0.8, 1.2), (0.8, 1.2), objective, 2**30, uniform, True)
-                fused, steps = (
-                    _search_c(t, x, mask.to(t.dtype), settings),
-                    _search_steps(t, x, mask.to(t.dtype), settings),
-                )
-                for key in ("landscape", "shifts", "grid_h", "grid_w"):
-                    assert torch.equal(getattr(fused, key).nan_to_num(-1), getattr(steps, key).nan_to_num(-1)), key
-                for key in ("scale_h", "scale_w", "shift_y", "shift_x"):
+                fused = _search_c(t, x, mask, settings)
+                tu, xu, level, unit = _centred(t, x)
+                steps = _own_units(_search_steps(tu, xu, mask, settings), level, unit, objective)
+                for key in ("grid_h", "grid_w"):
+                    assert torch.equal(getattr(fused, key), getattr(steps, key)), key
+                for key in ("scale_h", "scale_w"):
                     torch.testing.assert_close(getattr(fused, key), getattr(steps, key), atol=1e-5, rtol=0)
+                for key in ("shift_y", "shift_x"):
+                    torch.testing.assert_close(getattr(fused, key), getattr(steps, key), atol=1e-3, rtol=0)
+                scale = float(x.abs().amax())  # the images' own amplitude
+                torch.testing.assert_close(fused.landscape, steps.landscape, atol=1e-6 * scale**2, rtol=1e-4)
                 # 1 - NCC: C sums in float64, torch in float32 (0 against 1.2e-7 at a perfect fit)
-                atol = 1e-6 if objective == "ncc" else 1e-12
-                torch.testing.assert_close(fused.error, steps.error, atol=atol, rtol=1e-5)
-                torch.testing.assert_close(fused.warped, steps.warped, atol=1e-4, rtol=0)  # torch: float32 products
+                atol = 1e-6 if objective == "ncc" else 1e-9 * scale**2
+                torch.testing.assert_close(fused.error, steps.error, atol=atol, rtol=1e-4)
+                relative = steps.error / _spread(t, mask, objective, uniform)
+                torch.testing.assert_close(fused.relative, relative, atol=1e-6, rtol=1e-3)
+                torch.testing.assert_close(
+                    fused.warped, steps.warped, atol=1e-4 * scale, rtol=0
+                )  # torch: float32 products
 
     @needs_c
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -361,26 +361,21 @@ def align(
             raise ValueError("certify=True does not take template_mask (its bound weighs every template pixel alike)")
     if time_limit is not None:
         time_limit = check_real(time_limit, "time_limit", 0.0, math.inf, finite=False)
-    raw = (t4, x4)
 
     with torch.inference_mode():
-        t4, x4, level, unit = _centred(t4, x4)
         in_c = ops_for(kernel_setting() != "torch", x4.device, x4.dtype).c
         settings = _Settings((lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None, in_c)
         found = _search_pairs(t4, x4, mask, settings)
         certificates = None
         if certify:
-            certificates = _certify_pairs(raw, (t4, x4), mask, found, settings, time_limit)
-    warped = (found.warped / unit + level).reshape(t.shape)
-    err = found.error
-    # 1 - NCC is never below 0; rounding of a perfect fit may put it a hair under
-    err = err / unit if objective == "l1" else err / unit**2 if objective == "l2" else err.clamp_min(0.0)
-    # the grid search's squared error, or 1 - NCC
-    landscape = found.landscape if objective == "ncc" else found.landscape / unit**2
+            certificates = _certify_pairs((t4, x4), mask, found, settings, time_limit)
+    warped, err, landscape = found.warped.reshape(t.shape), found.error, found.landscape
     warp_params = (found.scale_h, found.scale_w, found.shift_y, found.shift_x)
     bounds = _at_bound(found.scale_h, found.scale_w, (lo_h, hi_h), (lo_w, hi_w))
     grids = (found.grid_h, found.grid_w)
-    relative = err / _spread(raw[0], mask, objective, template_mask is None).to(err.dtype)
+    relative = found.relative
+    if relative is None or certify:  # C's search gives it; a certified answer may have moved
+        relative = err / _spread(t4, mask, objective, template_mask is None).to(err.dtype)
     if t.ndim == 2:
         sh, sw, sy, sx = (float(v.item()) for v in warp_params)
         one = certificates[0] if certificates else None
@@ -470,22 +465,22 @@ def shift_landscape(
 
 
 def _certify_pairs(
-    raw: tuple[torch.Tensor, torch.Tensor],
-    unit: tuple[torch.Tensor, torch.Tensor],
+    pairs: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
     found: _Found,
     settings: _Settings,
     time_limit: float | None,
 ) -> list[Any]:
-    """Each pair's answer in ``found`` certified (the pairs ``raw``, as given), refined from the
-    better fit a certificate finds (on the pairs at unit amplitude, ``unit``) and certified
-    again, until certified, out of time or out of better fits; ``found`` is updated in place.
-    The pair's certificates, in order."""
+    """Each pair's answer in ``found`` certified (the pairs ``pairs``, as given), refined from the
+    better fit a certificate finds (on the pairs at unit amplitude) and certified again, until
+    certified, out of time or out of better fits; ``found`` is updated in place, in the pairs'
+    own units. The pairs' certificates, in order."""
     from .certify import certify_alignment  # certify.py imports this module
 
     keys = ("scale_h", "scale_w", "shift_y", "shift_x")
     objective = settings.objective
-    (t, x), (tu, xu) = raw, unit
+    t, x = pairs
+    tu, xu, _level, unit = _centred(t, x)
     h, w = t.shape[-2:]
     certificates = []
     for i in range(t.shape[0]):
@@ -505,11 +500,12 @@ def _certify_pairs(
             pair = (tu[i : i + 1], xu[i : i + 1], mask[i : i + 1])
             refined, sums = _refine_all(*pair, owner, start, settings, _TOLERANCE)
             answer = refined[0].tolist()
-            found.error[i] = sums[0, 0 if objective == "l2" else 1] / (mask[i].sum() * tu.shape[1])
+            at_unit = sums[0, 0 if objective == "l2" else 1] / (mask[i].sum() * tu.shape[1])
+            found.error[i] = at_unit / (unit**2 if objective == "l2" else unit)
         for key, value in zip(keys, answer, strict=True):
             getattr(found, key)[i] = value
-        sh, sw, sy, sx = torch.tensor(answer, dtype=tu.dtype, device=tu.device)[:, None]
-        found.warped[i] = warp_batch(xu[i : i + 1], sh, sw, sy, sx, (h, w))[0]
+        sh, sw, sy, sx = torch.tensor(answer, dtype=x.dtype, device=x.device)[:, None]
+        found.warped[i] = warp_batch(x[i : i + 1], sh, sw, sy, sx, (h, w))[0]
         certificates.append(cert)
     return certificates
 
@@ -589,7 +585,8 @@ class _Settings:
 
 @dataclass
 class _Found:
-    """What the search found for each pair (B,) at unit amplitude, with the grid it searched."""
+    """What the search found for each pair (B,), in the pair's own units, with the grid it
+    searched; ``relative`` (B,) where the search gave it (:func:`_spread`)."""
 
     scale_h: torch.Tensor
     scale_w: torch.Tensor
@@ -601,6 +598,7 @@ class _Found:
     shifts: torch.Tensor  # each scale pair's best integer shift (B, nh, nw, 2), full resolution
     grid_h: torch.Tensor
     grid_w: torch.Tensor
+    relative: torch.Tensor | None = None
 
 
 def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
@@ -621,12 +619,12 @@ def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
         return parts[0]
     done = [parts[i] for i in range(len(starts))]
     shared = ("grid_h", "grid_w")  # the same for every pair
-    return _Found(
-        **{
-            f.name: getattr(done[0], f.name) if f.name in shared else torch.cat([getattr(d, f.name) for d in done])
-            for f in fields(_Found)
-        }
-    )
+
+    def joined(name: str) -> Any:  # a tensor, or None where the search gave none
+        parts = [getattr(d, name) for d in done]
+        return parts[0] if name in shared or parts[0] is None else torch.cat(parts)
+
+    return _Found(**{f.name: joined(f.name) for f in fields(_Found)})
 
 
 def _levels(t: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
@@ -703,7 +701,25 @@ def _band_dft(h: int, w: int, f: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
-    return _search_c(t, x, mask, settings) if settings.in_c else _search_steps(t, x, mask, settings)
+    """The pairs' search, in their own units: in C where it runs (:func:`_search_c`), else step by
+    step in torch at unit amplitude (:func:`_centred`, :func:`_search_steps`)."""
+    if settings.in_c:
+        return _search_c(t, x, mask, settings)
+    tu, xu, level, unit = _centred(t, x)
+    return _own_units(_search_steps(tu, xu, mask, settings), level, unit, settings.objective)
+
+
+def _own_units(found: _Found, level: torch.Tensor, unit: float, objective: str) -> _Found:
+    """``found`` at unit amplitude (:func:`_centred`'s ``level`` and ``unit``) back in the pairs'
+    own units: the warps, the errors and the landscape (squared errors; 1 - NCC as it is, at
+    least 0: rounding may put a perfect fit a hair under)."""
+    found.warped = found.warped / unit + level
+    if objective == "ncc":
+        found.error = found.error.clamp_min(0.0)
+    else:
+        found.error = found.error / (unit if objective == "l1" else unit**2)
+        found.landscape = found.landscape / unit**2
+    return found
 
 
 def _search_steps(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
@@ -753,11 +769,12 @@ def _search_steps(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
 
 
 def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
-    """:func:`_search` in one call of C (:func:`densematch.kernels.native.align_search`: the same
-    steps from the pyramid to the warp, pair by pair); the grid too for uniform weights where
-    its products cost less than transforms, else torch's chunks (:func:`grid_minima`)."""
+    """:func:`_search_steps` in one call of C (:func:`densematch.kernels.native.align_search`: the
+    same steps from the pyramid to the warp, pair by pair, each at unit amplitude), in the pairs'
+    own units; the grid too for uniform weights where its products cost less than transforms,
+    else the minima of torch's chunks at unit amplitude (:func:`grid_minima`)."""
     b, c, h, w = t.shape
-    levels = _levels(t, None if settings.uniform else mask)
+    levels = _levels(t, None if settings.uniform else mask)  # blind to a level and an amplitude
     coarse = levels[0]
     small = (b, c, h // coarse, w // coarse)  # the coarsest level: each halving floors
     small_x = (b, c, x.shape[-2] // coarse, x.shape[-1] // coarse)
@@ -768,12 +785,14 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
         total = torch.full((b,), float(h * w * c), dtype=x.dtype)
     else:
         total = mask.sum((1, 2, 3)) * c
-    given = None
-    if setup.grid.taps is None:  # the grid's minima from torch's chunks
+    given, back = None, None
+    if setup.grid.taps is None:  # the grid's minima from torch's chunks, at unit amplitude as C searches
+        t, x, level, unit = _centred(t, x)
+        back = (level, unit)
         tc, xc = downsample(t, coarse), downsample(x, coarse)
         mc = None if weights is None else downsample(mask[:1] if mask.stride(0) == 0 else mask, coarse)
         given = grid_minima(tc, xc, mc, settings.photometric, setup.plan, True)
-    answer, error, warped, landscape, shifts = native.align_search(
+    answer, error, warped, landscape, shifts, relative = native.align_search(
         t, x, weights, total, setup.grid, levels=len(levels), given=given, pick=setup.pick,
         candidates=setup.candidates, keep=(_KEEP[0], _KEEP[-1]), objective=OBJECTIVES.index(settings.objective),
         iterations=_ITERATIONS, ranges=(*settings.range_h, *settings.range_w), near=setup.near, same=_SAME,
@@ -781,7 +800,8 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
     )  # fmt: skip
     sh, sw, sy, sx = answer.unbind(1)
     grids = (setup.grid_h.clone(), setup.grid_w.clone())  # the caller's own: the kept ones stay as made
-    return _Found(sh, sw, sy, sx, error, warped, landscape, shifts, *grids)
+    found = _Found(sh, sw, sy, sx, error, warped, landscape, shifts, *grids, relative)
+    return found if back is None else _own_units(found, back[0], back[1], settings.objective)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@
  * columns are products of a per-pixel value (gy, gx * b_c, gx, the warped value, 1) and a
  * per-row coefficient, so each row needs a handful of dot products over its columns.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -328,10 +328,60 @@ static double DM_T(ncc_error)(const T *t, const T *u, const T *wt, int64_t C, in
     return 1 - cov / (var > 1e-12 ? var : 1e-12);
 }
 
+/* One pair at unit amplitude (densematch.alignment.api._centred, per pair): the template t (C, h, w)
+ * and the image x (C, H, W) less the image's mean level per channel (level, C), each difference
+ * in T, into tu and xu, times the power of two that brings their larger peak into [1, 2), handed
+ * back (1 where both are flat). The search's fixed epsilons then mean the same at any amplitude,
+ * and its expanded sums keep a texture of 0.01 on a level of 500. */
+static double DM_T(centre)(const T *t, const T *x, int64_t C, int64_t hw, int64_t HW, T *level, T *tu, T *xu) {
+    double peak = 0;
+    for (int64_t c = 0; c < C; c++) {
+        double sum = 0;
+        for (int64_t i = 0; i < HW; i++) sum += (double)x[c * HW + i];
+        level[c] = (T)(sum / (double)HW);
+        for (int64_t i = 0; i < hw; i++) {
+            tu[c * hw + i] = t[c * hw + i] - level[c];
+            peak = fabs((double)tu[c * hw + i]) > peak ? fabs((double)tu[c * hw + i]) : peak;
+        }
+        for (int64_t i = 0; i < HW; i++) {
+            xu[c * HW + i] = x[c * HW + i] - level[c];
+            peak = fabs((double)xu[c * HW + i]) > peak ? fabs((double)xu[c * HW + i]) : peak;
+        }
+    }
+    int e = 0;
+    if (!(peak > 0)) return 1.0;
+    frexp(peak, &e);
+    const double unit = ldexp(1.0, 1 - e);
+    for (int64_t i = 0; i < C * hw; i++) tu[i] *= (T)unit;
+    for (int64_t i = 0; i < C * HW; i++) xu[i] *= (T)unit;
+    return unit;
+}
+
+/* The error of the best flat fit to the template t (C, h, w) under the weights wt (h, w, NULL:
+ * ones; densematch.alignment.api._spread): the weighted mean absolute ("l1", objective 0) or
+ * squared deviation from each channel's weighted mean, in float64; 1 for "ncc". */
+static double DM_T(spread)(const T *t, const T *wt, int64_t C, int64_t hw, int64_t objective) {
+    if (objective == 2) return 1.0;
+    double weights = 0, total = 0;
+    for (int64_t i = 0; i < hw; i++) weights += wt ? (double)wt[i] : 1.0;
+    for (int64_t c = 0; c < C; c++) {
+        const T *tc = t + c * hw;
+        double mean = 0;
+        for (int64_t i = 0; i < hw; i++) mean += (wt ? (double)wt[i] : 1.0) * (double)tc[i];
+        mean /= weights;
+        for (int64_t i = 0; i < hw; i++) {
+            const double d = fabs((double)tc[i] - mean);
+            total += (wt ? (double)wt[i] : 1.0) * (objective == 0 ? d : d * d);
+        }
+    }
+    return total / ((double)C * weights);
+}
+
 /* align's search for B pairs (densematch.alignment.api._search), each from its pyramid to its
  * warp, with nothing between the steps but this loop. Per pair b of t (B, C, h, w) and x (B, C,
  * H, W), weights wt (B, h, w), or (h, w) shared where sizes[S_WT_SHARED], or uniform where NULL,
  * and total[b] their sum times C:
+ * 0. the pair at unit amplitude (centre); every output below is back in the pair's own units;
  * 1. the pyramid: sizes[S_LEVELS] levels, each halving the one below (halve), in T, each also in
  *    float64 for the refinement;
  * 2. at the coarsest level the grid (dm_align_grid, from Ry's taps r0, r1, v0, v1 (nh, rows), Rx's
@@ -348,13 +398,14 @@ static double DM_T(ncc_error)(const T *t, const T *u, const T *wt, int64_t C, in
  *    the two compete;
  * 5. the best by the objective (S_OBJECTIVE: 0 "l1", 1 "l2" from the refinement's sums over total,
  *    2 "ncc" at the warp, with gain and bias fitted), NaN last, ties to the first, into answer
- *    (B, 4) and error (B,), and its warp into warped (B, C, h, w).
+ *    (B, 4) and error (B,) (1 - NCC at least 0), its warp into warped (B, C, h, w), and the error
+ *    against the template's own spread (spread) into relative (B,).
  * Returns 1 where scratch could not be allocated. */
 int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, const int64_t *sizes,
                           const double *reals, const int64_t *r0, const int64_t *r1, const T *v0, const T *v1,
                           const int64_t *i0, const int64_t *i1, const T *w0, const T *w1, const int64_t *max_y,
                           const int64_t *max_x, const double *grid_h, const double *grid_w, T *best, int64_t *where,
-                          T *landscape, T *shifts, T *answer, T *error, T *warped) {
+                          T *landscape, T *shifts, T *answer, T *error, T *warped, T *relative) {
     const int64_t B = sizes[S_B], C = sizes[S_C], h = sizes[S_H], w = sizes[S_W], H = sizes[S_BIG_H];
     const int64_t W = sizes[S_BIG_W], L = sizes[S_LEVELS], nh = sizes[S_NH], nw = sizes[S_NW], K = sizes[S_K];
     const int64_t nx = sizes[S_NX], n_pick = sizes[S_PICK], M = sizes[S_CANDIDATES], objective = sizes[S_OBJECTIVE];
@@ -376,7 +427,7 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
     const int64_t m_all = 2 * M; /* the levels' candidates, and as many refined again */
     const size_t n_doubles = (size_t)(n_d + big + 5 * M + 4 * m_all + 4 * M + 2 * m_all + grid + 4 * n_pick + h + w + W);
     double *dbuf = malloc(sizeof(double) * n_doubles), *blurred = NULL;
-    T *tbuf = malloc(sizeof(T) * (size_t)(n_t + n_w + 4 * m_all + 2 * m_all + m_all + C * hw + 1));
+    T *tbuf = malloc(sizeof(T) * (size_t)(n_t + n_w + 4 * m_all + 2 * m_all + m_all + C * hw + C * (hw + H * W) + C));
     int64_t *ibuf = malloc(sizeof(int64_t) * (size_t)(big_i + 2 * M + n_pick + 2 * (h + w)));
     unsigned char *alive = malloc((size_t)n_pick + 1);
     int failed = !dbuf || !tbuf || !ibuf || !alive;
@@ -384,7 +435,7 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
     double *pyr = dbuf, *scratch = pyr + n_d, *cand = scratch + big + 5 * M, *start = cand + 4 * m_all;
     double *sums = start + 4 * M, *best_d = sums + 2 * m_all, *params = best_d + grid, *tf = params + 4 * n_pick;
     T *halves = tbuf, *wt_halves = halves + n_t, *cand_t = wt_halves + n_w, *sums_t = cand_t + 4 * m_all;
-    T *err = sums_t + 2 * m_all, *u = err + m_all;
+    T *err = sums_t + 2 * m_all, *u = err + m_all, *tu = u + C * hw, *xu = tu + C * hw, *level = xu + C * H * W;
     int64_t *itaps = ibuf, *order = itaps + big_i + 2 * M, *ti = order + n_pick;
     /* shared weights: their halvings once, for every pair */
     const T *wl[62];
@@ -397,8 +448,10 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
     }
     for (int64_t b = 0; b < B; b++) {
         const T *tl[62], *xl[62];
-        tl[0] = t + b * C * hw;
-        xl[0] = x + b * C * H * W;
+        const double unit = DM_T(centre)(t + b * C * hw, x + b * C * H * W, C, hw, H * W, level, tu, xu);
+        const T per_unit = (T)unit, per_area = (T)(unit * unit); /* powers of two: exact */
+        tl[0] = tu;
+        xl[0] = xu;
         if (wt && !shared) wl[0] = wt + b * hw;
         for (int64_t j = 1, at = 0, at_w = 0; j < L; j++) {
             T *th = halves + at, *xh = th + C * lh[j] * lw[j];
@@ -436,7 +489,7 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
         for (int64_t p = 0; p < nh * nw; p++) {
             const T v = bb[p * K];
             T *sh = shifts + 2 * (b * nh * nw + p);
-            landscape[b * nh * nw + p] = v;
+            landscape[b * nh * nw + p] = ncc ? v : v / per_area;
             sh[0] = isfinite(v) ? (T)(wb[p * K] / nx) * (T)coarse : (T)NAN;
             sh[1] = isfinite(v) ? (T)(wb[p * K] % nx) * (T)coarse : (T)NAN;
         }
@@ -507,8 +560,16 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
             answer[4 * b + k] = cand_t[4 * pick + k];
             q[k] = (double)cand_t[4 * pick + k];
         }
-        error[b] = err[pick];
-        DM_T(warp_into)(xl[0], q, C, H, W, h, w, warped + b * C * hw, ti, tf);
+        /* back in the pair's own units: the warp of its image, errors of its amplitude */
+        const T e = err[pick];
+        error[b] = objective == 2 ? (e < 0 ? 0 : e) : objective == 0 ? e / per_unit : e / per_area;
+        T *wb_out = warped + b * C * hw;
+        DM_T(warp_into)(xl[0], q, C, H, W, h, w, wb_out, ti, tf);
+        for (int64_t c = 0; c < C; c++)
+            for (int64_t i = 0; i < hw; i++) wb_out[c * hw + i] = wb_out[c * hw + i] / per_unit + level[c];
+        const double flat = DM_T(spread)(t + b * C * hw, wt ? wl[0] : NULL, C, hw, objective);
+        const T least = sizeof(T) == 4 ? (T)FLT_MIN : (T)DBL_MIN;
+        relative[b] = error[b] / ((T)flat > least ? (T)flat : least);
     }
 done:
     free(dbuf);

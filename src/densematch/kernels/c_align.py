@@ -142,7 +142,7 @@ def align_search(
     same: tuple[float, float],
     tolerance: tuple[float, float],
     far: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """align's whole search in one call (align.c: dm_align_search), pair by pair: the pyramid of
     ``levels`` levels (each halving the one below), the grid at its coarsest level, the candidates,
     their refinement down the pyramid, the far ones refined again (blurred, then sharp), the best
@@ -158,9 +158,11 @@ def align_search(
     spacing), ``same`` (twins), ``tolerance`` (coarse levels, full resolution) and ``far`` as
     :func:`densematch.alignment.api._search` names them.
 
-    Returns the answers (B, 4) (scale_h, scale_w, shift_y, shift_x), their errors (B,), the warps
-    (B, C, h, w), the landscape (B, nh, nw) and each scale pair's best shift (B, nh, nw, 2) in
-    full-resolution pixels (NaN where none). On this thread."""
+    Each pair is searched at unit amplitude (less its image's mean level per channel, times a
+    power of two), and everything it returns is in its own units: the answers (B, 4) (scale_h,
+    scale_w, shift_y, shift_x), their errors (B,), the warps (B, C, h, w), the landscape (B, nh,
+    nw), each scale pair's best shift (B, nh, nw, 2) in full-resolution pixels (NaN where none) and
+    the errors against the template's own spread (B,). On this thread."""
     lib = _loaded("align_search", t, x, weights, total, given)
     b, c, h, w = t.shape
     big_h, big_w = x.shape[-2:]
@@ -207,17 +209,17 @@ def align_search(
     landscape = torch.empty(b, nh, nw, dtype=t.dtype)
     shifts = torch.empty(b, nh, nw, 2, dtype=t.dtype)
     answer, error = torch.empty(b, 4, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
-    warped = torch.empty(b, c, h, w, dtype=t.dtype)
+    warped, relative = torch.empty(b, c, h, w, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
     pointers = [None] * 10 if taps is None else [v.data_ptr() for v in taps]
     failed = getattr(lib, f"dm_align_search_{_SUFFIX[t.dtype]}")(
         t.data_ptr(), x.data_ptr(), None if wt is None else wt.data_ptr(), total.data_ptr(), sizes.ctypes.data,
         reals.ctypes.data, *pointers, grid.grid_h.data_ptr(), grid.grid_w.data_ptr(), best.data_ptr(),
         where.data_ptr(), landscape.data_ptr(), shifts.data_ptr(), answer.data_ptr(), error.data_ptr(),
-        warped.data_ptr(),
+        warped.data_ptr(), relative.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("densematch's C kernels: align_search could not allocate its scratch")
-    return answer, error, warped, landscape, shifts
+    return answer, error, warped, landscape, shifts, relative
 
 
 def align_cross(

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define DM_ABI_VERSION 4
+#define DM_ABI_VERSION 5
 
 int64_t dm_abi_version(void);
 
@@ -58,8 +58,8 @@ int dm_align_grid_f32(const float *x, const float *t, const int64_t *r0, const i
 int dm_align_grid_f64(const double *x, const double *t, const int64_t *r0, const int64_t *r1, const double *v0, const double *v1, const int64_t *i0, const int64_t *i1, const double *w0, const double *w1, int64_t B, int64_t C, int64_t H, int64_t W, int64_t h, int64_t w, int64_t nh, int64_t rows, int64_t nw, int64_t cols, int64_t ny, int64_t nx, const int64_t *max_y, const int64_t *max_x, int ncc, int64_t K, double *best, int64_t *where);
 void dm_align_best_shifts_f32(const float *score, int64_t M, int64_t ny, int64_t nx, int64_t K, float *best, int64_t *where);
 void dm_align_best_shifts_f64(const double *score, int64_t M, int64_t ny, int64_t nx, int64_t K, double *best, int64_t *where);
-int dm_align_search_f32(const float *t, const float *x, const float *wt, const float *total, const int64_t *sizes, const double *reals, const int64_t *r0, const int64_t *r1, const float *v0, const float *v1, const int64_t *i0, const int64_t *i1, const float *w0, const float *w1, const int64_t *max_y, const int64_t *max_x, const double *grid_h, const double *grid_w, float *best, int64_t *where, float *landscape, float *shifts, float *answer, float *error, float *warped);
-int dm_align_search_f64(const double *t, const double *x, const double *wt, const double *total, const int64_t *sizes, const double *reals, const int64_t *r0, const int64_t *r1, const double *v0, const double *v1, const int64_t *i0, const int64_t *i1, const double *w0, const double *w1, const int64_t *max_y, const int64_t *max_x, const double *grid_h, const double *grid_w, double *best, int64_t *where, double *landscape, double *shifts, double *answer, double *error, double *warped);
+int dm_align_search_f32(const float *t, const float *x, const float *wt, const float *total, const int64_t *sizes, const double *reals, const int64_t *r0, const int64_t *r1, const float *v0, const float *v1, const int64_t *i0, const int64_t *i1, const float *w0, const float *w1, const int64_t *max_y, const int64_t *max_x, const double *grid_h, const double *grid_w, float *best, int64_t *where, float *landscape, float *shifts, float *answer, float *error, float *warped, float *relative);
+int dm_align_search_f64(const double *t, const double *x, const double *wt, const double *total, const int64_t *sizes, const double *reals, const int64_t *r0, const int64_t *r1, const double *v0, const double *v1, const int64_t *i0, const int64_t *i1, const double *w0, const double *w1, const int64_t *max_y, const int64_t *max_x, const double *grid_h, const double *grid_w, double *best, int64_t *where, double *landscape, double *shifts, double *answer, double *error, double *warped, double *relative);
 
 /* certify.c: certify_alignment's bound */
 int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H, int64_t W, const double *cells, int64_t M, const double *half, const double *pivot, const int64_t *rows, int64_t n_rows, int exact, int squared, double stop, double *out);
