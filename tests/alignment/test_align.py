@@ -452,7 +452,7 @@ class TestSearch:
         native.AlignGrid(
             scales, scales, (3, 3), (8, 8), (10, 10), torch.float32, ((r0, r1, v0, v1), (c0, c1, u0, u1), *limits)
         )
-        with pytest.raises(ValueError, match="Ry's taps \\(nh, rows\\) inside the image"):
+        with pytest.raises(ValueError, match="Ry's taps \\(nh, rows\\) of the image's dtype inside its rows"):
             native.AlignGrid(
                 scales,
                 scales,

@@ -41,7 +41,6 @@ from ..kernels import native, ops_for
 from ..threads import share_out, share_size, workers_for
 from .refine import _ITERATIONS, objective_at, refine
 from .search import (
-    _SHIFTS,
     _Plan,
     _plan,
     candidate_rule,
@@ -838,11 +837,8 @@ def _c_grid(
         grid_h = scale_grid(*range_h, small[-2], cpu, dtype)
         grid_w = scale_grid(*range_w, small[-1], cpu, dtype)
         plan = _plan(small, small_x, not uniform, grid_h, grid_w, budget, True)
-        taps = None
-        if plan.products and plan.row_taps is not None and plan.col_taps is not None:  # C searches it
-            taps = (plan.row_taps, plan.col_taps, plan.max_y, plan.max_x)
-        kept = min(_SHIFTS, plan.n_shift[0] * plan.n_shift[1])  # as many as grid_minima's too
-        grid = native.AlignGrid(grid_h, grid_w, plan.n_shift, small[-2:], small_x[-2:], dtype, taps, kept)
+        kept = plan.minima  # as many as grid_minima's too
+        grid = native.AlignGrid(grid_h, grid_w, plan.n_shift, small[-2:], small_x[-2:], dtype, plan.c_taps, kept)
         pick, candidates, near = candidate_rule(grid_h, grid_w, kept)
         return _CGrid(grid_h, grid_w, plan, grid, pick, candidates, near)
 

@@ -80,12 +80,11 @@ def grid_search(
     call resolved it (:func:`densematch.kernels.ops_for`): the whole grid of uniform weights in
     one call (else the best shifts of torch's chunks); the candidates by :func:`pick_candidates`."""
     plan = _plan(tuple(t.shape), tuple(x.shape), mask is not None, grid_h, grid_w, budget, in_c)
-    n_y, n_x = plan.n_shift
-    if plan.products and plan.col_taps is not None:  # uniform weights in C: the whole grid in one call
-        row_taps, col_taps = plan.row_taps, plan.col_taps
-        assert row_taps is not None  # made beside col_taps
-        k = min(_SHIFTS, n_y * n_x)
-        best, where = native.align_grid(x, t, row_taps, col_taps, plan.n_shift, plan.max_y, plan.max_x, ncc, k)
+    n_x = plan.n_shift[1]
+    taps = plan.c_taps
+    if taps is not None:  # uniform weights in C: the whole grid in one call
+        row_taps, col_taps, max_y, max_x = taps
+        best, where = native.align_grid(x, t, row_taps, col_taps, plan.n_shift, max_y, max_x, ncc, plan.minima)
     else:
         best, where = grid_minima(t, x, mask, ncc, plan, in_c)
     at = torch.stack((where[..., 0] // n_x, where[..., 0] % n_x), -1).to(grid_h.dtype)
@@ -148,6 +147,22 @@ class _Plan:
     row_taps: tuple[torch.Tensor, ...] | None
     col_taps: tuple[torch.Tensor, ...] | None
     steps: tuple[int, int, int]
+
+    @property
+    def minima(self) -> int:
+        """The local minima kept per scale pair: _SHIFTS, or every shift where there are fewer."""
+        return min(_SHIFTS, self.n_shift[0] * self.n_shift[1])
+
+    @property
+    def c_taps(
+        self,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor] | None:
+        """Where C searches the whole grid (uniform weights whose products cost less than
+        transforms, with C's taps made): Ry's and Rx's taps and the largest valid shifts
+        (max_y, max_x); else None."""
+        if self.products and self.row_taps is not None and self.col_taps is not None:
+            return self.row_taps, self.col_taps, self.max_y, self.max_x
+        return None
 
 
 def _plan(

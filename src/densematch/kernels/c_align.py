@@ -105,18 +105,10 @@ class AlignGrid:
             return
         row_taps, col_taps, max_y, max_x = taps
         _loaded("AlignGrid", row_taps, col_taps, max_y, max_x)
-        nh, nw = self.grid_h.numel(), self.grid_w.numel()
+        one_per_scale = row_taps[0].ndim == 2 and row_taps[0].shape[0] == self.grid_h.numel()
+        _require(one_per_scale, "Ry's taps, one row per scale_h")
+        _rows_check(dtype, row_taps, (max_y, max_x), self.grid_w.numel(), image[0])
         self.rows = row_taps[0].shape[-1]
-        _require(
-            all(v.shape == (nh, self.rows) for v in row_taps)
-            and row_taps[0].dtype == row_taps[1].dtype == max_y.dtype == max_x.dtype == torch.int64
-            and row_taps[2].dtype == row_taps[3].dtype == dtype
-            and max_y.shape == (nh,)
-            and max_x.shape == (nw,)
-            and _within(row_taps[0], 0, image[0] - 1)
-            and _within(row_taps[1], 0, image[0] - 1),
-            "Ry's taps (nh, rows) inside the image, max_y (nh,) and max_x (nw,) int64",
-        )
         col_taps = tuple(v.contiguous() for v in col_taps)
         self.cols = col_taps[0].shape[-1]
         _grid_check(dtype, tpl, col_taps, (self.rows, image[1]), n_shift)
@@ -261,22 +253,13 @@ def align_grid(
     lib = _loaded("align_grid", x, t, row_taps, col_taps, max_y, max_x)
     b, c, big_h, big_w = x.shape
     h, w = t.shape[-2:]
-    r0, r1, v0, v1 = row_taps
-    nh, rows = r0.shape
+    nh, rows = row_taps[0].shape
     nw = col_taps[0].shape[0]
     ny, nx = n_shift
     _require(
-        t.shape[:2] == (b, c)
-        and all(v.dtype == x.dtype for v in (t, v0, v1))
-        and all(v.shape == (nh, rows) for v in row_taps)
-        and r0.dtype == r1.dtype == max_y.dtype == max_x.dtype == torch.int64
-        and max_y.shape == (nh,)
-        and max_x.shape == (nw,)
-        and _within(r0, 0, big_h - 1)
-        and _within(r1, 0, big_h - 1)
-        and k >= 1,
-        "x (B, C, H, W), t (B, C, h, w), Ry's taps (nh, rows) inside H, max_y (nh,) and max_x (nw,) int64, k >= 1",
+        t.shape[:2] == (b, c) and t.dtype == x.dtype and k >= 1, "x (B, C, H, W), t (B, C, h, w) of one dtype, k >= 1"
     )
+    _rows_check(x.dtype, row_taps, (max_y, max_x), nw, big_h)
     x, t = x.contiguous(), t.contiguous()
     _grid_check(x.dtype, (h, w), col_taps, (rows, big_w), n_shift)
     rt = tuple(v.contiguous() for v in row_taps)
@@ -318,6 +301,31 @@ def _grid(
     if getattr(lib, f"dm_{name}_{_SUFFIX[along_y.dtype]}")(*ptrs, *sizes, *extra, out.data_ptr()):
         raise MemoryError(f"densematch's C kernels: {name} could not allocate its scratch")
     return out
+
+
+def _rows_check(
+    dtype: torch.dtype,
+    row_taps: tuple[torch.Tensor, ...],
+    limits: tuple[torch.Tensor, torch.Tensor],
+    nw: int,
+    big_h: int,
+) -> None:
+    """The rules of Ry's taps (i0, i1 int64, w0, w1 of ``dtype``: each (nh, rows)) inside an
+    image of ``big_h`` rows, and of the largest valid shifts ``limits``: max_y (nh,) and max_x
+    (nw,), int64 (:func:`align_grid` and :class:`AlignGrid`; :func:`_grid_check` checks Rx's)."""
+    r0, r1, v0, v1 = row_taps
+    max_y, max_x = limits
+    nh, rows = r0.shape
+    _require(
+        all(v.shape == (nh, rows) for v in row_taps)
+        and v0.dtype == v1.dtype == dtype
+        and r0.dtype == r1.dtype == max_y.dtype == max_x.dtype == torch.int64
+        and max_y.shape == (nh,)
+        and max_x.shape == (nw,)
+        and _within(r0, 0, big_h - 1)
+        and _within(r1, 0, big_h - 1),
+        "Ry's taps (nh, rows) of the image's dtype inside its rows, max_y (nh,) and max_x (nw,) int64",
+    )
 
 
 def _grid_check(
