@@ -1,7 +1,7 @@
 """align against OpenCV's ECC on one thread: is the global minimum found, and how fast.
 
 Run: python benchmarks/suites/bench_align_global.py [--set photos|masks] [--per-photo 4] [--certify] [--threads 1]
-     [--batch 32] [--name NAME]
+     [--batch 32] [--repeats 3] [--name NAME]
 
 Cases (densematch.app.synthetic.alignment_cases, each photograph in turn): 125x125 crops of 12 of
 scikit-image's photographs (grey, 2x2 average-pooled, scaled to 0..1), a 100x100 template warped
@@ -106,8 +106,9 @@ def main() -> None:
     ap.add_argument("--certify", action="store_true", help="time align(certify=True) beside")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32, help="pairs in the batch row; 0: none")
     ap.add_argument("--no-ecc", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="times each case is timed (its median is kept)")
     ap.add_argument("--name", default="align-global")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -123,24 +124,32 @@ def main() -> None:
     verdicts, moved = [], 0
     misses = []
     for i, c in enumerate(cs):
-        # alternated, one case at a time, so that a busy spell slows both
-        t0 = time.perf_counter()
-        a = densematch.align(c["tpl"], c["img"])
-        times["densematch.align"].append(time.perf_counter() - t0)
+        # alternated, one case at a time, so that a busy spell slows both; each case's time is the
+        # median of its repeats
+        spent: dict[str, list[float]] = {method: [] for method in times}
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            a = densematch.align(c["tpl"], c["img"])
+            spent["densematch.align"].append(time.perf_counter() - t0)
+            if args.certify:
+                t0 = time.perf_counter()
+                b = densematch.align(c["tpl"], c["img"], certify=True)
+                spent[certified].append(time.perf_counter() - t0)
+            if not args.no_ecc:
+                tn, xn = c["tpl"].numpy(), c["img"].numpy()
+                t0 = time.perf_counter()
+                q = ecc(tn, xn)
+                spent["OpenCV ECC"].append(time.perf_counter() - t0)
+        for method, got in spent.items():
+            if got:
+                times[method].append(statistics.median(got))
         p = (a.scale_h, a.scale_w, a.shift_y, a.shift_x)
         found["densematch.align"].append(p)
         if args.certify:
-            t0 = time.perf_counter()
-            b = densematch.align(c["tpl"], c["img"], certify=True)
-            times[certified].append(time.perf_counter() - t0)
             found[certified].append((b.scale_h, b.scale_w, b.shift_y, b.shift_x))
             verdicts.append(b.certificate.certified)
             moved += not strict(found[certified][-1], p)
         if not args.no_ecc:
-            tn, xn = c["tpl"].numpy(), c["img"].numpy()
-            t0 = time.perf_counter()
-            q = ecc(tn, xn)
-            times["OpenCV ECC"].append(time.perf_counter() - t0)
             found["OpenCV ECC"].append(q)
         if not strict(p, c["truth"]):
             truth_l1, got_l1 = l1_at(c, c["truth"]), l1_at(c, p)
@@ -171,17 +180,33 @@ def main() -> None:
         )
         if method == certified:
             rows[-1]["method"] += f" ({sum(verdicts)} certified, {moved} answers moved)"
+    against = {}  # align's time over ECC's, case by case in the same seconds: the figure a busy host moves least
+    if times["OpenCV ECC"]:
+        per_case = [a / e for a, e in zip(times["densematch.align"], times["OpenCV ECC"], strict=True)]
+        against = {
+            "median of the per-case ratios": round(statistics.median(per_case), 3),
+            "ratio of the medians": round(
+                statistics.median(times["densematch.align"]) / statistics.median(times["OpenCV ECC"]), 3
+            ),
+        }
     batch: dict = {}
-    if len({tuple(c["tpl"].shape) for c in cs}) == 1:
+    if args.batch > 0 and len({tuple(c["tpl"].shape) for c in cs}) == 1:
         batch = batch_rates(cs, args.batch)
     info = machine()
     path = save(
         args.name,
-        {"machine": info, "command": " ".join(sys.argv), "rows": rows, "batch": batch, "misses": misses},
+        {
+            "machine": info,
+            "command": " ".join(sys.argv),
+            "rows": rows,
+            "align / ECC": against,
+            "batch": batch,
+            "misses": misses,
+        },
     )
     print(f"machine: {info}\n")
     print(table(rows, ["method", "cases", "strict", "median ms", "max ms"]))
-    print(f"\nbatch: {batch}")
+    print(f"\nalign / ECC: {against}\nbatch: {batch}")
     print(f"align's misses ({len(misses)}; truth better in {sum(m['truth_better'] for m in misses)}):")
     for m in misses:
         print(f"  {m}")

@@ -102,6 +102,7 @@ def refine(
         step = torch.linalg.solve(system, -jtr[active][..., None])[..., 0]
         trial = project(p[active] + step)
         cost_t, jtj_t, jtr_t = residual(trial, active)
+        moved = (step[:, :4].abs() * scale).amax(1)
         old = cost[active]
         better = cost_t < old
         gain = torch.where(better, (old - cost_t) / old.clamp_min(1e-30), 0.0)
@@ -111,9 +112,9 @@ def refine(
         jtr[active] = torch.where(keep, jtr_t, jtr[active])
         cost[active] = torch.where(better, cost_t, old)
         lam[active] = torch.where(better, lam_a * 0.3, lam_a * 10).clamp(1e-9, 1e9)
-        # done: moved by under the tolerance, stopped improving, or gave up
-        moved = (step[:, :4].abs() * scale).amax(1)
-        done = (better & ((moved < tolerance) | (gain < 1e-9))) | (~better & (lam_a * 10 >= 1e6))
+        # done: a step under the tolerance (taken or not: any later one, damped more, is shorter),
+        # stopped improving, or gave up
+        done = (moved < tolerance) | (better & (gain < 1e-9)) | (~better & (lam_a * 10 >= 1e6))
         active = active[~done]
         if active.numel() == 0:
             break

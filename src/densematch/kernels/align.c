@@ -118,9 +118,11 @@ typedef struct {
     int64_t *itaps;
 } pair_t;
 
-/* Cost sum w res^2, the normal equations jtj (P x P) and jtr (P) at q; l1 gets sum w |res| */
+/* Cost sum w res^2, the normal equations jtj (P x P) and jtr (P) at q; l1 gets sum w |res|. With
+ * jtj NULL, the two sums only (a step that ends the refinement needs no next step): the same bits,
+ * without the derivatives. */
 static double normal_equations(const pair_t *s, const double *q, double *jtj, double *jtr, double *l1) {
-    const int64_t h = s->h, w = s->w, H = s->H, W = s->W, P = s->P, nb = P == 6 ? 5 : 3;
+    const int64_t h = s->h, w = s->w, H = s->H, W = s->W, P = s->P, nb = !jtj ? 0 : (P == 6 ? 5 : 3);
     const double sh = q[0], sw = q[1], sy = q[2], sx = q[3];
     const double G = P == 6 ? q[4] : 1.0, B = P == 6 ? q[5] : 0.0;
     int64_t *ri0 = s->itaps, *ri1 = ri0 + h, *cj0 = ri1 + h, *cj1 = cj0 + w;
@@ -130,18 +132,23 @@ static double normal_equations(const pair_t *s, const double *q, double *jtj, do
     for (int64_t c = 0; c < w; c++) bc[c] = -((double)c + sx + 0.5) / (sw * sw);
     const int64_t lo = ri0[0], n_rows = ri1[h - 1] - lo + 1, C = s->C;
     double *Y = bc + w, *dY = Y + C * n_rows * w, sums[2] = {0, 0};
-    memset(jtj, 0, sizeof(double) * P * P);
-    memset(jtr, 0, sizeof(double) * P);
     for (int64_t ch = 0; ch < C; ch++) /* the image along x, on the rows the template reaches */
         for (int64_t i = 0; i < n_rows; i++) {
             const double *xr = s->x + (ch * H + lo + i) * W;
             double *yo = Y + (ch * n_rows + i) * w, *dyo = dY + (ch * n_rows + i) * w;
-            for (int64_t c = 0; c < w; c++) {
-                const double a = xr[cj0[c]], b = xr[cj1[c]];
-                yo[c] = (1 - cg[c]) * a + cg[c] * b;
-                dyo[c] = b - a; /* 0 where both taps are the last column: one value twice */
-            }
+            if (nb)
+                for (int64_t c = 0; c < w; c++) {
+                    const double a = xr[cj0[c]], b = xr[cj1[c]];
+                    yo[c] = (1 - cg[c]) * a + cg[c] * b;
+                    dyo[c] = b - a; /* 0 where both taps are the last column: one value twice */
+                }
+            else
+                for (int64_t c = 0; c < w; c++) yo[c] = (1 - cg[c]) * xr[cj0[c]] + cg[c] * xr[cj1[c]];
         }
+    if (nb) {
+        memset(jtj, 0, sizeof(double) * P * P);
+        memset(jtr, 0, sizeof(double) * P);
+    }
     for (int64_t r = 0; r < h; r++) {
         double Sr[5][5] = {{0}}, Rr[5] = {0};
         for (int64_t ch = 0; ch < C; ch++) {
@@ -151,7 +158,11 @@ static double normal_equations(const pair_t *s, const double *q, double *jtj, do
             const double *d0 = dYc + (ri0[r] - lo) * w, *d1 = dYc + (ri1[r] - lo) * w;
             const int differ = ri1[r] != ri0[r];
             /* each case its own inlined copy; uniform weights (NULL) multiply by nothing: the same bits */
-            if (nb == 3 && wt)
+            if (nb == 0 && wt)
+                row_sums(0, 1, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+            else if (nb == 0)
+                row_sums(0, 0, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+            else if (nb == 3 && wt)
                 row_sums(3, 1, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
             else if (nb == 3)
                 row_sums(3, 0, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
@@ -160,6 +171,7 @@ static double normal_equations(const pair_t *s, const double *q, double *jtj, do
             else
                 row_sums(5, 0, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
         }
+        if (!nb) continue;
         /* the Jacobian's column k is coef[k] * q[basis[k]] on this row */
         const int basis[6] = {0, 1, 0, 2, 3, 4};
         const double coef[6] = {G * -((double)r + sy + 0.5) / (sh * sh), G, G / sh, G / sw, 1.0, 1.0};
@@ -171,7 +183,7 @@ static double normal_equations(const pair_t *s, const double *q, double *jtj, do
             }
         }
     }
-    for (int64_t k = 0; k < P; k++)
+    for (int64_t k = 0; k < P && nb; k++)
         for (int64_t l = 0; l < k; l++) jtj[k * P + l] = jtj[l * P + k];
     *l1 = sums[1];
     return sums[0];
@@ -236,26 +248,29 @@ static void refine_one(const pair_t *s, const double *range, int iterations, dou
             for (int k = 0; k < P; k++) step[k] = 0;
         for (int k = 0; k < P; k++) trial[k] = p[k] + step[k];
         project(s, range, trial);
-        double l1_t;
-        const double cost_t = normal_equations(s, trial, jtj_t, jtr_t, &l1_t);
-        const int better = cost_t < cost;
-        const double gain = better ? (cost - cost_t) / (cost > 1e-30 ? cost : 1e-30) : 0.0;
-        if (better) {
-            memcpy(p, trial, sizeof(double) * P);
-            memcpy(jtj, jtj_t, sizeof jtj);
-            memcpy(jtr, jtr_t, sizeof jtr);
-            cost = cost_t;
-            l1 = l1_t;
-        }
-        const double lam_before = lam;
-        lam = better ? lam * 0.3 : lam * 10;
-        lam = lam < 1e-9 ? 1e-9 : (lam > 1e9 ? 1e9 : lam);
         double moved = 0;
         for (int k = 0; k < 4; k++) {
             const double v = fabs(step[k]) * scale[k];
             moved = v > moved ? v : moved;
         }
-        if ((better && (moved < tolerance || gain < 1e-9)) || (!better && lam_before * 10 >= 1e6)) break;
+        /* a step under the tolerance is the last, taken or not: any later one, damped more, is shorter */
+        const int last = moved < tolerance;
+        double l1_t;
+        const double cost_t = normal_equations(s, trial, last ? NULL : jtj_t, jtr_t, &l1_t);
+        const int better = cost_t < cost;
+        const double gain = better ? (cost - cost_t) / (cost > 1e-30 ? cost : 1e-30) : 0.0;
+        if (better) {
+            memcpy(p, trial, sizeof(double) * P);
+            if (!last) {
+                memcpy(jtj, jtj_t, sizeof jtj);
+                memcpy(jtr, jtr_t, sizeof jtr);
+            }
+            cost = cost_t;
+            l1 = l1_t;
+        }
+        if (last || (better && gain < 1e-9) || (!better && lam * 10 >= 1e6)) break;
+        lam = better ? lam * 0.3 : lam * 10;
+        lam = lam < 1e-9 ? 1e-9 : (lam > 1e9 ? 1e9 : lam);
     }
     out[0] = cost;
     out[1] = l1;
