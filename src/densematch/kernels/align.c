@@ -28,22 +28,39 @@ static inline v4d vabs(v4d v) { return (v4d)((v4i)v & (v4i){INT64_MAX, INT64_MAX
 
 static inline double fold(v4d v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 
-/* One template row's sums over its columns, in one pass: S[i][j] = sum w q_i q_j and
- * R[i] = sum w q_i res for the per-pixel values q = (gy, gx * b_c, gx, u, 1) (the first nb),
- * sums[0] = sum w res^2, sums[1] = sum w |res|. The row is the blend (1 - f) y0 + f y1 of two
- * rows of the image interpolated along x (d0, d1: their x-derivatives); rows_differ is 0 where
- * both are the same clamped row (no y-derivative). Four lanes, then a fixed fold and the
- * columns left over: one order on every CPU. */
-static inline __attribute__((always_inline)) void row_sums(
-    const int nb, const int weighted, const double *y0, const double *y1, const double *d0, const double *d1,
-    const double *T, const double *wt, const double *bc, int64_t w, double f, int rows_differ, double G, double B,
-    double S[5][5], double R[5], double sums[2]) {
-    v4d acc[5][5], accr[5], acc2 = {0, 0, 0, 0}, acc1 = {0, 0, 0, 0};
+/* One block of four template pixels' contributions, added lane by lane into the sums:
+ * acc[i][j] += w q_i q_j and accr[i] += w q_i res for the per-pixel values q = (gy, gx * b_c, gx,
+ * u, 1) (the first nb), acc2 += w res^2, acc1 += w |res|. The pixels are the blend (1 - f) a0 + f a1
+ * of two rows of the image interpolated along x (e0, e1: their x-derivatives); rows_differ is 0
+ * where both are the same clamped row (no y-derivative). Uniform weights multiply by nothing; a
+ * weight of exactly 1 gives the same bits. */
+static inline __attribute__((always_inline)) void block_sums(const int nb, const int weighted, v4d a0, v4d a1, v4d e0,
+                                                             v4d e1, v4d tv, v4d wv, v4d bcv, v4d fv, v4d gv, v4d bv,
+                                                             int rows_differ, v4d acc[5][5], v4d accr[5], v4d *acc2,
+                                                             v4d *acc1) {
+    const v4d one = {1, 1, 1, 1}, zero = {0, 0, 0, 0};
+    const v4d u = (one - fv) * a0 + fv * a1, gx = (one - fv) * e0 + fv * e1;
+    const v4d gy = rows_differ ? a1 - a0 : zero, res = gv * u + bv - tv;
+    const v4d q[5] = {gy, gx * bcv, gx, u, one};
+    const v4d wres = weighted ? wv * res : res;
+    *acc2 += wres * res;
+    *acc1 += weighted ? wv * vabs(res) : vabs(res);
     for (int i = 0; i < nb; i++) {
-        accr[i] = (v4d){0, 0, 0, 0};
-        for (int j = i; j < nb; j++) acc[i][j] = (v4d){0, 0, 0, 0};
+        const v4d wq = weighted ? wv * q[i] : q[i];
+        accr[i] += wq * res;
+        for (int j = i; j < nb; j++) acc[i][j] += wq * q[j];
     }
-    const v4d one = {1, 1, 1, 1}, zero = {0, 0, 0, 0}, fv = one * f, gv = one * G, bv = one * B;
+}
+
+/* One template row of one channel into the sums (block_sums), four columns at a time; the
+ * columns left over as one block padded with zeros, each padded lane of weight 0. One order on
+ * every CPU: lane c % 4 of the sums takes column c. */
+static inline __attribute__((always_inline)) void row_sums(const int nb, const int weighted, const double *y0,
+                                                           const double *y1, const double *d0, const double *d1,
+                                                           const double *T, const double *wt, const double *bc,
+                                                           int64_t w, v4d fv, v4d gv, v4d bv, int rows_differ,
+                                                           v4d acc[5][5], v4d accr[5], v4d *acc2, v4d *acc1) {
+    const v4d one = {1, 1, 1, 1};
     int64_t c = 0;
     for (; c + 4 <= w; c += 4) {
         v4d a0, a1, e0, e1, tv, wv = one, bcv;
@@ -54,41 +71,19 @@ static inline __attribute__((always_inline)) void row_sums(
         memcpy(&tv, T + c, 32);
         if (weighted) memcpy(&wv, wt + c, 32);
         memcpy(&bcv, bc + c, 32);
-        const v4d u = (one - fv) * a0 + fv * a1, gx = (one - fv) * e0 + fv * e1;
-        const v4d gy = rows_differ ? a1 - a0 : zero, res = gv * u + bv - tv;
-        const v4d q[5] = {gy, gx * bcv, gx, u, one};
-        const v4d wres = weighted ? wv * res : res;
-        acc2 += wres * res;
-        acc1 += weighted ? wv * vabs(res) : vabs(res);
-        for (int i = 0; i < nb; i++) {
-            const v4d wq = weighted ? wv * q[i] : q[i];
-            accr[i] += wq * res;
-            for (int j = i; j < nb; j++) acc[i][j] += wq * q[j];
-        }
+        block_sums(nb, weighted, a0, a1, e0, e1, tv, wv, bcv, fv, gv, bv, rows_differ, acc, accr, acc2, acc1);
     }
-    double s2 = fold(acc2), s1 = fold(acc1), r[5], ss[5][5];
-    for (int i = 0; i < nb; i++) {
-        r[i] = fold(accr[i]);
-        for (int j = i; j < nb; j++) ss[i][j] = fold(acc[i][j]);
-    }
-    for (; c < w; c++) {
-        const double u = (1 - f) * y0[c] + f * y1[c], gx = (1 - f) * d0[c] + f * d1[c];
-        const double gy = rows_differ ? y1[c] - y0[c] : 0.0, res = G * u + B - T[c];
-        const double q[5] = {gy, gx * bc[c], gx, u, 1.0};
-        const double wc = weighted ? wt[c] : 1.0;
-        s2 += wc * res * res;
-        s1 += wc * fabs(res);
-        for (int i = 0; i < nb; i++) {
-            const double wq = wc * q[i];
-            r[i] += wq * res;
-            for (int j = i; j < nb; j++) ss[i][j] += wq * q[j];
-        }
-    }
-    sums[0] += s2;
-    sums[1] += s1;
-    for (int i = 0; i < nb; i++) {
-        R[i] += r[i];
-        for (int j = i; j < nb; j++) S[i][j] += ss[i][j];
+    if (c < w) {
+        const int64_t n = w - c;
+        v4d a0 = {0}, a1 = {0}, e0 = {0}, e1 = {0}, tv = {0}, wv = {0}, bcv = {0};
+        memcpy(&a0, y0 + c, sizeof(double) * (size_t)n);
+        memcpy(&a1, y1 + c, sizeof(double) * (size_t)n);
+        memcpy(&e0, d0 + c, sizeof(double) * (size_t)n);
+        memcpy(&e1, d1 + c, sizeof(double) * (size_t)n);
+        memcpy(&tv, T + c, sizeof(double) * (size_t)n);
+        memcpy(&bcv, bc + c, sizeof(double) * (size_t)n);
+        for (int64_t l = 0; l < n; l++) wv[l] = weighted ? wt[c + l] : 1.0;
+        block_sums(nb, 1, a0, a1, e0, e1, tv, wv, bcv, fv, gv, bv, rows_differ, acc, accr, acc2, acc1);
     }
 }
 
@@ -120,7 +115,10 @@ typedef struct {
 
 /* Cost sum w res^2, the normal equations jtj (P x P) and jtr (P) at q; l1 gets sum w |res|. With
  * jtj NULL, the two sums only (a step that ends the refinement needs no next step): the same bits,
- * without the derivatives. */
+ * without the derivatives. The Jacobian's column k is coef[k] q[basis[k]], coef constant but
+ * for scale_h's, G rho_r on row r (rho_r = -(r + sy + 0.5) / sh^2): the sums with gy (q's first)
+ * are kept per row, then added into the whole's times 1, rho_r and rho_r^2; all others over the
+ * whole template. Every sum in four lanes, folded once. */
 static double normal_equations(const pair_t *s, const double *q, double *jtj, double *jtr, double *l1) {
     const int64_t h = s->h, w = s->w, H = s->H, W = s->W, P = s->P, nb = !jtj ? 0 : (P == 6 ? 5 : 3);
     const double sh = q[0], sw = q[1], sy = q[2], sx = q[3];
@@ -131,7 +129,7 @@ static double normal_equations(const pair_t *s, const double *q, double *jtj, do
     taps(w, W, sw, sx, cj0, cj1, cg);
     for (int64_t c = 0; c < w; c++) bc[c] = -((double)c + sx + 0.5) / (sw * sw);
     const int64_t lo = ri0[0], n_rows = ri1[h - 1] - lo + 1, C = s->C;
-    double *Y = bc + w, *dY = Y + C * n_rows * w, sums[2] = {0, 0};
+    double *Y = bc + w, *dY = Y + C * n_rows * w;
     for (int64_t ch = 0; ch < C; ch++) /* the image along x, on the rows the template reaches */
         for (int64_t i = 0; i < n_rows; i++) {
             const double *xr = s->x + (ch * H + lo + i) * W;
@@ -145,48 +143,72 @@ static double normal_equations(const pair_t *s, const double *q, double *jtj, do
             else
                 for (int64_t c = 0; c < w; c++) yo[c] = (1 - cg[c]) * xr[cj0[c]] + cg[c] * xr[cj1[c]];
         }
-    if (nb) {
-        memset(jtj, 0, sizeof(double) * P * P);
-        memset(jtr, 0, sizeof(double) * P);
+    const v4d zero = {0, 0, 0, 0}, gv = zero + G, bv = zero + B;
+    v4d acc[5][5], accr[5], acc2 = zero, acc1 = zero;
+    v4d gy_by[3][6] = {{zero}}; /* [1, rho, rho^2]: the sums of gy q_j (j < nb), then of gy res */
+    for (int i = 0; i < 5; i++) {
+        accr[i] = zero;
+        for (int j = 0; j < 5; j++) acc[i][j] = zero;
     }
     for (int64_t r = 0; r < h; r++) {
-        double Sr[5][5] = {{0}}, Rr[5] = {0};
+        const v4d fv = zero + rf[r];
         for (int64_t ch = 0; ch < C; ch++) {
             const double *T = s->t + (ch * h + r) * w, *wt = s->wt ? s->wt + r * w : NULL;
             const double *Yc = Y + ch * n_rows * w, *dYc = dY + ch * n_rows * w;
             const double *y0 = Yc + (ri0[r] - lo) * w, *y1 = Yc + (ri1[r] - lo) * w;
             const double *d0 = dYc + (ri0[r] - lo) * w, *d1 = dYc + (ri1[r] - lo) * w;
             const int differ = ri1[r] != ri0[r];
-            /* each case its own inlined copy; uniform weights (NULL) multiply by nothing: the same bits */
+            /* each case its own inlined copy */
             if (nb == 0 && wt)
-                row_sums(0, 1, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+                row_sums(0, 1, y0, y1, d0, d1, T, wt, bc, w, fv, gv, bv, differ, acc, accr, &acc2, &acc1);
             else if (nb == 0)
-                row_sums(0, 0, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+                row_sums(0, 0, y0, y1, d0, d1, T, wt, bc, w, fv, gv, bv, differ, acc, accr, &acc2, &acc1);
             else if (nb == 3 && wt)
-                row_sums(3, 1, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+                row_sums(3, 1, y0, y1, d0, d1, T, wt, bc, w, fv, gv, bv, differ, acc, accr, &acc2, &acc1);
             else if (nb == 3)
-                row_sums(3, 0, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+                row_sums(3, 0, y0, y1, d0, d1, T, wt, bc, w, fv, gv, bv, differ, acc, accr, &acc2, &acc1);
             else if (wt)
-                row_sums(5, 1, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+                row_sums(5, 1, y0, y1, d0, d1, T, wt, bc, w, fv, gv, bv, differ, acc, accr, &acc2, &acc1);
             else
-                row_sums(5, 0, y0, y1, d0, d1, T, wt, bc, w, rf[r], differ, G, B, Sr, Rr, sums);
+                row_sums(5, 0, y0, y1, d0, d1, T, wt, bc, w, fv, gv, bv, differ, acc, accr, &acc2, &acc1);
         }
         if (!nb) continue;
-        /* the Jacobian's column k is coef[k] * q[basis[k]] on this row */
-        const int basis[6] = {0, 1, 0, 2, 3, 4};
-        const double coef[6] = {G * -((double)r + sy + 0.5) / (sh * sh), G, G / sh, G / sw, 1.0, 1.0};
-        for (int64_t k = 0; k < P; k++) {
-            jtr[k] += coef[k] * Rr[basis[k]];
-            for (int64_t l = k; l < P; l++) {
-                const int a = basis[k] < basis[l] ? basis[k] : basis[l], b = basis[k] ^ basis[l] ^ a;
-                jtj[k * P + l] += coef[k] * coef[l] * Sr[a][b];
-            }
+        const double rho = -((double)r + sy + 0.5) / (sh * sh);
+        for (int j = 0; j <= nb; j++) { /* j = nb: the residual's */
+            const v4d v = j < nb ? acc[0][j] : accr[0];
+            gy_by[0][j] += v;
+            gy_by[1][j] += rho * v;
+            gy_by[2][j] += (rho * rho) * v;
+            if (j < nb)
+                acc[0][j] = zero;
+            else
+                accr[0] = zero;
         }
     }
-    for (int64_t k = 0; k < P && nb; k++)
-        for (int64_t l = 0; l < k; l++) jtj[k * P + l] = jtj[l * P + k];
-    *l1 = sums[1];
-    return sums[0];
+    *l1 = fold(acc1);
+    if (!nb) return fold(acc2);
+    /* whole sums: S[a][b] = sum q_a q_b (a <= b), R[a] = sum q_a res, with gy's times 1, rho, rho^2 */
+    double S[5][5], R[5], Sg[3][5], Rg[3];
+    for (int i = 1; i < nb; i++) {
+        R[i] = fold(accr[i]);
+        for (int j = i; j < nb; j++) S[i][j] = fold(acc[i][j]);
+    }
+    for (int m = 0; m < 3; m++) {
+        Rg[m] = fold(gy_by[m][nb]);
+        for (int j = 0; j < nb; j++) Sg[m][j] = fold(gy_by[m][j]);
+    }
+    const int basis[6] = {0, 1, 0, 2, 3, 4};
+    const double coef[6] = {G, G, G / sh, G / sw, 1.0, 1.0};
+    for (int64_t k = 0; k < P; k++) {
+        const int a = basis[k];
+        jtr[k] = coef[k] * (a ? R[a] : Rg[k == 0]);
+        for (int64_t l = k; l < P; l++) {
+            const int b = basis[l], rho_power = (k == 0) + (l == 0); /* scale_h's column carries rho_r */
+            const double sum = a && b ? S[a < b ? a : b][a < b ? b : a] : Sg[rho_power][a ? a : b];
+            jtj[k * P + l] = jtj[l * P + k] = coef[k] * coef[l] * sum;
+        }
+    }
+    return fold(acc2);
 }
 
 /* x = A^-1 b for a P x P system (Gaussian elimination, partial pivoting); 0 where singular */
