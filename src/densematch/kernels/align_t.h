@@ -10,13 +10,14 @@ int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_
     enum { L = CROSS_BYTES / sizeof(T), KB = CROSS_KB };
     const int64_t span = L + h - 1;
     /* vectors, so aligned to their size (malloc promises only 16 bytes) */
-    DM_T(cvec) *P = aligned_alloc(sizeof(DM_T(cvec)), sizeof(DM_T(cvec)) * (size_t)(W * w));
+    DM_T(cvec) *P = aligned_alloc(sizeof(DM_T(cvec)), sizeof(DM_T(cvec)) * (size_t)(W * w + nx));
     T *at = malloc(sizeof(T) * (size_t)(W * span));
     if (!P || !at) {
         free(P);
         free(at);
         return 1;
     }
+    DM_T(cvec) *acc = P + W * w; /* one row of shifts' sums */
     for (int64_t b = 0; b < B; b++)
         for (int64_t n = 0; n < nh; n++)
             for (int64_t y0 = 0; y0 < ny; y0 += L) {
@@ -49,14 +50,16 @@ int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_
                     const int64_t *p0 = i0 + s * cols, *p1 = i1 + s * cols;
                     const T *q0 = w0 + s * cols, *q1 = w1 + s * cols;
                     T *o = out + ((b * nh + n) * nw + s) * ny * nx;
-                    for (int64_t x = 0; x < nx; x++) {
-                        DM_T(cvec) acc = {0};
-                        for (int64_t k = 0; k < w; k++) {
-                            const int64_t j = x + k;
-                            acc += q0[j] * P[p0[j] * w + k] + q1[j] * P[p1[j] * w + k];
-                        }
-                        for (int64_t l = 0; l < ys; l++) o[(y0 + l) * nx + x] = acc[l];
+                    /* by Rx's column j = x + k, its taps read once: cross[x] takes its k in order */
+                    for (int64_t x = 0; x < nx; x++) acc[x] = (DM_T(cvec)){0};
+                    for (int64_t j = 0; j < nx + w - 1; j++) {
+                        const DM_T(cvec) *c0 = P + p0[j] * w, *c1 = P + p1[j] * w;
+                        const T f0 = q0[j], f1 = q1[j];
+                        const int64_t k_lo = j - nx + 1 > 0 ? j - nx + 1 : 0, k_hi = j < w - 1 ? j : w - 1;
+                        for (int64_t k = k_lo; k <= k_hi; k++) acc[j - k] += f0 * c0[k] + f1 * c1[k];
                     }
+                    for (int64_t x = 0; x < nx; x++)
+                        for (int64_t l = 0; l < ys; l++) o[(y0 + l) * nx + x] = acc[x][l];
                 }
             }
     free(P);
