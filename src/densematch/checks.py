@@ -107,7 +107,7 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
     message = f"{name} must hold only finite values, got NaN or Inf; clean it first (for example with torch.nan_to_num)"
     if mask is not None:
         x, mask = x.reshape(mask.numel(), -1), mask.reshape(-1)
-    if recording() or is_fake(x):
+    if recording() or (type(x) is not torch.Tensor and is_fake(x)):  # a plain tensor is never fake
         # a graph cannot branch on the data: the check becomes an assertion op in it, raised
         # (as a RuntimeError) when the graph runs; fake tensors have no data to check
         ok = torch.isfinite(x) if mask is None else torch.isfinite(x).all(1) | ~mask
@@ -116,7 +116,7 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
     per_slice = max(1, x.numel() // x.shape[0])
     step = max(1, _FINITE_CHUNK // per_slice)
     for start in range(0, x.shape[0], step):
-        chunk = x[start : start + step]
+        chunk = x if step >= x.shape[0] else x[start : start + step]
         if mask is None:
             # NaN propagates through both extremes and Inf is one: one fused pass, 10x faster
             # than isfinite(...).all() here, with no boolean temporary

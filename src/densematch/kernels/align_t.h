@@ -307,6 +307,29 @@ static void DM_T(blur)(const T *v, int64_t C, int64_t h, int64_t w, T *rows, dou
     }
 }
 
+/* sum wt[i] v[i] (wt NULL: ones) in double, in four lanes folded in one order: four chains of adds
+ * in flight where one would wait on each */
+static double DM_T(lane_sum)(const T *v, const T *wt, int64_t n) {
+    double lanes[4] = {0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int l = 0; l < 4; l++) lanes[l] += (wt ? (double)wt[i + l] : 1.0) * (double)v[i + l];
+    double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; i < n; i++) total += (wt ? (double)wt[i] : 1.0) * (double)v[i];
+    return total;
+}
+
+/* max |v[i]| (0 where n is 0), four lanes at a time */
+static double DM_T(lane_peak)(const T *v, int64_t n) {
+    double lanes[4] = {0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int l = 0; l < 4; l++) lanes[l] = fabs((double)v[i + l]) > lanes[l] ? fabs((double)v[i + l]) : lanes[l];
+    for (; i < n; i++) lanes[0] = fabs((double)v[i]) > lanes[0] ? fabs((double)v[i]) : lanes[0];
+    const double a = lanes[0] > lanes[1] ? lanes[0] : lanes[1], b = lanes[2] > lanes[3] ? lanes[2] : lanes[3];
+    return a > b ? a : b;
+}
+
 /* 1 - the weighted NCC of the template t (C, h, w) and the warped image u (C, h, w), weights wt
  * (h, w) or 1 where NULL, total their sum times C (densematch.alignment.refine.objective_at), in
  * double */
@@ -339,18 +362,12 @@ static double DM_T(ncc_error)(const T *t, const T *u, const T *wt, int64_t C, in
 static double DM_T(centre)(const T *t, const T *x, int64_t C, int64_t hw, int64_t HW, T *level, T *tu, T *xu) {
     double peak = 0;
     for (int64_t c = 0; c < C; c++) {
-        double sum = 0;
-        for (int64_t i = 0; i < HW; i++) sum += (double)x[c * HW + i];
-        level[c] = (T)(sum / (double)HW);
-        for (int64_t i = 0; i < hw; i++) {
-            tu[c * hw + i] = t[c * hw + i] - level[c];
-            peak = fabs((double)tu[c * hw + i]) > peak ? fabs((double)tu[c * hw + i]) : peak;
-        }
-        for (int64_t i = 0; i < HW; i++) {
-            xu[c * HW + i] = x[c * HW + i] - level[c];
-            peak = fabs((double)xu[c * HW + i]) > peak ? fabs((double)xu[c * HW + i]) : peak;
-        }
+        level[c] = (T)(DM_T(lane_sum)(x + c * HW, NULL, HW) / (double)HW);
+        for (int64_t i = 0; i < hw; i++) tu[c * hw + i] = t[c * hw + i] - level[c];
+        for (int64_t i = 0; i < HW; i++) xu[c * HW + i] = x[c * HW + i] - level[c];
     }
+    const double peak_t = DM_T(lane_peak)(tu, C * hw), peak_x = DM_T(lane_peak)(xu, C * HW);
+    peak = peak_t > peak_x ? peak_t : peak_x;
     int e = 0;
     if (!(peak > 0)) return 1.0;
     frexp(peak, &e);
@@ -365,17 +382,24 @@ static double DM_T(centre)(const T *t, const T *x, int64_t C, int64_t hw, int64_
  * squared deviation from each channel's weighted mean, in float64; 1 for "ncc". */
 static double DM_T(spread)(const T *t, const T *wt, int64_t C, int64_t hw, int64_t objective) {
     if (objective == 2) return 1.0;
-    double weights = 0, total = 0;
-    for (int64_t i = 0; i < hw; i++) weights += wt ? (double)wt[i] : 1.0;
+    const double weights = wt ? DM_T(lane_sum)(wt, NULL, hw) : (double)hw;
+    double total = 0;
     for (int64_t c = 0; c < C; c++) {
         const T *tc = t + c * hw;
-        double mean = 0;
-        for (int64_t i = 0; i < hw; i++) mean += (wt ? (double)wt[i] : 1.0) * (double)tc[i];
-        mean /= weights;
-        for (int64_t i = 0; i < hw; i++) {
-            const double d = fabs((double)tc[i] - mean);
-            total += (wt ? (double)wt[i] : 1.0) * (objective == 0 ? d : d * d);
+        const double mean = DM_T(lane_sum)(tc, wt, hw) / weights;
+        double lanes[4] = {0, 0, 0, 0};
+        int64_t i = 0;
+        for (; i + 4 <= hw; i += 4)
+            for (int l = 0; l < 4; l++) {
+                const double d = fabs((double)tc[i + l] - mean), a = wt ? (double)wt[i + l] : 1.0;
+                lanes[l] += a * (objective == 0 ? d : d * d);
+            }
+        double part = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; i < hw; i++) {
+            const double d = fabs((double)tc[i] - mean), a = wt ? (double)wt[i] : 1.0;
+            part += a * (objective == 0 ? d : d * d);
         }
+        total += part;
     }
     return total / ((double)C * weights);
 }
