@@ -4,6 +4,20 @@
 #include "dm_template.h"
 
 typedef T DM_T(cvec) __attribute__((vector_size(CROSS_BYTES)));
+
+/* dm_align_cross's inner step: p[kk] += sum_r t[r][kk] a[r .. r + lanes - 1] for kn columns kk of
+ * the template (rows of w values from t), the sums in registers */
+static inline __attribute__((always_inline)) void DM_T(cross_columns)(const int kn, DM_T(cvec) *p, const T *a,
+                                                                       const T *t, int64_t h, int64_t w) {
+    DM_T(cvec) acc[CROSS_KB];
+    for (int kk = 0; kk < kn; kk++) acc[kk] = p[kk];
+    for (int64_t r = 0; r < h; r++) {
+        DM_T(cvec) col;
+        memcpy(&col, a + r, sizeof col);
+        for (int kk = 0; kk < kn; kk++) acc[kk] += t[r * w + kk] * col;
+    }
+    for (int kk = 0; kk < kn; kk++) p[kk] = acc[kk];
+}
 int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,
                          const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h,
                          int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, T *out) {
@@ -30,19 +44,18 @@ int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_
                             at[v * span + j] = y0 + j < rows ? ac[(y0 + j) * W + v] : 0;
                     for (int64_t v = 0; v < W; v++) /* KB columns of T at a time, in registers */
                         for (int64_t k0 = 0; k0 < w; k0 += KB) {
-                            const int kn = w - k0 < KB ? (int)(w - k0) : KB;
-                            DM_T(cvec) acc[KB];
-                            for (int kk = 0; kk < KB; kk++) acc[kk] = P[v * w + k0 + (kk < kn ? kk : 0)];
-                            for (int64_t r = 0; r < h; r++) {
-                                DM_T(cvec) col;
-                                memcpy(&col, at + v * span + r, sizeof col);
-                                const T *tr = tc + r * w + k0;
-                                if (kn == KB)
-                                    for (int kk = 0; kk < KB; kk++) acc[kk] += tr[kk] * col;
-                                else
-                                    for (int kk = 0; kk < kn; kk++) acc[kk] += tr[kk] * col;
+                            DM_T(cvec) *p = P + v * w + k0;
+                            const T *a_v = at + v * span, *t0 = tc + k0;
+                            switch (w - k0 < KB ? (int)(w - k0) : KB) { /* each width its own copy: the sums in registers */
+                            case 1: DM_T(cross_columns)(1, p, a_v, t0, h, w); break;
+                            case 2: DM_T(cross_columns)(2, p, a_v, t0, h, w); break;
+                            case 3: DM_T(cross_columns)(3, p, a_v, t0, h, w); break;
+                            case 4: DM_T(cross_columns)(4, p, a_v, t0, h, w); break;
+                            case 5: DM_T(cross_columns)(5, p, a_v, t0, h, w); break;
+                            case 6: DM_T(cross_columns)(6, p, a_v, t0, h, w); break;
+                            case 7: DM_T(cross_columns)(7, p, a_v, t0, h, w); break;
+                            default: DM_T(cross_columns)(KB, p, a_v, t0, h, w);
                             }
-                            for (int kk = 0; kk < kn; kk++) P[v * w + k0 + kk] = acc[kk];
                         }
                 }
                 const int64_t ys = ny - y0 < L ? ny - y0 : L;
