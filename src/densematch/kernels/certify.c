@@ -104,9 +104,8 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
                                const int64_t *yi1, const double *yg0, const double *yg1, const double *t,
                                int squared) {
     const int64_t stride = w * K;
-    dm_vd acc[DM_SUB];
+    double sums[8] = {0}; /* the lanes' sums, in memory: the block's extremes keep the registers */
     const dm_vd zero = {0};
-    for (int s = 0; s < DM_SUB; s++) acc[s] = zero;
     int64_t j = 0;
     for (; j + 8 <= w; j += 8) {
         dm_vd lo[DM_SUB], hi[DM_SUB];
@@ -128,14 +127,15 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
                 }
         }
         for (int s = 0; s < DM_SUB; s++) {
-            dm_vd tv;
+            dm_vd tv, acc;
             memcpy(&tv, t + j + s * DM_LANES, sizeof tv);
+            memcpy(&acc, sums + s * DM_LANES, sizeof acc);
             const dm_vd gap = DM_MAX(lo[s] - tv, zero) + DM_MAX(tv - hi[s], zero);
-            acc[s] += squared ? gap * gap : gap;
+            acc += squared ? gap * gap : gap;
+            memcpy(sums + s * DM_LANES, &acc, sizeof acc);
         }
     }
-    double lane[8];
-    memcpy(lane, acc, sizeof lane);
+    const double *lane = sums;
     double total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     for (; j < w; j++) {
         double lo = INFINITY, hi = -INFINITY;
