@@ -137,6 +137,31 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
     }
     const double *lane = sums;
     double total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    if (j + 4 <= w) { /* four columns left (100 = 12 x 8 + 4): one vector of four, its lanes folded */
+        typedef double v4 __attribute__((vector_size(32)));
+        typedef int64_t v4i __attribute__((vector_size(32)));
+        const v4 none = {0, 0, 0, 0};
+        v4 lo = none + INFINITY, hi = none - INFINITY, tv, gap;
+        for (int64_t b = 0; b < ky; b++) {
+            const double *r0 = along + yi0[b] * stride + j, *r1 = along + yi1[b] * stride + j;
+            const double g0 = yg0[b], g1 = yg1[b];
+            for (int64_t a = 0; a < K; a++) {
+                v4 p0, p1;
+                memcpy(&p0, r0 + a * w, sizeof p0);
+                memcpy(&p1, r1 + a * w, sizeof p1);
+                const v4 v = p0 * g0 + p1 * g1;
+                const v4i below = v < lo, above = v > hi; /* the lanes' min and max as DM_MIN and DM_MAX pick */
+                lo = (v4)((below & (v4i)v) | (~below & (v4i)lo));
+                hi = (v4)((above & (v4i)v) | (~above & (v4i)hi));
+            }
+        }
+        memcpy(&tv, t + j, sizeof tv);
+        const v4 under = lo - tv, over = tv - hi;
+        gap = (v4)((v4i)(under > none) & (v4i)under) + (v4)((v4i)(over > none) & (v4i)over);
+        const v4 terms = squared ? gap * gap : gap;
+        total += (terms[0] + terms[1]) + (terms[2] + terms[3]);
+        j += 4;
+    }
     for (; j < w; j++) {
         double lo = INFINITY, hi = -INFINITY;
         for (int64_t b = 0; b < ky; b++)
