@@ -18,9 +18,18 @@ static inline __attribute__((always_inline)) void DM_T(cross_columns)(const int 
     }
     for (int kk = 0; kk < kn; kk++) p[kk] = acc[kk];
 }
-int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,
-                         const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h,
-                         int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, T *out) {
+/* the column shifts scale_w s lets the template take: up to max_x[s] (every one of nx where NULL) */
+static inline int64_t DM_T(used_shifts)(int64_t nx, const int64_t *max_x, int64_t s) {
+    if (!max_x) return nx;
+    return max_x[s] + 1 < nx ? (max_x[s] + 1 > 0 ? max_x[s] + 1 : 0) : nx;
+}
+
+/* dm_align_cross on the first ny_used of the ny row shifts only, and, where max_x is given, the
+ * column shifts up to max_x[s] of scale_w s (the others are not written) */
+static int DM_T(cross_rows)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0, const T *w1,
+                            int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h, int64_t w,
+                            int64_t nw, int64_t cols, int64_t ny, int64_t ny_used, int64_t nx, const int64_t *max_x,
+                            T *out) {
     enum { L = CROSS_BYTES / sizeof(T), KB = CROSS_KB };
     const int64_t span = L + h - 1;
     /* vectors, so aligned to their size (malloc promises only 16 bytes) */
@@ -34,7 +43,7 @@ int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_
     DM_T(cvec) *acc = P + W * w; /* one row of shifts' sums */
     for (int64_t b = 0; b < B; b++)
         for (int64_t n = 0; n < nh; n++)
-            for (int64_t y0 = 0; y0 < ny; y0 += L) {
+            for (int64_t y0 = 0; y0 < ny_used; y0 += L) {
                 memset(P, 0, sizeof(DM_T(cvec)) * (size_t)(W * w));
                 for (int64_t c = 0; c < C; c++) {
                     const T *ac = a + ((b * C + c) * nh + n) * rows * W;
@@ -58,26 +67,33 @@ int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_
                             }
                         }
                 }
-                const int64_t ys = ny - y0 < L ? ny - y0 : L;
+                const int64_t ys = ny_used - y0 < L ? ny_used - y0 : L;
                 for (int64_t s = 0; s < nw; s++) {
                     const int64_t *p0 = i0 + s * cols, *p1 = i1 + s * cols;
                     const T *q0 = w0 + s * cols, *q1 = w1 + s * cols;
                     T *o = out + ((b * nh + n) * nw + s) * ny * nx;
+                    const int64_t nxs = DM_T(used_shifts)(nx, max_x, s);
                     /* by Rx's column j = x + k, its taps read once: cross[x] takes its k in order */
-                    for (int64_t x = 0; x < nx; x++) acc[x] = (DM_T(cvec)){0};
-                    for (int64_t j = 0; j < nx + w - 1; j++) {
+                    for (int64_t x = 0; x < nxs; x++) acc[x] = (DM_T(cvec)){0};
+                    for (int64_t j = 0; j < nxs + w - 1; j++) {
                         const DM_T(cvec) *c0 = P + p0[j] * w, *c1 = P + p1[j] * w;
                         const T f0 = q0[j], f1 = q1[j];
-                        const int64_t k_lo = j - nx + 1 > 0 ? j - nx + 1 : 0, k_hi = j < w - 1 ? j : w - 1;
+                        const int64_t k_lo = j - nxs + 1 > 0 ? j - nxs + 1 : 0, k_hi = j < w - 1 ? j : w - 1;
                         for (int64_t k = k_lo; k <= k_hi; k++) acc[j - k] += f0 * c0[k] + f1 * c1[k];
                     }
-                    for (int64_t x = 0; x < nx; x++)
+                    for (int64_t x = 0; x < nxs; x++)
                         for (int64_t l = 0; l < ys; l++) o[(y0 + l) * nx + x] = acc[x][l];
                 }
             }
     free(P);
     free(at);
     return 0;
+}
+
+int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,
+                         const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h,
+                         int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, T *out) {
+    return DM_T(cross_rows)(a, t, i0, i1, w0, w1, B, C, nh, rows, W, h, w, nw, cols, ny, ny, nx, NULL, out);
 }
 
 /* align's grid scores for uniform weights: the cross term (dm_align_cross), then per scale pair
@@ -89,11 +105,14 @@ int DM_T(dm_align_cross)(const T *a, const T *t, const int64_t *i0, const int64_
  * prefix sums along k. In double, every loop element-wise along vectors of row shifts (padded to
  * whole vectors), so one order on every CPU: the torch path's _window_moments and _shift_scores
  * in one pass where those take some thirty operations. */
-int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,
-                          const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h,
-                          int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, int ncc, T *out) {
-    if (DM_T(dm_align_cross)(a, t, i0, i1, w0, w1, B, C, nh, rows, W, h, w, nw, cols, ny, nx, out)) return 1;
-    const int64_t reach_y = ny + h - 1, reach_x = nx + w - 1, N = (ny + 7) / 8 * 8;
+/* dm_align_scores on the shifts cross_rows computes only (the others are not written) */
+static int DM_T(scores_rows)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0, const T *w1,
+                             int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h, int64_t w,
+                             int64_t nw, int64_t cols, int64_t ny, int64_t ny_used, int64_t nx, const int64_t *max_x,
+                             int ncc, T *out) {
+    if (DM_T(cross_rows)(a, t, i0, i1, w0, w1, B, C, nh, rows, W, h, w, nw, cols, ny, ny_used, nx, max_x, out))
+        return 1;
+    const int64_t reach_y = ny_used + h - 1, reach_x = nx + w - 1, N = (ny_used + 7) / 8 * 8;
     /* prefix sums down the rows of A^2, A_j A_(j+1) and A (reach_y + 1, W) each; their window sums
      * V2, Vx, V1 as (W, N); prefix sums along the columns of S^2 and S, (reach_x + 1, N) each */
     const size_t prefix = (size_t)((reach_y + 1) * W), window = (size_t)(W * N), along = (size_t)((reach_x + 1) * N);
@@ -131,7 +150,7 @@ int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64
                 }
             for (int64_t j = 0; j < W; j++)
                 for (int64_t y = 0; y < N; y++) {
-                    const int64_t top = (y < ny ? y : 0) * W + j, end = top + h * W;
+                    const int64_t top = (y < ny_used ? y : 0) * W + j, end = top + h * W;
                     v2[j * N + y] = cum[end] - cum[top];
                     vx[j * N + y] = cum_x[end] - cum_x[top];
                     if (ncc) v1[j * N + y] = cum_1[end] - cum_1[top];
@@ -139,8 +158,9 @@ int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64
             for (int64_t s = 0; s < nw; s++) {
                 const int64_t *p0 = i0 + s * cols, *p1 = i1 + s * cols;
                 const T *q0 = w0 + s * cols, *q1 = w1 + s * cols;
+                const int64_t nxs = DM_T(used_shifts)(nx, max_x, s);
                 for (int64_t y = 0; y < N; y++) g2[y] = g1[y] = 0;
-                for (int64_t k = 0; k < reach_x; k++) {
+                for (int64_t k = 0; k < nxs + w - 1; k++) {
                     const double f0 = (double)q0[k], f1 = (double)q1[k];
                     const double *a2 = v2 + p0[k] * N, *b2 = v2 + p1[k] * N, *a1 = v1 + p0[k] * N, *b1 = v1 + p1[k] * N;
                     /* i1 = i0 + 1: the pair's own window sums; i1 = i0 (the last column): A_j^2 */
@@ -152,9 +172,9 @@ int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64
                         for (int64_t y = 0; y < N; y++) u[y] = u[y - N] + (f0 * a1[y] + f1 * b1[y]);
                 }
                 T *o = out + ((b * nh + n) * nw + s) * ny * nx;
-                for (int64_t x = 0; x < nx; x++) {
+                for (int64_t x = 0; x < nxs; x++) {
                     const double *e0 = g2 + x * N, *e1 = g2 + (x + w) * N, *u0 = g1 + x * N, *u1 = g1 + (x + w) * N;
-                    for (int64_t y = 0; y < ny; y++) {
+                    for (int64_t y = 0; y < ny_used; y++) {
                         const double cross = (double)o[y * nx + x], energy = e1[y] - e0[y];
                         double score;
                         if (ncc) {
@@ -174,6 +194,12 @@ int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64
     }
     free(cum);
     return 0;
+}
+
+int DM_T(dm_align_scores)(const T *a, const T *t, const int64_t *i0, const int64_t *i1, const T *w0,
+                          const T *w1, int64_t B, int64_t C, int64_t nh, int64_t rows, int64_t W, int64_t h,
+                          int64_t w, int64_t nw, int64_t cols, int64_t ny, int64_t nx, int ncc, T *out) {
+    return DM_T(scores_rows)(a, t, i0, i1, w0, w1, B, C, nh, rows, W, h, w, nw, cols, ny, ny, nx, NULL, ncc, out);
 }
 
 /* align's grid search: per scale pair, the K lowest local minima over the shifts of score
@@ -227,19 +253,24 @@ int DM_T(dm_align_grid)(const T *x, const T *t, const int64_t *r0, const int64_t
     T *a = malloc(sizeof(T) * (size_t)(C * used * W + nw * ny * nx));
     if (!a) return 1;
     T *score = a + C * used * W;
+    enum { L = CROSS_BYTES / sizeof(T) };
     for (int64_t b = 0; b < B; b++)
         for (int64_t n = 0; n < nh; n++) {
-            for (int64_t c = 0; c < C; c++) {
+            /* the row shifts this scale_h lets the template take (the others are masked below):
+             * the cross term's blocks of L and A's rows stop there */
+            const int64_t ny_used = max_y[n] + 1 < ny ? (max_y[n] + 1 > 0 ? max_y[n] + 1 : 0) : ny;
+            const int64_t read = ny_used + L + h - 1 < used ? ny_used + L + h - 1 : used;
+            for (int64_t c = 0; c < C && ny_used; c++) {
                 const T *xc = x + (b * C + c) * H * W;
-                for (int64_t r = 0; r < used; r++) {
+                for (int64_t r = 0; r < read; r++) {
                     const T *p = xc + r0[n * rows + r] * W, *q = xc + r1[n * rows + r] * W;
                     const T f = v0[n * rows + r], g = v1[n * rows + r];
                     T *o = a + (c * used + r) * W;
                     for (int64_t j = 0; j < W; j++) o[j] = f * p[j] + g * q[j];
                 }
             }
-            if (DM_T(dm_align_scores)(a, t + b * C * h * w, i0, i1, w0, w1, 1, C, 1, used, W, h, w, nw, cols, ny, nx,
-                                      ncc, score)) {
+            if (ny_used && DM_T(scores_rows)(a, t + b * C * h * w, i0, i1, w0, w1, 1, C, 1, used, W, h, w, nw, cols,
+                                             ny, ny_used, nx, max_x, ncc, score)) {
                 free(a);
                 return 1;
             }
