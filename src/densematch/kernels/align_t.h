@@ -18,10 +18,11 @@ static inline __attribute__((always_inline)) void DM_T(cross_columns)(const int 
     }
     for (int kk = 0; kk < kn; kk++) p[kk] = acc[kk];
 }
-/* the column shifts scale_w s lets the template take: up to max_x[s] (every one of nx where NULL) */
-static inline int64_t DM_T(used_shifts)(int64_t nx, const int64_t *max_x, int64_t s) {
-    if (!max_x) return nx;
-    return max_x[s] + 1 < nx ? (max_x[s] + 1 > 0 ? max_x[s] + 1 : 0) : nx;
+/* how many of n shifts along one axis scale i lets the template take: up to most[i] (all n where
+ * most is NULL) */
+static inline int64_t DM_T(used_shifts)(int64_t n, const int64_t *most, int64_t i) {
+    if (!most) return n;
+    return most[i] + 1 < n ? (most[i] + 1 > 0 ? most[i] + 1 : 0) : n;
 }
 
 /* dm_align_cross on the first ny_used of the ny row shifts only, and, where max_x is given, the
@@ -258,7 +259,7 @@ int DM_T(dm_align_grid)(const T *x, const T *t, const int64_t *r0, const int64_t
         for (int64_t n = 0; n < nh; n++) {
             /* the row shifts this scale_h lets the template take (the others are masked below):
              * the cross term's blocks of L and A's rows stop there */
-            const int64_t ny_used = max_y[n] + 1 < ny ? (max_y[n] + 1 > 0 ? max_y[n] + 1 : 0) : ny;
+            const int64_t ny_used = DM_T(used_shifts)(ny, max_y, n);
             const int64_t read = ny_used + L + h - 1 < used ? ny_used + L + h - 1 : used;
             for (int64_t c = 0; c < C && ny_used; c++) {
                 const T *xc = x + (b * C + c) * H * W;

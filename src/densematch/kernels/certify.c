@@ -135,13 +135,12 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
             memcpy(sums + s * DM_LANES, &acc, sizeof acc);
         }
     }
-    const double *lane = sums;
-    double total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    double total = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
     if (j + 4 <= w) { /* four columns left (100 = 12 x 8 + 4): one vector of four, its lanes folded */
         typedef double v4 __attribute__((vector_size(32)));
         typedef int64_t v4i __attribute__((vector_size(32)));
         const v4 none = {0, 0, 0, 0};
-        v4 lo = none + INFINITY, hi = none - INFINITY, tv, gap;
+        v4 lo = none + INFINITY, hi = none - INFINITY, tv;
         for (int64_t b = 0; b < ky; b++) {
             const double *r0 = along + yi0[b] * stride + j, *r1 = along + yi1[b] * stride + j;
             const double g0 = yg0[b], g1 = yg1[b];
@@ -157,7 +156,7 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
         }
         memcpy(&tv, t + j, sizeof tv);
         const v4 under = lo - tv, over = tv - hi;
-        gap = (v4)((v4i)(under > none) & (v4i)under) + (v4)((v4i)(over > none) & (v4i)over);
+        const v4 gap = (v4)((v4i)(under > none) & (v4i)under) + (v4)((v4i)(over > none) & (v4i)over);
         const v4 terms = squared ? gap * gap : gap;
         total += (terms[0] + terms[1]) + (terms[2] + terms[3]);
         j += 4;
