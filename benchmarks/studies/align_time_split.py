@@ -1,7 +1,7 @@
 """Where one align call's time goes: the C search (native.align_search, from the pyramid to the
 warp) against the Python around it (checks, the level rule, the plan, the result), per pair.
 
-Run: python benchmarks/studies/align_time_split.py [SRC ...] [--rounds 3] [--seed 0] [--name NAME]
+Run: python benchmarks/studies/align_time_split.py [SRC ...] [--labels A,B] [--rounds 3] [--seed 0] [--name NAME]
 
 bench_align_global's photographs (100x100 templates in 125x125, one thread), each align call
 timed whole and its call of C timed inside it (the binding wrapped for the run); medians over the
@@ -15,15 +15,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import machine, save, table
+from _common import alternate_trees, machine, save, table
 
 
-def child(seed: int, rounds: int) -> dict[str, float]:
+def child(src: str, seed: int, rounds: int) -> dict[str, float]:
+    sys.path.insert(0, os.path.abspath(src))
     import torch
 
     torch.set_num_threads(1)
@@ -67,24 +67,19 @@ def child(seed: int, rounds: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("srcs", nargs="*", default=["src"])
+    ap.add_argument("--labels")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="align-time-split")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.seed, args.rounds)))
+        print(json.dumps(child(args.srcs[0], args.seed, 3)))
         return
-    rows = []
-    for turn in range(args.rounds):
-        for label, src in enumerate(args.srcs):
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", "3", "--seed", str(args.seed)]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-            rows.append({"tree": f"tree {label + 1}", "turn": turn + 1, **json.loads(out.splitlines()[-1])})
+    runs = alternate_trees(__file__, args.srcs, args.labels, args.rounds, ["--seed", str(args.seed)])
+    rows = [{"tree": tree, "turn": turn + 1, **got} for tree, each in runs.items() for turn, got in enumerate(each)]
     info = machine()
-    trees = {f"tree {i + 1}": f"the {i + 1}. source tree given" for i in range(len(args.srcs))}
-    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "trees": trees, "rows": rows})
+    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
     print(f"machine: {info}\n")
     print(table(rows, ["tree", "turn", "align ms", "C search ms", "rest ms"]))
     print(f"saved {path}")

@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="times each case is timed (its median is kept)")
     ap.add_argument("--name", default="align-global")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     if not args.no_ecc:
         import cv2
@@ -127,6 +129,7 @@ def main() -> None:
         # alternated, one case at a time, so that a busy spell slows both; each case's time is the
         # median of its repeats
         spent: dict[str, list[float]] = {method: [] for method in times}
+        tn, xn = c["tpl"].numpy(), c["img"].numpy()
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             a = densematch.align(c["tpl"], c["img"])
@@ -136,7 +139,6 @@ def main() -> None:
                 b = densematch.align(c["tpl"], c["img"], certify=True)
                 spent[certified].append(time.perf_counter() - t0)
             if not args.no_ecc:
-                tn, xn = c["tpl"].numpy(), c["img"].numpy()
                 t0 = time.perf_counter()
                 q = ecc(tn, xn)
                 spent["OpenCV ECC"].append(time.perf_counter() - t0)

@@ -405,14 +405,13 @@ static double DM_T(ncc_error)(const T *t, const T *u, const T *wt, int64_t C, in
  * back (1 where both are flat). The search's fixed epsilons then mean the same at any amplitude,
  * and its expanded sums keep a texture of 0.01 on a level of 500. */
 static double DM_T(centre)(const T *t, const T *x, int64_t C, int64_t hw, int64_t HW, T *level, T *tu, T *xu) {
-    double peak = 0;
     for (int64_t c = 0; c < C; c++) {
         level[c] = (T)(DM_T(lane_sum)(x + c * HW, NULL, HW) / (double)HW);
         for (int64_t i = 0; i < hw; i++) tu[c * hw + i] = t[c * hw + i] - level[c];
         for (int64_t i = 0; i < HW; i++) xu[c * HW + i] = x[c * HW + i] - level[c];
     }
     const double peak_t = DM_T(lane_peak)(tu, C * hw), peak_x = DM_T(lane_peak)(xu, C * HW);
-    peak = peak_t > peak_x ? peak_t : peak_x;
+    const double peak = peak_t > peak_x ? peak_t : peak_x;
     int e = 0;
     if (!(peak > 0)) return 1.0;
     frexp(peak, &e);
