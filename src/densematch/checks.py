@@ -97,6 +97,11 @@ def check_real(value: Any, name: str, low: float, high: float, *, low_open: bool
     return value
 
 
+def not_finite(name: str) -> str:
+    """The error of :func:`check_finite` for the argument ``name`` (also where C finds it)."""
+    return f"{name} must hold only finite values, got NaN or Inf; clean it first (for example with torch.nan_to_num)"
+
+
 def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -> None:
     """Raise ValueError if ``x`` holds NaN or Inf (checked in chunks, so temporaries stay small).
 
@@ -104,7 +109,7 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
     pad ragged batches with NaN under a mask, and masked-out entries are never read."""
     if x.numel() == 0:
         return
-    message = f"{name} must hold only finite values, got NaN or Inf; clean it first (for example with torch.nan_to_num)"
+    message = not_finite(name)
     if mask is not None:
         x, mask = x.reshape(mask.numel(), -1), mask.reshape(-1)
     if recording() or (type(x) is not torch.Tensor and is_fake(x)):  # a plain tensor is never fake

@@ -162,6 +162,52 @@ class TestAlign:
             a = align(warp(image, *truth, (100, 100)), image)
             assert a.error < 1e-3, (truth, a.as_dict())
 
+    @needs_c
+    def test_the_level_rules_share_in_c_is_numpys(self):
+        # the C search takes the level rule's sums in C: the same shares as numpy's (other sums'
+        # orders), so the same levels, on photographs, masks, colour batches and a periodic texture
+        from densematch.alignment.api import _levels, _low_band
+
+        cases = list(alignment_cases(3, seed=21, sizes=(SIZES[0],)))
+        t = torch.stack([c.template for c in cases])[:, None]
+        yy, xx = torch.meshgrid(torch.arange(100.0), torch.arange(90.0), indexing="ij")
+        g = torch.Generator().manual_seed(4)
+        texture = (torch.sin(2 * math.pi * xx / 4) + torch.sin(2 * math.pi * yy / 3))[None, None]
+        mask = (torch.rand(1, 1, 100, 100, generator=g) > 0.3).float()
+        operands = [
+            (t[:1], None),
+            (t, None),
+            (t.expand(3, 3, 100, 100) * torch.rand(1, 3, 1, 1, generator=g), mask.expand(3, 1, 100, 100)),
+            (t, torch.rand(3, 1, 100, 100, generator=g)),
+            (t.double(), None),
+            (texture, None),
+        ]
+        for v, m in operands:
+            by_numpy, by_c = _low_band(v, m), _low_band(v, m, True)
+            for f in (8, 4, 2, 1):
+                assert by_c(f) == pytest.approx(by_numpy(f), rel=1e-12)
+            assert _levels(v, m, True) == _levels(v, m)
+        assert _levels(texture, None, True) == [1]  # period 3 and 4: no coarse level keeps it
+
+    @pytest.mark.parametrize("kernel", ["auto", "torch"])
+    @pytest.mark.parametrize("objective", ["l1", "ncc"])
+    def test_nan_or_inf_anywhere_is_refused_on_either_path(self, kernel, objective):
+        # C's search checks both images itself, first thing; torch's path before it starts
+        g = torch.Generator().manual_seed(2)
+        t, x = torch.rand(3, 2, 30, 30, generator=g), torch.rand(3, 2, 40, 40, generator=g)
+        with config_context(kernel=kernel):
+            for name, v, at in (("template", t, (2, 1, 29, 29)), ("image", x, (1, 0, 17, 3))):
+                for bad in (math.nan, math.inf, -math.inf):
+                    spoiled = v.clone()
+                    spoiled[at] = bad
+                    pair = (spoiled, x) if name == "template" else (t, spoiled)
+                    with pytest.raises(ValueError, match=f"{name} must hold only finite values"):
+                        align(*pair, objective=objective)
+                    if name == "image":  # a mask: the template's check is the mask's, the image's still C's
+                        with pytest.raises(ValueError, match="image must hold only finite values"):
+                            align(*pair, objective=objective, template_mask=torch.ones(30, 30))
+            assert math.isfinite(float(align(t, x, objective=objective).error[0]))
+
     def test_batches_and_channels(self):
         cases = list(alignment_cases(3, seed=10, sizes=(SIZES[0],)))
         t = torch.stack([c.template for c in cases])

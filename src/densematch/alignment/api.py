@@ -162,12 +162,12 @@ def _check_range(value: Any, name: str) -> tuple[float, float]:
 
 
 def checked_images(
-    template: Any, image: Any, range_h: tuple[float, float], range_w: tuple[float, float]
+    template: Any, image: Any, range_h: tuple[float, float], range_w: tuple[float, float], *, finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``template`` and ``image`` as tensors in one of align's layouts, with the same batch and
-    channels, on one device, not empty, the image finite, and the template fitting inside the
-    image at the scales searched. The template's values are the caller's to check: a mask may
-    hide some of them."""
+    channels, on one device, not empty, the image finite (unless not ``finite``: the caller's to
+    check), and the template fitting inside the image at the scales searched. The template's
+    values are the caller's to check: a mask may hide some of them."""
     t = as_image(template, "template")
     x = as_image(image, "image")
     if t.ndim not in (2, 3, 4):
@@ -192,7 +192,8 @@ def checked_images(
         raise ValueError(f"template and image must not be empty, got {tuple(t.shape)} and {tuple(x.shape)}")
     if t.device != x.device:
         raise ValueError(f"template and image must be on one device, got {t.device} and {x.device}")
-    check_finite(x, "image")
+    if finite:
+        check_finite(x, "image")
     (h, w), (hh, ww) = t.shape[-2:], x.shape[-2:]
     _check_fits((h, w), (hh, ww), range_h, range_w)
     return t, x
@@ -237,12 +238,14 @@ def _inputs(
     range_w: tuple[float, float],
     objective: str,
     template_mask: Any,
+    finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """align's inputs checked: ``template`` and ``image`` as tensors (:func:`checked_images`),
     both as (B, C, h, w) and (B, C, H, W) in the compute dtype, and the weights (B, 1, h, w);
-    the template finite where its weight is not 0, and 0 where it is."""
+    the template finite where its weight is not 0, and 0 where it is. Not ``finite``: without a
+    mask, the caller checks that both are finite (C's search does, first thing)."""
     check_choice(objective, "objective", OBJECTIVES)
-    t, x = checked_images(template, image, range_h, range_w)
+    t, x = checked_images(template, image, range_h, range_w, finite=finite)
     h, w = t.shape[-2:]
     hh, ww = x.shape[-2:]
     dtype = compute_dtype(t, x)
@@ -250,7 +253,8 @@ def _inputs(
     x4 = x.to(dtype).reshape(-1, *x.shape[-3:]) if x.ndim == 4 else x.to(dtype).reshape(-1, 1, hh, ww)
     mask = _check_template_mask(template_mask, t4, t.shape, dtype)
     if template_mask is None:
-        check_finite(t4, "template")
+        if finite:
+            check_finite(t4, "template")
     else:  # a pixel of weight 0 is never read: NaN or Inf there is allowed, and set to 0 here
         read = mask[:, 0] > 0
         check_finite(t4.permute(0, 2, 3, 1), "template", mask=read)
@@ -351,7 +355,14 @@ def align(
     (1.1, 0.9, 4.25, 3.5)
     """
     (lo_h, hi_h), (lo_w, hi_w) = _check_range(scale_h, "scale_h"), _check_range(scale_w, "scale_w")
-    t, x, t4, x4, mask = _inputs(template, image, (lo_h, hi_h), (lo_w, hi_w), objective, template_mask)
+    # C's search checks that both are finite itself, before anything else: the checks here are
+    # for torch's path
+    t, x, t4, x4, mask = _inputs(template, image, (lo_h, hi_h), (lo_w, hi_w), objective, template_mask, False)
+    in_c = ops_for(kernel_setting() != "torch", x4.device, x4.dtype).c
+    if not in_c:
+        check_finite(x4, "image")
+        if template_mask is None:
+            check_finite(t4, "template")
     budget = resolve_memory(memory, x.device)
     if check_bool(certify, "certify"):
         if objective == "ncc":
@@ -362,7 +373,6 @@ def align(
         time_limit = check_real(time_limit, "time_limit", 0.0, math.inf, finite=False)
 
     with torch.inference_mode():
-        in_c = ops_for(kernel_setting() != "torch", x4.device, x4.dtype).c
         settings = _Settings((lo_h, hi_h), (lo_w, hi_w), objective, budget, template_mask is None, in_c)
         found = _search_pairs(t4, x4, mask, settings)
         certificates = None
@@ -626,43 +636,50 @@ def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
     return _Found(**{f.name: joined(f.name) for f in fields(_Found)})
 
 
-def _levels(t: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
+def _levels(t: torch.Tensor, mask: torch.Tensor | None, in_c: bool = False) -> list[int]:
     """The pyramid's downsampling factors, coarsest first: the grid searches a template of
     _COARSE_SIDE pixels or more on its shorter side, and coarse enough to keep some of the
-    template's own content (:func:`_low_band`); each level halves the factor to 1."""
+    template's own content (:func:`_low_band`; its sums in C with ``in_c``); each level halves the
+    factor to 1."""
     h, w = t.shape[-2:]
     f = 1
     while min(h, w) // (2 * f) >= _COARSE_SIDE:
         f *= 2
     if f > 1:
-        low = _low_band(t, mask)
+        low = _low_band(t, mask, in_c)
         while f > 1 and low(f) < _LOW_BAND:
             f //= 2
     return [f >> i for i in range(f.bit_length())]
 
 
-def _low_band(t: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], float]:
+def _low_band(t: torch.Tensor, mask: torch.Tensor | None, in_c: bool = False) -> Callable[[int], float]:
     """For a factor f, the least over the pairs of ``t`` (B, C, h, w) of the share of the
-    template's energy (weighted by ``mask``, or uniformly where None, its mean off, under a
-    Hann window against the crop's edges) at frequencies a level of factor f resolves: below
-    _BAND_EDGE / f cycles per pixel on both axes (0.7 of its Nyquist frequency), less the
-    window's main lobe. Above them, a block mean keeps only aliases, which stretch and shift
-    differently from the template's texture: a fine periodic texture (period under 2 f) has none
-    left, and its coarse grid finds the wrong phase. The energy is the windowed template's sum of
-    squares (Parseval), the band's a DFT of its few frequencies only (:func:`_band_dft`): two
-    small products instead of the whole spectrum, in float64 on the host (numpy: a dozen small
-    operations, which torch's per-operation cost would make most of the call)."""
+    template's energy (weighted by ``mask`` (B or 1, 1, h, w), or uniformly where None, its mean
+    off, under a Hann window against the crop's edges) at frequencies a level of factor f
+    resolves: below _BAND_EDGE / f cycles per pixel on both axes (0.7 of its Nyquist frequency),
+    less the window's main lobe. Above them, a block mean keeps only aliases, which stretch and
+    shift differently from the template's texture: a fine periodic texture (period under 2 f) has
+    none left, and its coarse grid finds the wrong phase. The energy is the windowed template's
+    sum of squares (Parseval), the band's a DFT of its few frequencies only (:func:`_band_dft`):
+    two small products instead of the whole spectrum, in float64 on the host: in C with ``in_c``
+    (:func:`densematch.kernels.native.align_band`), else numpy's (a dozen small operations, which
+    torch's per-operation cost would make most of the call)."""
     h, w = t.shape[-2:]
-    v = t.detach().cpu().numpy().astype(np.float64)
-    weight = _window(h, w)
+    if in_c:
+        weights = _window(h, w)[None]
+        if mask is not None:
+            weights = ((mask[:1] if mask.stride(0) == 0 else mask)[:, 0].to(torch.float64) * weights).contiguous()
+        return lambda f: native.align_band(t, weights, *_band_dft(h, w, f))
+    weight = _window(h, w).numpy()
     if mask is not None:
         weight = mask.detach().cpu().numpy() * weight
+    v = t.detach().cpu().numpy().astype(np.float64)
     weight_sum = np.maximum(weight.sum((-2, -1), keepdims=True), 1e-30)
     v = (v - (v * weight).sum((-2, -1), keepdims=True) / weight_sum) * weight
     total = np.maximum(np.square(v).sum((1, 2, 3)) * (h * w), 1e-300)
 
     def share(f: int) -> float:
-        rows, cols = _band_dft(h, w, f)
+        rows, cols = (m.numpy() for m in _band_dft(h, w, f))
         n_y, n_x = rows.shape[0] // 2, cols.shape[1] // 2
         z = rows @ (v @ cols)  # (B, C, 2 n_y, 2 n_x): cos and sin along y, against cos and sin along x
         re = z[..., :n_y, :n_x] - z[..., n_y:, n_x:]
@@ -673,21 +690,19 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], flo
 
 
 @functools.lru_cache(maxsize=8)
-def _window(h: int, w: int) -> np.ndarray:
-    """:func:`_low_band`'s Hann window (h, w), kept (read-only)."""
-    window = np.outer(*(torch.hann_window(n, periodic=False, dtype=torch.float64).numpy() for n in (h, w)))
-    window.flags.writeable = False
-    return window
+def _window(h: int, w: int) -> torch.Tensor:
+    """:func:`_low_band`'s Hann window (h, w), float64, kept (never written)."""
+    return torch.outer(*(torch.hann_window(n, periodic=False, dtype=torch.float64) for n in (h, w)))
 
 
 @functools.lru_cache(maxsize=16)
-def _band_dft(h: int, w: int, f: int) -> tuple[np.ndarray, np.ndarray]:
+def _band_dft(h: int, w: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The DFT of an (h, w) image at the frequencies a level of factor f resolves (:func:`_low_band`):
     below _BAND_EDGE / f cycles per pixel on both axes, less the window's main lobe (2 / n),
     which smears a line over it. Rows (2 n_y, h): the cosines, then the sines, of the n_y
     frequencies along y (both signs); columns (w, 2 n_x): those of the n_x non-negative ones along
     x, each times the square root of 2 where it stands for its negative too (as rfft2's columns
-    do), so that the squared sums are the band's power. Kept, read-only."""
+    do), so that the squared sums are the band's power. float64, kept (never written)."""
     ky = np.flatnonzero(np.abs(np.fft.fftfreq(h)) < _BAND_EDGE / f - 2 / h)
     kx = np.flatnonzero(np.fft.rfftfreq(w) < _BAND_EDGE / f - 2 / w)
     along_y = 2 * np.pi * np.outer(ky, np.arange(h)) / h  # (n_y, h)
@@ -695,8 +710,7 @@ def _band_dft(h: int, w: int, f: int) -> tuple[np.ndarray, np.ndarray]:
     twice = ((kx > 0) & (kx < (w + 1) // 2)) + 1.0  # rfft2's doubled columns
     rows = np.concatenate((np.cos(along_y), np.sin(along_y)))
     cols = np.concatenate((np.cos(along_x), np.sin(along_x)), 1) * np.tile(np.sqrt(twice), 2)
-    rows.flags.writeable = cols.flags.writeable = False
-    return rows, cols
+    return torch.from_numpy(rows), torch.from_numpy(cols)
 
 
 def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
@@ -725,7 +739,7 @@ def _search_steps(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
     """align's search step by step, in torch (``settings.in_c``: the grid and the refinements
     in C, each a call of its own, as :func:`_search_c` takes them in one)."""
     b, c, h, w = t.shape
-    levels = _levels(t, None if settings.uniform else mask)
+    levels = _levels(t, None if settings.uniform else mask, settings.in_c)
     pyramid = {1: (t, x, mask)}
     for f in levels[-2::-1]:  # 2, 4, ...: each level halves the one below it
         tb, xb, mb = pyramid[f // 2]
@@ -773,19 +787,18 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
     own units; the grid too for uniform weights where its products cost less than transforms,
     else the minima of torch's chunks at unit amplitude (:func:`grid_minima`)."""
     b, c, h, w = t.shape
-    levels = _levels(t, None if settings.uniform else mask)  # blind to a level and an amplitude
+    levels = _levels(t, None if settings.uniform else mask, True)  # blind to a level and an amplitude
     coarse = levels[0]
     small = (b, c, h // coarse, w // coarse)  # the coarsest level: each halving floors
     small_x = (b, c, x.shape[-2] // coarse, x.shape[-1] // coarse)
     setup = _c_grid(settings.range_h, settings.range_w, small, small_x, settings.uniform, settings.budget, x.dtype)
     _refine_chunk(t, x, settings)  # the budget's rule, as in torch, at its largest level (C holds less)
     weights = None if settings.uniform else (mask[:1, 0] if mask.stride(0) == 0 else mask[:, 0])
-    if settings.uniform:
-        total = torch.full((b,), float(h * w * c), dtype=x.dtype)
-    else:
-        total = mask.sum((1, 2, 3)) * c
+    total = None if settings.uniform else mask.sum((1, 2, 3)) * c  # C counts uniform weights itself
     given, back = None, None
     if setup.grid.taps is None:  # the grid's minima from torch's chunks, at unit amplitude as C searches
+        check_finite(x, "image")  # before torch's steps, where C would have checked it first
+        check_finite(t, "template")
         t, x, level, unit = _centred(t, x)
         back = (level, unit)
         tc, xc = downsample(t, coarse), downsample(x, coarse)

@@ -478,6 +478,45 @@ enum {
 };
 enum { R_RANGE = 0, R_NEAR = 4, R_SAME = 8, R_TOLERANCE = 10, R_COARSE_TOLERANCE = 11, R_FAR = 12, R_COUNT = 13 };
 
+/* the level rule's band products: outputs of a row summed at a time (dm_align_band) */
+#define BAND_J 16
+
+/* out0[l] = sum_k a0[k] b[k stride + l] and out1 likewise from a1, for l < BAND_J, k < n ascending:
+ * the BAND_J sums of two rows in vectors of four, each b row read once for both (b's rows start
+ * anywhere: loaded through memcpy) */
+typedef double band_v __attribute__((vector_size(32)));
+static void band_rows(const double *a0, const double *a1, const double *b, int64_t stride, int64_t n, double *out0,
+                      double *out1) {
+    band_v s0[BAND_J / 4] = {{0}}, s1[BAND_J / 4] = {{0}};
+    for (int64_t k = 0; k < n; k++) {
+        const band_v x0 = {a0[k], a0[k], a0[k], a0[k]}, x1 = {a1[k], a1[k], a1[k], a1[k]};
+        for (int l = 0; l < BAND_J / 4; l++) {
+            band_v bl;
+            memcpy(&bl, b + k * stride + 4 * l, sizeof bl);
+            s0[l] += x0 * bl;
+            s1[l] += x1 * bl;
+        }
+    }
+    memcpy(out0, s0, sizeof s0);
+    memcpy(out1, s1, sizeof s1);
+}
+
+/* lanes[0..7] added in one order: pairs, then pairs of pairs */
+static inline double fold8(const double *lanes) {
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+/* sum a[i] b[i] (b NULL: ones) over n doubles, in eight lanes folded by fold8, the tail after */
+static double band_sum(const double *a, const double *b, int64_t n) {
+    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += a[i + l] * (b ? b[i + l] : 1.0);
+    double total = fold8(lanes);
+    for (; i < n; i++) total += a[i] * (b ? b[i] : 1.0);
+    return total;
+}
+
 /* the kernels for float, then for double (align_t.h) */
 #define T float
 #define SUF f32

@@ -320,6 +320,61 @@ int DM_T(dm_align_warp)(const T *x, const double *params, int64_t M, int64_t C, 
     return !ti || !tf;
 }
 
+/* The level rule's band share (densematch.alignment.api._low_band), the least over B pairs: each
+ * template t (C, h, w) less its weighted mean per channel, times the weights wt (h, w: a Hann
+ * window, times the pair's mask, one map per pair where wt_per_pair), has the power
+ * sum |rows v cols|^2 of its band (rows (2 ny, h): cosines then sines along y; cols (w, 2 nx):
+ * those along x; api._band_dft) against its energy times h w. In double: sums over the pixels
+ * in eight lanes (fold8), each product's output summed in one order, over k or r ascending;
+ * the products go BAND_J outputs of a row at a time (cols copied into blocks of BAND_J, zero
+ * padded), two rows of v at once, so that their sums stay in registers. Returns 1 where scratch
+ * could not be allocated. */
+int DM_T(dm_align_band)(const T *t, const double *wt, int64_t wt_per_pair, int64_t B, int64_t C, int64_t h, int64_t w,
+                        const double *rows, int64_t ny2, const double *cols, int64_t nx2, double *least) {
+    const int64_t hw = h * w, ny = ny2 / 2, nx = nx2 / 2, nb = (nx2 + BAND_J - 1) / BAND_J, np = nb * BAND_J;
+    double *v = malloc(sizeof(double) * (size_t)(hw + (w + h + 2) * np));
+    if (!v) return 1;
+    double *cb = v + hw, *p = cb + w * np, *z_cos = p + h * np, *z_sin = z_cos + np;
+    for (int64_t k = 0; k < w; k++) /* cols in blocks: block j / BAND_J, row k at cb + (j / BAND_J w + k) BAND_J */
+        for (int64_t j = 0; j < np; j++)
+            cb[(j / BAND_J * w + k) * BAND_J + j % BAND_J] = j < nx2 ? cols[k * nx2 + j] : 0;
+    *least = INFINITY;
+    for (int64_t b = 0; b < B; b++) {
+        const double *a = wt + (wt_per_pair ? b * hw : 0);
+        const double mass = band_sum(a, NULL, hw), weights = mass > 1e-30 ? mass : 1e-30;
+        double energy = 0, power = 0;
+        for (int64_t c = 0; c < C; c++) {
+            const T *tc = t + (b * C + c) * hw;
+            double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            int64_t i = 0;
+            for (; i + 8 <= hw; i += 8)
+                for (int l = 0; l < 8; l++) lanes[l] += (double)tc[i + l] * a[i + l];
+            double mean = fold8(lanes);
+            for (; i < hw; i++) mean += (double)tc[i] * a[i];
+            mean /= weights;
+            for (i = 0; i < hw; i++) v[i] = ((double)tc[i] - mean) * a[i];
+            energy += band_sum(v, v, hw);
+            for (int64_t j = 0; j < nb; j++) /* p = v cols, block j of its columns, two rows at a time */
+                for (int64_t r = 0; r < h; r += 2)
+                    band_rows(v + r * w, v + (r + 1 < h ? r + 1 : r) * w, cb + j * w * BAND_J, BAND_J, w,
+                              p + r * np + j * BAND_J, p + (r + 1 < h ? r + 1 : r) * np + j * BAND_J);
+            for (int64_t i_y = 0; i_y < ny; i_y++) { /* z = rows p: y's cosine row i_y and its sine row */
+                for (int64_t j = 0; j < nb; j++)
+                    band_rows(rows + i_y * h, rows + (ny + i_y) * h, p + j * BAND_J, np, h, z_cos + j * BAND_J,
+                              z_sin + j * BAND_J);
+                for (int64_t j = 0; j < nx; j++) {
+                    const double re = z_cos[j] - z_sin[nx + j], im = z_sin[j] + z_cos[nx + j];
+                    power += re * re + im * im;
+                }
+            }
+        }
+        const double total = energy * (double)hw > 1e-300 ? energy * (double)hw : 1e-300, share = power / total;
+        if (share < *least) *least = share;
+    }
+    free(v);
+    return 0;
+}
+
 /* the mean of each 2 x 2 block of v (C planes of h x w) into out (C, h / 2, w / 2), a trailing odd
  * row and column dropped (densematch.alignment.search.downsample's halving): the rows' pairs, then
  * the columns', in that order */
@@ -448,10 +503,22 @@ static double DM_T(spread)(const T *t, const T *wt, int64_t C, int64_t hw, int64
     return total / ((double)C * weights);
 }
 
+/* whether the n values of v are all finite: NaN times 0 and Inf times 0 are NaN, in eight lanes */
+static int DM_T(all_finite)(const T *v, int64_t n) {
+    T lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += v[i + l] * 0;
+    for (; i < n; i++) lanes[0] += v[i] * 0;
+    T sum = 0;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum == 0;
+}
+
 /* align's search for B pairs (densematch.alignment.api._search), each from its pyramid to its
  * warp, with nothing between the steps but this loop. Per pair b of t (B, C, h, w) and x (B, C,
  * H, W), weights wt (B, h, w), or (h, w) shared where sizes[S_WT_SHARED], or uniform where NULL,
- * and total[b] their sum times C:
+ * and total[b] their sum times C (NULL with uniform weights: C h w):
  * 0. the pair at unit amplitude (centre); every output below is back in the pair's own units;
  * 1. the pyramid: sizes[S_LEVELS] levels, each halving the one below (halve), in T, each also in
  *    float64 for the refinement;
@@ -471,7 +538,8 @@ static double DM_T(spread)(const T *t, const T *wt, int64_t C, int64_t hw, int64
  *    2 "ncc" at the warp, with gain and bias fitted), NaN last, ties to the first, into answer
  *    (B, 4) and error (B,) (1 - NCC at least 0), its warp into warped (B, C, h, w), and the error
  *    against the template's own spread (spread) into relative (B,).
- * Returns 1 where scratch could not be allocated. */
+ * Returns 1 where scratch could not be allocated, 2 where t holds NaN or Inf, 3 where x does
+ * (checked first: nothing else is done then). */
 int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, const int64_t *sizes,
                           const double *reals, const int64_t *r0, const int64_t *r1, const T *v0, const T *v1,
                           const int64_t *i0, const int64_t *i1, const T *w0, const T *w1, const int64_t *max_y,
@@ -486,6 +554,8 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
     const double coarse = (double)((int64_t)1 << (L - 1));
     const double tol[2] = {reals[R_COARSE_TOLERANCE], reals[R_TOLERANCE]};
     if (L < 1 || L > 62) return 1;
+    if (!DM_T(all_finite)(t, B * C * h * w)) return 2;
+    if (!DM_T(all_finite)(x, B * C * H * W)) return 3;
     /* the levels' sizes, finest first, and the room their copies take */
     int64_t lh[62], lw[62], lH[62], lW[62], n_t = 0, n_d = 0, n_w = 0;
     for (int64_t j = 0; j < L; j++) {
@@ -614,15 +684,16 @@ int DM_T(dm_align_search)(const T *t, const T *x, const T *wt, const T *total, c
             n++;
         }
         /* the best by the objective, and its warp */
+        const T weights_b = total ? total[b] : (T)(C * hw);
         int64_t pick = 0;
         for (int64_t i = 0; i < n; i++) {
             if (ncc) {
                 double q[4];
                 for (int k = 0; k < 4; k++) q[k] = (double)cand_t[4 * i + k];
                 DM_T(warp_into)(xl[0], q, C, H, W, h, w, u, ti, tf);
-                err[i] = (T)DM_T(ncc_error)(tl[0], u, wt ? wl[0] : NULL, C, hw, (double)total[b]);
+                err[i] = (T)DM_T(ncc_error)(tl[0], u, wt ? wl[0] : NULL, C, hw, (double)weights_b);
             } else {
-                err[i] = sums_t[2 * i + (objective == 0)] / total[b];
+                err[i] = sums_t[2 * i + (objective == 0)] / weights_b;
             }
             if (i > 0 && !isnan(err[i]) && (isnan(err[pick]) || err[i] < err[pick])) pick = i;
         }

@@ -7,10 +7,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..checks import not_finite
 from .loader import _SUFFIX, _loaded, _require
 
 __all__ = [
     "AlignGrid",
+    "align_band",
     "align_best_shifts",
     "align_cross",
     "align_grid",
@@ -119,7 +121,7 @@ def align_search(
     t: torch.Tensor,
     x: torch.Tensor,
     weights: torch.Tensor | None,
-    total: torch.Tensor,
+    total: torch.Tensor | None,
     grid: AlignGrid,
     *,
     levels: int,
@@ -142,7 +144,8 @@ def align_search(
 
     ``t`` (B, C, h, w) and ``x`` (B, C, H, W), float32 or float64; ``weights`` (B, h, w), or
     (1, h, w) shared, or None for uniform ones, and ``total`` (B,) their sums times C, of that
-    dtype. ``grid`` (:class:`AlignGrid`, made for the coarsest level's sizes and this dtype): C
+    dtype (None with uniform weights: C h w). ``grid`` (:class:`AlignGrid`, made for the coarsest
+    level's sizes and this dtype): C
     searches it where it has its taps; else ``given`` are its minima (B, nh, nw, K) and their
     flat shift indices, found elsewhere. ``pick`` and ``candidates``, ``keep`` (after the
     coarsest level, after the others), ``objective`` (0 "l1", 1 "l2", 2 "ncc": gain and bias),
@@ -160,15 +163,15 @@ def align_search(
     big_h, big_w = x.shape[-2:]
     nh, nw = grid.grid_h.numel(), grid.grid_w.numel()
     _require(
-        t.dtype == x.dtype == total.dtype == grid.dtype
+        t.dtype == x.dtype == grid.dtype
         and x.shape[:2] == (b, c)
-        and total.shape == (b,)
+        and (total.dtype == t.dtype and total.shape == (b,) if total is not None else weights is None)
         and 1 <= levels <= 62
         and (weights is None or (weights.dtype == t.dtype and weights.shape in ((b, h, w), (1, h, w))))
         and objective in (0, 1, 2)
         and min(pick, candidates, *keep, iterations) >= 1,
-        "t (B, C, h, w), x (B, C, H, W), weights (B or 1, h, w) and total (B,) of the grid's float dtype, "
-        "objective 0, 1 or 2",
+        "t (B, C, h, w), x (B, C, H, W), weights (B or 1, h, w) and total (B,) of the grid's float dtype (total "
+        "None only without weights), objective 0, 1 or 2",
     )
     coarse = tuple(v >> (levels - 1) for v in (h, w, big_h, big_w))
     _require(
@@ -196,20 +199,24 @@ def align_search(
         dtype=np.int64,
     )  # fmt: skip
     reals = np.array((*ranges, *near, *same, tolerance[1], tolerance[0], far), dtype=np.float64)
-    t, x, total = t.contiguous(), x.contiguous(), total.contiguous()
+    t, x = t.contiguous(), x.contiguous()
     wt = None if weights is None else weights.contiguous()
+    total = None if total is None else total.contiguous()
     landscape = torch.empty(b, nh, nw, dtype=t.dtype)
     shifts = torch.empty(b, nh, nw, 2, dtype=t.dtype)
     answer, error = torch.empty(b, 4, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
     warped, relative = torch.empty(b, c, h, w, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
     pointers = [None] * 10 if taps is None else [v.data_ptr() for v in taps]
     failed = getattr(lib, f"dm_align_search_{_SUFFIX[t.dtype]}")(
-        t.data_ptr(), x.data_ptr(), None if wt is None else wt.data_ptr(), total.data_ptr(), sizes.ctypes.data,
+        t.data_ptr(), x.data_ptr(), None if wt is None else wt.data_ptr(), None if total is None else total.data_ptr(),
+        sizes.ctypes.data,
         reals.ctypes.data, *pointers, grid.grid_h.data_ptr(), grid.grid_w.data_ptr(), best.data_ptr(),
         where.data_ptr(), landscape.data_ptr(), shifts.data_ptr(), answer.data_ptr(), error.data_ptr(),
         warped.data_ptr(), relative.data_ptr(),
     )  # fmt: skip
     if failed:
+        if failed in (2, 3):  # checked in C before anything else, as check_finite would have
+            raise ValueError(not_finite("template" if failed == 2 else "image"))
         raise MemoryError("densematch's C kernels: align_search could not allocate its scratch")
     return answer, error, warped, landscape, shifts, relative
 
@@ -424,6 +431,37 @@ def align_warp(x: torch.Tensor, params: torch.Tensor, size: tuple[int, int]) -> 
     ):
         raise MemoryError("densematch's C kernels: align_warp could not allocate its scratch")
     return out
+
+
+def align_band(t: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> float:
+    """The level rule's band share (align.c), the least over the pairs: each template of ``t``
+    (B, C, h, w), float32 or float64, less its weighted mean per channel, times ``weights`` (1 or
+    B, h, w), has the power of its band, ``rows`` (2 n_y, h) @ v @ ``cols`` (w, 2 n_x) (cosines,
+    then sines), against its energy times h w (:func:`densematch.alignment.api._low_band`, which
+    takes the same sums in numpy). ``weights``, ``rows`` and ``cols``: contiguous float64."""
+    lib = _loaded("align_band", t, weights, rows, cols)
+    b, c, h, w = t.shape
+    _require(
+        t.dtype in _SUFFIX
+        and weights.dtype == rows.dtype == cols.dtype == torch.float64
+        and weights.is_contiguous()
+        and rows.is_contiguous()
+        and cols.is_contiguous()
+        and weights.shape in ((1, h, w), (b, h, w))
+        and rows.ndim == cols.ndim == 2
+        and rows.shape[1] == h
+        and cols.shape[0] == w
+        and rows.shape[0] % 2 == cols.shape[1] % 2 == 0,
+        "t (B, C, h, w) float, weights (1 or B, h, w), rows (2 n_y, h) and cols (w, 2 n_x) contiguous float64",
+    )
+    t = t.contiguous()
+    least = np.empty(1)
+    if getattr(lib, f"dm_align_band_{_SUFFIX[t.dtype]}")(
+        t.data_ptr(), weights.data_ptr(), weights.shape[0] != 1, b, c, h, w, rows.data_ptr(), rows.shape[0],
+        cols.data_ptr(), cols.shape[1], least.ctypes.data,
+    ):  # fmt: skip
+        raise MemoryError("densematch's C kernels: align_band could not allocate its scratch")
+    return float(least[0])
 
 
 def certify_bound(
