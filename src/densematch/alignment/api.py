@@ -558,7 +558,7 @@ def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dt
     per pair."""
     b, _, h, w = t4.shape
     if mask is None:
-        return torch.ones(1, 1, h, w, dtype=dtype, device=t4.device).expand(b, 1, h, w)
+        return _ones(h, w, dtype, t4.device).expand(b, 1, h, w)
     m = as_tensor(mask, "template_mask").to(t4.device, dtype)
     allowed = [(h, w), (b, h, w)] if len(shape) >= 3 else [(h, w)]
     if tuple(m.shape) not in allowed:
@@ -573,6 +573,13 @@ def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dt
     # only the weights' ratios matter: each pair's largest becomes 1, so that weights of 1e-20
     # or 1e20 leave the search's and the refinement's fixed epsilons meaning what they mean
     return (m / peak.reshape(-1, 1, 1)).contiguous().reshape(-1, 1, h, w).expand(b, 1, h, w)
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(h: int, w: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uniform weights (1, 1, h, w), kept (never written: every use takes a view or a copy)."""
+    with torch.inference_mode(False):  # kept past the call: usable in and out of inference mode
+        return torch.ones(1, 1, h, w, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -666,7 +673,7 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor | None, in_c: bool = False) ->
     torch's per-operation cost would make most of the call)."""
     h, w = t.shape[-2:]
     if in_c:
-        weights = _window(h, w)[None]
+        weights = _window(h, w)
         if mask is not None:
             weights = ((mask[:1] if mask.stride(0) == 0 else mask)[:, 0].to(torch.float64) * weights).contiguous()
         return lambda f: native.align_band(t, weights, *_band_dft(h, w, f))
@@ -691,8 +698,8 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor | None, in_c: bool = False) ->
 
 @functools.lru_cache(maxsize=8)
 def _window(h: int, w: int) -> torch.Tensor:
-    """:func:`_low_band`'s Hann window (h, w), float64, kept (never written)."""
-    return torch.outer(*(torch.hann_window(n, periodic=False, dtype=torch.float64) for n in (h, w)))
+    """:func:`_low_band`'s Hann window (1, h, w), float64, kept (never written)."""
+    return torch.outer(*(torch.hann_window(n, periodic=False, dtype=torch.float64) for n in (h, w)))[None]
 
 
 @functools.lru_cache(maxsize=16)

@@ -103,6 +103,8 @@ class AlignGrid:
         self.n_shift, self.tpl, self.image, self.dtype, self.kept = n_shift, tpl, image, dtype, kept
         self.taps: tuple[torch.Tensor, ...] | None = None
         self.rows = self.cols = 0
+        # the addresses align_search hands C, taken once: the taps' (None without them), the scales'
+        self.pointers: list[int | None] = [None] * 10 + [self.grid_h.data_ptr(), self.grid_w.data_ptr()]
         if taps is None:
             return
         row_taps, col_taps, max_y, max_x = taps
@@ -115,6 +117,7 @@ class AlignGrid:
         self.cols = col_taps[0].shape[-1]
         _grid_check(dtype, tpl, col_taps, (self.rows, image[1]), n_shift)
         self.taps = tuple(v.contiguous().clone() for v in (*row_taps, *col_taps, max_y, max_x))
+        self.pointers[:10] = [v.data_ptr() for v in self.taps]
 
 
 def align_search(
@@ -183,7 +186,6 @@ def align_search(
         k = grid.kept
         best = torch.empty(b, nh, nw, k, dtype=t.dtype)
         where = torch.empty(b, nh, nw, k, dtype=torch.int64)
-        taps = grid.taps
     else:
         best, where = (v.contiguous() for v in given)
         k = best.shape[-1]
@@ -191,7 +193,6 @@ def align_search(
             best.shape == where.shape and best.shape[:3] == (b, nh, nw) and best.dtype == t.dtype,
             "given must be the best shifts (B, nh, nw, K) in t's dtype and their flat indices",
         )
-        taps = None
     _require(pick <= nh * nw * k and candidates <= pick, "candidates <= pick <= nh nw K")
     sizes = np.array(
         (b, c, h, w, big_h, big_w, levels, given is not None, weights is not None and weights.shape[0] != b,
@@ -206,11 +207,10 @@ def align_search(
     shifts = torch.empty(b, nh, nw, 2, dtype=t.dtype)
     answer, error = torch.empty(b, 4, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
     warped, relative = torch.empty(b, c, h, w, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
-    pointers = [None] * 10 if taps is None else [v.data_ptr() for v in taps]
     failed = getattr(lib, f"dm_align_search_{_SUFFIX[t.dtype]}")(
         t.data_ptr(), x.data_ptr(), None if wt is None else wt.data_ptr(), None if total is None else total.data_ptr(),
-        sizes.ctypes.data,
-        reals.ctypes.data, *pointers, grid.grid_h.data_ptr(), grid.grid_w.data_ptr(), best.data_ptr(),
+        sizes.ctypes.data, reals.ctypes.data, *grid.pointers,
+        best.data_ptr(),
         where.data_ptr(), landscape.data_ptr(), shifts.data_ptr(), answer.data_ptr(), error.data_ptr(),
         warped.data_ptr(), relative.data_ptr(),
     )  # fmt: skip
