@@ -198,6 +198,48 @@ def test_the_c_bound_is_torchs_sum_and_stops_past_the_line(seed, half, exact, sq
     torch.testing.assert_close(part[~past], full[~past], rtol=0, atol=0)
 
 
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    half=st.sampled_from([(0.02, 0.02, 2.0, 2.0), (0.005, 0.0, 0.5, 0.3), (0.0006, 0.0006, 0.06, 0.06)]),
+    exact=st.sampled_from([(False, True), (True, True), (False, False)]),
+    squared=st.booleans(),
+)
+def test_a_childs_rows_start_from_its_parents(seed, half, exact, squared):
+    # a cell inside another samples each pixel from a box inside the other's: each of its rows'
+    # sums is at least the parent's (whole pixels or exact, the child's range no wider), so the
+    # parent's sums per row are floors: with them a sum stops past the line, or is the whole sum
+    g = torch.Generator().manual_seed(seed)
+    img = torch.stack((textured(40, seed), textured(40, seed + 1))).double()
+    tpl = torch.rand(2, 24, 20, generator=g, dtype=torch.float64)
+    parents = torch.cat([0.8 + 0.4 * torch.rand(8, 2, generator=g), 30 * torch.rand(8, 2, generator=g) - 5], 1)
+    parents = parents.double()
+    signs = torch.cartesian_prod(*[torch.tensor([-1.0, 1.0], dtype=torch.float64)] * 4)
+    small = tuple(v / 2 for v in half)
+    cells = (parents[:, None] + signs * torch.tensor(small, dtype=torch.float64)).reshape(-1, 4)
+    rows = torch.randperm(24, generator=g)
+    kw = {"pivot": (11.5, 3.0), "squared": squared}
+    floors = torch.empty(8, 24, dtype=torch.float64)
+    native.certify_bound(img, tpl, parents, half, rows, exact=exact[0], stop=math.inf, row_sums=floors, **kw)
+    floors = floors.repeat_interleave(16, 0)
+    per_row = torch.empty(128, 24, dtype=torch.float64)
+    full = native.certify_bound(img, tpl, cells, small, rows, exact=exact[1], stop=math.inf, row_sums=per_row, **kw)
+    torch.testing.assert_close(per_row.sum(1), full, rtol=1e-12, atol=1e-12)
+    assert (per_row >= floors * (1 - 1e-12) - 1e-12).all()
+    stop = float(full.median())
+    sums = torch.empty(128, 24, dtype=torch.float64)
+    part = native.certify_bound(
+        img, tpl, cells, small, rows, exact=exact[1], stop=stop, floors=floors, row_sums=sums, **kw
+    )
+    past = full > stop
+    assert (part[past] > stop).all() and (part[past] <= full[past] * (1 + 1e-12)).all()
+    torch.testing.assert_close(part[~past], full[~past], rtol=1e-12, atol=1e-12)
+    # each row its own sum where reached, its floor where not
+    reached = sums != floors
+    assert torch.equal(sums[reached], per_row[reached]) and torch.equal(sums[~reached], floors[~reached])
+    assert torch.equal(sums[~past], per_row[~past])  # a cell not stopped reaches every row
+
+
 @pytest.mark.parametrize("objective", ["l1", "l2"])
 def test_c_and_torch_reach_the_same_verdict_and_cells(objective):
     # the default path (C) and torch's (kernel="torch") rule out the same cells: same certificate

@@ -45,6 +45,9 @@ _ROOT = 2.0  # the first cells' half width in the centres (px)
 # scale's spread moves the pixels at its edges _LEVER times as far as the centre's spread (2: the
 # fewest seconds of 0.5-4, benchmarks/history/2026-12-05-issue-41-a-pivoted-certificate.md)
 _LEVER = 2.0
+# the survivors' sums per row kept as their children's floors up to this size (most certificates
+# keep well under a megabyte: a few thousand cells of a hundred rows)
+_FLOOR_BYTES = 256 * 2**20
 Span = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -248,30 +251,34 @@ def certify_alignment(
         scales = (cells[:, :2] - a[:2]).abs() + half[:2]
         return torch.cat([scales, torch.maximum((lo - a[2:]).abs(), (hi - a[2:]).abs())], dim=1)
 
-    def prune(cells: torch.Tensor) -> torch.Tensor:
+    def prune(cells: torch.Tensor, floors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cells of ``cells`` (at the current size) that hold a valid fit outside the answer's
-        neighbourhood and whose bound does not exceed the line."""
+        neighbourhood and whose bound does not exceed the line, with their sums per row in C
+        (the floors of their children's; ``floors``: their parents', one row per cell)."""
         nonlocal examined
         gap = reach(cells)
         inside = (gap[:, :2] <= near[0]).all(1) & (gap[:, 2:] <= near[1]).all(1)
-        cells = cells[axes.valid(cells, half) & ~inside]
+        chosen = (axes.valid(cells, half) & ~inside).nonzero()[:, 0]
         # cells with one scale_w and centre_x in a row share their columns' work in C
-        cells = cells[_lexsort(cells[:, 3], cells[:, 1])]
+        chosen = chosen[_lexsort(cells[chosen, 3], cells[chosen, 1])]
+        cells = cells[chosen]
         examined += len(cells)
         exact = bool(half[2] <= 0.5)
         if bound is not None:
-            return cells[bound(cells, tuple(half.tolist()), exact) <= line]
+            low, sums = bound(cells, tuple(half.tolist()), exact, None if floors is None else floors[chosen])
+            ok = low <= line
+            return cells[ok], sums[ok]
         kept = [
             _pruned_in_torch(part, t, x, rows, half, exact, objective, line, axes.pivot)
             for part in _parts(cells, exact, n_c)
         ]
-        return torch.cat(kept) if kept else cells
+        return (torch.cat(kept) if kept else cells), None
 
     def centre_errors(cells: torch.Tensor) -> torch.Tensor:
         """The error at each cell's centre (a cell of no width: its range is its warp), exact
         where it is no more than the line (C stops the others' sums past it)."""
         if bound is not None:
-            return bound(cells, (0.0,) * 4, True)
+            return bound(cells, (0.0,) * 4, True, None)[0]
         point = torch.zeros(4, dtype=torch.float64)
         errors = [
             _bound_in_torch(part, t, x, rows, point, True, objective, axes.pivot) for part in _parts(cells, True, n_c)
@@ -285,18 +292,27 @@ def certify_alignment(
         box = tuple(max(r, n) for r, n in zip(far, (near[0], near[0], near[1], near[1]), strict=True))
         return Certificate(not reason, error, reason, examined, axes.fits(left), size, box, better, seconds)
 
-    # each size's cells are the children of the last size's survivors, made a group at a time
+    # each size's cells are the children of the last size's survivors, made a group at a time,
+    # each child's sums per row starting from its parent's (in C, where they fit _FLOOR_BYTES)
     parents, offsets = axes.first_cells(half), torch.zeros(1, 4, dtype=torch.float64)
+    floors: torch.Tensor | None = None
     while True:
-        kept, group = [], max(1, (4096 if bound is not None else 1024) // len(offsets))
+        kept, kept_sums, group = [], [], max(1, (4096 if bound is not None else 1024) // len(offsets))
         for start in range(0, len(parents), group):
-            kept.append(prune((parents[start : start + group, None, :] + offsets).reshape(-1, 4)))
+            children = (parents[start : start + group, None, :] + offsets).reshape(-1, 4)
+            inherited = None if floors is None else floors[start : start + group].repeat_interleave(len(offsets), 0)
+            cells, sums = prune(children, inherited)
+            kept.append(cells)
+            kept_sums.append(sums)
             if time_limit is not None and time.perf_counter() - started > time_limit:
                 rest = (parents[start + group :, None, :] + offsets).reshape(-1, 4)  # the cells not reached
                 return result(torch.cat([*kept, rest]), f"out of time after {time_limit:g} s")
         left = torch.cat(kept)
         if not len(left):
             return result(left)
+        carried = [v for v in kept_sums if v is not None]
+        room = len(carried) == len(kept) and len(left) * len(rows) * 8 <= _FLOOR_BYTES
+        floors = torch.cat(carried) if room else None
         # a cell whose very centre is a fit of the space searched and beats the answer settles it
         placed = axes.fits(left)  # the cells' centres as (scale, shift) fits
         sh, sw, ty, tx = placed.unbind(1)
@@ -391,24 +407,29 @@ def _bound_in_c(
     line: float,
     pivot: tuple[float, float],
     share_out_to: int,
-) -> Callable[[torch.Tensor, tuple[float, ...], bool], torch.Tensor]:
+) -> Callable[[torch.Tensor, tuple[float, ...], bool, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]:
     """The bound per cell in C (:func:`densematch.kernels.native.certify_bound`), over
-    ``share_out_to`` threads, each cell's sum stopped once it passes the line."""
+    ``share_out_to`` threads, each cell's sum stopped once it passes the line: the bounds (M,)
+    and each cell's sums per row (M, rows), from its ``floors`` (M, rows) where given."""
     n = t.numel()
     stop = line * n
 
-    def bound(cells: torch.Tensor, half: tuple[float, ...], exact: bool) -> torch.Tensor:
+    def bound(
+        cells: torch.Tensor, half: tuple[float, ...], exact: bool, floors: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(len(cells), dtype=torch.float64)
+        sums = torch.empty(len(cells), len(rows), dtype=torch.float64)
         step = max(1, -(-len(cells) // share_out_to))
 
         def run(start: int) -> None:
-            part = cells[start : start + step].contiguous()
-            out[start : start + step] = native.certify_bound(
-                x, t, part, half, rows, pivot=pivot, exact=exact, squared=objective == "l2", stop=stop
-            )
+            part = slice(start, start + step)
+            out[part] = native.certify_bound(
+                x, t, cells[part].contiguous(), half, rows, pivot=pivot, exact=exact, squared=objective == "l2",
+                stop=stop, floors=None if floors is None else floors[part].contiguous(), row_sums=sums[part],
+            )  # fmt: skip
 
         share_out(range(0, len(cells), step), run, share_out_to, name="densematch-certify")
-        return out / n
+        return out / n, sums
 
     return bound
 

@@ -475,6 +475,8 @@ def certify_bound(
     exact: bool,
     squared: bool,
     stop: float,
+    floors: torch.Tensor | None = None,
+    row_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """certify_alignment's bound (certify.c): per cell of ``cells`` (M, 4) (centres scale_h,
     scale_w, centre_y, centre_x: where the template pixel ``pivot`` (y, x) lands; half widths
@@ -482,9 +484,16 @@ def certify_bound(
     distance (squared: its square) from its value in ``template`` (C, h, w) to the range of
     ``image`` (C, H, W) over the box it samples from: whole pixels, or with ``exact`` the bilinear
     interpolant's own. A cell's sum stops at the first row after which it exceeds ``stop``. (M,)
-    float64, on this thread."""
-    lib = _loaded("certify_bound", image, template, cells, rows)
+    float64, on this thread.
+
+    ``floors`` (M, len(rows)), float64: a lower bound on each cell's sum over each row, in the
+    rows' order (a cell's parent's ``row_sums``: a cell inside another has each term at least the
+    other's); the rows a cell stops before count by their floors. ``row_sums`` (M, len(rows)),
+    float64, contiguous: filled with each cell's sum per row, its floor (or 0) where it stopped
+    before the row."""
+    lib = _loaded("certify_bound", image, template, cells, rows, floors, row_sums)
     c, h, w = template.shape
+    m, n = cells.shape[0] if cells.ndim == 2 else -1, rows.numel()
     _require(
         all(v.dtype == torch.float64 and v.is_contiguous() for v in (image, template, cells))
         and image.ndim == 3
@@ -492,16 +501,22 @@ def certify_bound(
         and cells.ndim == 2
         and cells.shape[1] == 4
         and rows.dtype == torch.int64
-        and bool(((rows >= 0) & (rows < h)).all()),
-        "image (C, H, W), template (C, h, w) and cells (M, 4) must be contiguous float64, rows template rows",
+        and bool(((rows >= 0) & (rows < h)).all())
+        and all(
+            v is None or (v.dtype == torch.float64 and v.shape == (m, n) and v.is_contiguous())
+            for v in (floors, row_sums)
+        ),
+        "image (C, H, W), template (C, h, w) and cells (M, 4) must be contiguous float64, rows template rows, "
+        "floors and row_sums (M, rows) contiguous float64",
     )
     rows = rows.contiguous()
     spread, at = torch.tensor(half, dtype=torch.float64), torch.tensor(pivot, dtype=torch.float64)
-    out = torch.empty(cells.shape[0], dtype=torch.float64)
+    out = torch.empty(m, dtype=torch.float64)
     failed = lib.dm_certify_bound(
-        image.data_ptr(), template.data_ptr(), c, h, w, image.shape[1], image.shape[2], cells.data_ptr(),
-        cells.shape[0], spread.data_ptr(), at.data_ptr(), rows.data_ptr(), rows.numel(), exact, squared, stop,
-        out.data_ptr(),
+        image.data_ptr(), template.data_ptr(), c, h, w, image.shape[1], image.shape[2], cells.data_ptr(), m,
+        spread.data_ptr(), at.data_ptr(), rows.data_ptr(), n, exact, squared, stop,
+        None if floors is None else floors.data_ptr(), out.data_ptr(),
+        None if row_sums is None else row_sums.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("densematch's C kernels: certify_bound could not allocate its scratch")

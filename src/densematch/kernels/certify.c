@@ -177,12 +177,19 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
 /* Sums over the template's rows (in the order given) and channels of each cell's terms, into
  * out[m]; a cell stops at the first row after which its sum exceeds stop. image (C, H, W),
  * template (C, h, w), cells (M, 4) centres (scale_h, scale_w, centre_y, centre_x), half (4),
- * pivot (2: the template pixel the centres place). Returns 1 where its scratch cannot be
- * allocated. */
+ * pivot (2: the template pixel the centres place).
+ *
+ * With floors (M, n_rows), in the rows' order: a lower bound per cell and row (its parent's
+ * row sums: a cell inside another samples each pixel from a box inside the other's, so each of
+ * its terms is at least the other's). A cell's sum then starts at its floors' and each row
+ * computed replaces its floor, so that the rows not reached still count: a cell whose parent's
+ * sum came within a hair of stop passes it after the few rows where it differs, not after all.
+ * With row_sums (M, n_rows): each row's sum, its floor (or 0) where the cell stopped before it,
+ * the floors of the cell's own children. Returns 1 where its scratch cannot be allocated. */
 int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H,
                      int64_t W, const double *cells, int64_t M, const double *half, const double *pivot,
-                     const int64_t *rows,
-                     int64_t n_rows, int exact, int squared, double stop, double *out) {
+                     const int64_t *rows, int64_t n_rows, int exact, int squared, double stop, const double *floors,
+                     double *out, double *row_sums) {
     const int64_t KX = W + 2, KY = H + 2; /* the most points an interval can hold */
     double *xlo = malloc(sizeof(double) * (size_t)(2 * w + 2 * w * KX + 2 * KY));
     int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 2 * KY));
@@ -231,10 +238,16 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                 for (int64_t r = 0; r < C * H; r++) ready[r] = 0;
             }
         }
+        const double *floor_m = floors ? floors + m * n_rows : NULL;
+        double *sums_m = row_sums ? row_sums + m * n_rows : NULL;
         double total = 0;
+        if (floor_m)
+            for (int64_t q = 0; q < n_rows; q++) total += floor_m[q];
+        if (sums_m)
+            for (int64_t q = 0; q < n_rows; q++) sums_m[q] = floor_m ? floor_m[q] : 0;
         for (int64_t q = 0; q < n_rows && !(total > stop); q++) {
             const int64_t i = rows[q];
-            double ylo, yhi;
+            double row = 0, ylo, yhi;
             span(i, H, pivot[0], cell[0], cell[2], half[0], half[2], &ylo, &yhi);
             for (int64_t ch = 0; ch < C; ch++) {
                 const double *img = image + ch * H * W, *t = tpl + (ch * h + i) * w;
@@ -251,7 +264,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                                 ready[ch * H + rr[e]] = 1;
                             }
                     }
-                    total += exact_row(along + (ch * H) * w * K, w, K, ky, yi0, yi1, yg0, yg1, t, squared);
+                    row += exact_row(along + (ch * H) * w * K, w, K, ky, yi0, yi1, yg0, yg1, t, squared);
                 } else {
                     /* every whole pixel the box touches: columns' extremes over the rows, then rows' */
                     const int64_t r0 = (int64_t)floor(ylo), r_end = (int64_t)ceil(yhi);
@@ -278,9 +291,11 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                         }
                         s += term(t[j], a, b, squared);
                     }
-                    total += s;
+                    row += s;
                 }
             }
+            total += floor_m ? row - floor_m[q] : row;
+            if (sums_m) sums_m[q] = row;
         }
         out[m] = total;
     }

@@ -64,6 +64,6 @@ int dm_align_search_f32(const float *t, const float *x, const float *wt, const f
 int dm_align_search_f64(const double *t, const double *x, const double *wt, const double *total, const int64_t *sizes, const double *reals, const int64_t *r0, const int64_t *r1, const double *v0, const double *v1, const int64_t *i0, const int64_t *i1, const double *w0, const double *w1, const int64_t *max_y, const int64_t *max_x, const double *grid_h, const double *grid_w, double *best, int64_t *where, double *landscape, double *shifts, double *answer, double *error, double *warped, double *relative);
 
 /* certify.c: certify_alignment's bound */
-int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H, int64_t W, const double *cells, int64_t M, const double *half, const double *pivot, const int64_t *rows, int64_t n_rows, int exact, int squared, double stop, double *out);
+int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t h, int64_t w, int64_t H, int64_t W, const double *cells, int64_t M, const double *half, const double *pivot, const int64_t *rows, int64_t n_rows, int exact, int squared, double stop, const double *floors, double *out, double *row_sums);
 
 #endif
