@@ -212,6 +212,13 @@ def certify_alignment(
     -------
     Certificate
 
+    Notes
+    -----
+    The branch and bound runs on the CPU whatever the pair's device (a GPU's pair is copied there
+    once, in float64): its cells are many and small, each summed row by row and stopped at the
+    answer's error, which the C kernels do on the CPU's threads; ``cells_left`` comes back on the
+    CPU.
+
     References
     ----------
     - A. H. Land and A. G. Doig, "An automatic method of solving discrete programming problems",
@@ -227,7 +234,7 @@ def certify_alignment(
     answer = _one_answer(alignment)
     t, x = checked_images(template, image, range_h, range_w)
     check_finite(t, "template")
-    t, x = t.double(), x.double()
+    t, x = t.to("cpu", torch.float64), x.to("cpu", torch.float64)
     if t.ndim > 2 and t.shape[0] != 1:
         raise ValueError(f"template and image must be one pair (a batch of 1), got a batch of {t.shape[0]}")
     t, x = t.reshape(-1, *t.shape[-2:]).contiguous(), x.reshape(-1, *x.shape[-2:]).contiguous()  # (C, h, w), (C, H, W)
