@@ -193,7 +193,9 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
     const int64_t KX = W + 2, KY = H + 2; /* the most points an interval can hold */
     double *xlo = malloc(sizeof(double) * (size_t)(2 * w + 2 * w * KX + 2 * KY));
     int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 2 * KY));
-    double *along = NULL; /* C H w K values, grown to the most points per column a cell needs */
+    /* exact: C H w K values, the image along x at each column's points, grown to the most points
+     * a cell needs; whole pixels: C H w 2, each image row's extremes over each column's box */
+    double *along = NULL;
     int64_t along_k = 0;
     char *ready = malloc((size_t)(C * H) + 1);
     if (!xlo || !xi || !ready) {
@@ -205,26 +207,26 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
     double *xhi = xlo + w, *xg0 = xhi + w, *xg1 = xg0 + w * KX;
     double *yg0 = xg1 + w * KX, *yg1 = yg0 + KY;
     int64_t *xi0 = xi, *xi1 = xi0 + w * KX, *yi0 = xi1 + w * KX, *yi1 = yi0 + KY;
-    int64_t c_first = W, c_last = 0, K = 1; /* the image columns any box reaches; points per column */
+    int64_t K = 1; /* points per column */
     for (int64_t m = 0; m < M; m++) {
         const double *cell = cells + 4 * m;
         /* cells in a row with the same scale_w and shift_x (siblings, as certify.py orders
          * them) share their columns' boxes, and the image along x at their points */
         const double *before = m > 0 ? cell - 4 : NULL;
         if (!before || cell[1] != before[1] || cell[3] != before[3]) {
-            c_first = W, c_last = 0, K = 1;
+            K = 1;
             for (int64_t j = 0; j < w; j++) {
                 span(j, W, pivot[1], cell[1], cell[3], half[1], half[3], xlo + j, xhi + j);
                 const int64_t f = (int64_t)floor(xlo[j]), l = (int64_t)ceil(xhi[j]);
-                c_first = f < c_first ? f : c_first;
-                c_last = l > c_last ? l : c_last;
                 K = l - f + 1 > K ? l - f + 1 : K;
+                if (!exact) /* whole pixels: the columns xi0[j] .. xi1[j] */
+                    xi0[j] = f, xi1[j] = l < W - 1 ? l : W - 1;
             }
-            c_last = c_last < W - 1 ? c_last : W - 1;
-            if (exact && K > along_k) {
+            const int64_t room = exact ? K : 2;
+            if (room > along_k) {
                 free(along);
-                along = malloc(sizeof(double) * (size_t)(C * H * w * K));
-                along_k = K;
+                along = malloc(sizeof(double) * (size_t)(C * H * w * room));
+                along_k = room;
                 if (!along) {
                     free(xlo);
                     free(xi);
@@ -232,11 +234,9 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                     return 1;
                 }
             }
-            if (exact) {
-                /* point a of column j at a * w + j: the loops below run along the columns */
+            if (exact) /* point a of column j at a * w + j: the loops below run along the columns */
                 for (int64_t j = 0; j < w; j++) points(xlo[j], xhi[j], W, K, w, xi0 + j, xi1 + j, xg0 + j, xg1 + j);
-                for (int64_t r = 0; r < C * H; r++) ready[r] = 0;
-            }
+            for (int64_t r = 0; r < C * H; r++) ready[r] = 0;
         }
         const double *floor_m = floors ? floors + m * n_rows : NULL;
         double *sums_m = row_sums ? row_sums + m * n_rows : NULL;
@@ -266,31 +266,50 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                     }
                     row += exact_row(along + (ch * H) * w * K, w, K, ky, yi0, yi1, yg0, yg1, t, squared);
                 } else {
-                    /* every whole pixel the box touches: columns' extremes over the rows, then rows' */
+                    /* every whole pixel the box touches: each image row's extremes over the
+                     * columns' boxes (once per row and siblings), then over the box's rows */
                     const int64_t r0 = (int64_t)floor(ylo), r_end = (int64_t)ceil(yhi);
                     const int64_t r1 = r_end < H - 1 ? r_end : H - 1;
-                    double *cmin = xg0, *cmax = xg1; /* scratch: W values each */
-                    for (int64_t c = c_first; c <= c_last; c++) {
-                        double a = img[r0 * W + c], b = a;
-                        for (int64_t r = r0 + 1; r <= r1; r++) {
-                            const double v = img[r * W + c];
-                            a = v < a ? v : a;
-                            b = v > b ? v : b;
+                    double *lo = xg0, *hi = xg1; /* scratch: w values each */
+                    for (int64_t r = r0; r <= r1; r++) {
+                        double *rmin = along + (ch * H + r) * 2 * w, *rmax = rmin + w;
+                        if (!ready[ch * H + r]) {
+                            const double *src = img + r * W;
+                            for (int64_t j = 0; j < w; j++) {
+                                double a = src[xi0[j]], b = a;
+                                for (int64_t c = xi0[j] + 1; c <= xi1[j]; c++) {
+                                    a = src[c] < a ? src[c] : a;
+                                    b = src[c] > b ? src[c] : b;
+                                }
+                                rmin[j] = a;
+                                rmax[j] = b;
+                            }
+                            ready[ch * H + r] = 1;
                         }
-                        cmin[c] = a;
-                        cmax[c] = b;
+                        if (r == r0) {
+                            memcpy(lo, rmin, sizeof(double) * (size_t)w);
+                            memcpy(hi, rmax, sizeof(double) * (size_t)w);
+                            continue;
+                        }
+                        int64_t j = 0;
+                        for (; j + DM_LANES <= w; j += DM_LANES) {
+                            dm_vd a, b, u, v;
+                            memcpy(&a, rmin + j, sizeof a);
+                            memcpy(&b, rmax + j, sizeof b);
+                            memcpy(&u, lo + j, sizeof u);
+                            memcpy(&v, hi + j, sizeof v);
+                            u = DM_MIN(a, u);
+                            v = DM_MAX(b, v);
+                            memcpy(lo + j, &u, sizeof u);
+                            memcpy(hi + j, &v, sizeof v);
+                        }
+                        for (; j < w; j++) {
+                            lo[j] = rmin[j] < lo[j] ? rmin[j] : lo[j];
+                            hi[j] = rmax[j] > hi[j] ? rmax[j] : hi[j];
+                        }
                     }
                     double s = 0;
-                    for (int64_t j = 0; j < w; j++) {
-                        const int64_t c0 = (int64_t)floor(xlo[j]), c_end = (int64_t)ceil(xhi[j]);
-                        const int64_t c1 = c_end < W - 1 ? c_end : W - 1;
-                        double a = cmin[c0], b = cmax[c0];
-                        for (int64_t c = c0 + 1; c <= c1; c++) {
-                            a = cmin[c] < a ? cmin[c] : a;
-                            b = cmax[c] > b ? cmax[c] : b;
-                        }
-                        s += term(t[j], a, b, squared);
-                    }
+                    for (int64_t j = 0; j < w; j++) s += term(t[j], lo[j], hi[j], squared);
                     row += s;
                 }
             }
