@@ -46,9 +46,9 @@ _ROOT = 2.0  # the first cells' half width in the centres (px)
 # fewest seconds of 0.5-4, benchmarks/history/2026-12-05-issue-41-a-pivoted-certificate.md)
 _LEVER = 2.0
 # cells whose centres' half width is at most this (px) take the interpolant's exact range; wider
-# ones, every whole pixel their boxes touch (cheaper per cell, looser). 1, not 0.5, since the
-# children start from their parents' sums: the longest certificates 5-20% shorter, the median
-# within the run-to-run spread (benchmarks/history/2026-12-07-issue-41-align-s-python-and-the-certificate-s-floors.md)
+# ones, every whole pixel their boxes touch (cheaper per cell, looser). 1, not 0.5 or 2, since the
+# children start from their parents' sums: the fewest seconds over bench_align_global's 48
+# photographs (benchmarks/history/2026-12-07-issue-41-align-s-python-and-the-certificate-s-floors.md)
 _EXACT = 1.0
 # the survivors' sums per row kept as their children's floors up to this size (most certificates
 # keep well under a megabyte: a few thousand cells of a hundred rows)

@@ -99,10 +99,13 @@ enum { DM_LANES = sizeof(dm_vd) / sizeof(double), DM_SUB = 8 / DM_LANES };
 /* One template row's terms in the exact range: each pixel's extremes among its ky x K points
  * (the image along x at point a of column j, at a w + j of each row of along; rows yi0[b],
  * yi1[b] blended by yg0[b], yg1[b] at point b along y), kept in registers 8 columns at a time;
- * the terms summed in 8 lanes, then folded in one fixed order, then the columns left over. */
-static inline double exact_row(const double *along, int64_t w, int64_t K, int64_t ky, const int64_t *yi0,
-                               const int64_t *yi1, const double *yg0, const double *yg1, const double *t,
-                               int squared) {
+ * a point b on a whole image row (pure[b], the row; -1 where blended) takes that row's extremes
+ * over the K points, made once in ext (row r's minima at r 2 w, maxima after): the same
+ * extremes, one load instead of K. The terms summed in 8 lanes, then folded in one fixed order,
+ * then the columns left over. */
+static inline double exact_row(const double *along, const double *ext, int64_t w, int64_t K, int64_t ky,
+                               const int64_t *yi0, const int64_t *yi1, const double *yg0, const double *yg1,
+                               const int64_t *pure, const double *t, int squared) {
     const int64_t stride = w * K;
     double sums[8] = {0}; /* the lanes' sums, in memory: the block's extremes keep the registers */
     const dm_vd zero = {0};
@@ -114,6 +117,17 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
             hi[s] = zero - INFINITY;
         }
         for (int64_t b = 0; b < ky; b++) {
+            if (pure[b] >= 0) { /* a whole image row: its extremes over the points, made once */
+                const double *e = ext + pure[b] * 2 * w + j;
+                for (int s = 0; s < DM_SUB; s++) {
+                    dm_vd u, v;
+                    memcpy(&u, e + s * DM_LANES, sizeof u);
+                    memcpy(&v, e + w + s * DM_LANES, sizeof v);
+                    lo[s] = DM_MIN(u, lo[s]);
+                    hi[s] = DM_MAX(v, hi[s]);
+                }
+                continue;
+            }
             const double *r0 = along + yi0[b] * stride + j, *r1 = along + yi1[b] * stride + j;
             const double g0 = yg0[b], g1 = yg1[b];
             for (int64_t a = 0; a < K; a++)
@@ -144,14 +158,20 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
         for (int64_t b = 0; b < ky; b++) {
             const double *r0 = along + yi0[b] * stride + j, *r1 = along + yi1[b] * stride + j;
             const double g0 = yg0[b], g1 = yg1[b];
-            for (int64_t a = 0; a < K; a++) {
-                v4 p0, p1;
-                memcpy(&p0, r0 + a * w, sizeof p0);
-                memcpy(&p1, r1 + a * w, sizeof p1);
-                const v4 v = p0 * g0 + p1 * g1;
-                const v4i below = v < lo, above = v > hi; /* the lanes' min and max as DM_MIN and DM_MAX pick */
+            for (int64_t a = 0; a < (pure[b] >= 0 ? 1 : K); a++) {
+                v4 v, u;
+                if (pure[b] >= 0) { /* the row's extremes over the points */
+                    memcpy(&v, ext + pure[b] * 2 * w + j, sizeof v);
+                    memcpy(&u, ext + pure[b] * 2 * w + w + j, sizeof u);
+                } else {
+                    v4 p0, p1;
+                    memcpy(&p0, r0 + a * w, sizeof p0);
+                    memcpy(&p1, r1 + a * w, sizeof p1);
+                    v = u = p0 * g0 + p1 * g1;
+                }
+                const v4i below = v < lo, above = u > hi; /* the lanes' min and max as DM_MIN and DM_MAX pick */
                 lo = (v4)((below & (v4i)v) | (~below & (v4i)lo));
-                hi = (v4)((above & (v4i)v) | (~above & (v4i)hi));
+                hi = (v4)((above & (v4i)u) | (~above & (v4i)hi));
             }
         }
         memcpy(&tv, t + j, sizeof tv);
@@ -163,12 +183,19 @@ static inline double exact_row(const double *along, int64_t w, int64_t K, int64_
     }
     for (; j < w; j++) {
         double lo = INFINITY, hi = -INFINITY;
-        for (int64_t b = 0; b < ky; b++)
+        for (int64_t b = 0; b < ky; b++) {
+            if (pure[b] >= 0) {
+                const double u = ext[pure[b] * 2 * w + j], v = ext[pure[b] * 2 * w + w + j];
+                lo = u < lo ? u : lo;
+                hi = v > hi ? v : hi;
+                continue;
+            }
             for (int64_t a = 0; a < K; a++) {
                 const double v = along[yi0[b] * stride + a * w + j] * yg0[b] + along[yi1[b] * stride + a * w + j] * yg1[b];
                 lo = v < lo ? v : lo;
                 hi = v > hi ? v : hi;
             }
+        }
         total += term(t[j], lo, hi, squared);
     }
     return total;
@@ -192,10 +219,11 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                      double *out, double *row_sums) {
     const int64_t KX = W + 2, KY = H + 2; /* the most points an interval can hold */
     double *xlo = malloc(sizeof(double) * (size_t)(2 * w + 2 * w * KX + 2 * KY));
-    int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 2 * KY));
-    /* exact: C H w K values, the image along x at each column's points, grown to the most points
-     * a cell needs; whole pixels: C H w 2, each image row's extremes over each column's box */
-    double *along = NULL;
+    int64_t *xi = malloc(sizeof(int64_t) * (size_t)(2 * w * KX + 3 * KY));
+    /* exact: C H w K values, the image along x at each column's points (grown to the most points
+     * a cell needs), then ext: C H 2 w, each image row's extremes over each column's points, or
+     * with whole pixels over each column's box */
+    double *along = NULL, *ext = NULL;
     int64_t along_k = 0;
     char *ready = malloc((size_t)(C * H) + 1);
     if (!xlo || !xi || !ready) {
@@ -206,7 +234,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
     }
     double *xhi = xlo + w, *xg0 = xhi + w, *xg1 = xg0 + w * KX;
     double *yg0 = xg1 + w * KX, *yg1 = yg0 + KY;
-    int64_t *xi0 = xi, *xi1 = xi0 + w * KX, *yi0 = xi1 + w * KX, *yi1 = yi0 + KY;
+    int64_t *xi0 = xi, *xi1 = xi0 + w * KX, *yi0 = xi1 + w * KX, *yi1 = yi0 + KY, *pure = yi1 + KY;
     int64_t K = 1; /* points per column */
     for (int64_t m = 0; m < M; m++) {
         const double *cell = cells + 4 * m;
@@ -222,7 +250,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                 if (!exact) /* whole pixels: the columns xi0[j] .. xi1[j] */
                     xi0[j] = f, xi1[j] = l < W - 1 ? l : W - 1;
             }
-            const int64_t room = exact ? K : 2;
+            const int64_t room = exact ? K + 2 : 2;
             if (room > along_k) {
                 free(along);
                 along = malloc(sizeof(double) * (size_t)(C * H * w * room));
@@ -236,6 +264,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
             }
             if (exact) /* point a of column j at a * w + j: the loops below run along the columns */
                 for (int64_t j = 0; j < w; j++) points(xlo[j], xhi[j], W, K, w, xi0 + j, xi1 + j, xg0 + j, xg1 + j);
+            ext = along + (exact ? C * H * w * K : 0);
             for (int64_t r = 0; r < C * H; r++) ready[r] = 0;
         }
         const double *floor_m = floors ? floors + m * n_rows : NULL;
@@ -255,16 +284,27 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                     const int64_t ky = (int64_t)(ceil(yhi) - floor(ylo)) + 1;
                     points(ylo, yhi, H, ky, 1, yi0, yi1, yg0, yg1);
                     for (int64_t b = 0; b < ky; b++) {
+                        /* a point on a whole row (a weight 0 on the other) samples that row alone */
+                        pure[b] = yg1[b] == 0 ? yi0[b] : (yg0[b] == 0 ? yi1[b] : -1);
                         const int64_t rr[2] = {yi0[b], yi1[b]};
                         for (int e = 0; e < 2; e++) /* the image along x at the points, once per row and cell */
                             if (!ready[ch * H + rr[e]]) {
                                 const double *src = img + rr[e] * W;
-                                double *dst = along + (ch * H + rr[e]) * w * K;
+                                double *dst = along + (ch * H + rr[e]) * w * K, *lo = ext + (ch * H + rr[e]) * 2 * w;
                                 for (int64_t o = 0; o < w * K; o++) dst[o] = src[xi0[o]] * xg0[o] + src[xi1[o]] * xg1[o];
+                                memcpy(lo, dst, sizeof(double) * (size_t)w); /* the row's extremes over the points */
+                                memcpy(lo + w, dst, sizeof(double) * (size_t)w);
+                                for (int64_t a = 1; a < K; a++)
+                                    for (int64_t j = 0; j < w; j++) {
+                                        const double v = dst[a * w + j];
+                                        lo[j] = v < lo[j] ? v : lo[j];
+                                        lo[w + j] = v > lo[w + j] ? v : lo[w + j];
+                                    }
                                 ready[ch * H + rr[e]] = 1;
                             }
                     }
-                    row += exact_row(along + (ch * H) * w * K, w, K, ky, yi0, yi1, yg0, yg1, t, squared);
+                    row += exact_row(along + (ch * H) * w * K, ext + ch * H * 2 * w, w, K, ky, yi0, yi1, yg0, yg1,
+                                     pure, t, squared);
                 } else {
                     /* every whole pixel the box touches: each image row's extremes over the
                      * columns' boxes (once per row and siblings), then over the box's rows */
@@ -272,7 +312,7 @@ int dm_certify_bound(const double *image, const double *tpl, int64_t C, int64_t 
                     const int64_t r1 = r_end < H - 1 ? r_end : H - 1;
                     double *lo = xg0, *hi = xg1; /* scratch: w values each */
                     for (int64_t r = r0; r <= r1; r++) {
-                        double *rmin = along + (ch * H + r) * 2 * w, *rmax = rmin + w;
+                        double *rmin = ext + (ch * H + r) * 2 * w, *rmax = rmin + w;
                         if (!ready[ch * H + r]) {
                             const double *src = img + r * W;
                             for (int64_t j = 0; j < w; j++) {
