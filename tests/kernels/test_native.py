@@ -422,9 +422,20 @@ class TestBuild:
             "cells = torch.tensor([[1.02, 0.95, 2.5, 3.5], [0.9, 1.1, 0.2, 4.0]], dtype=torch.float64)\n"
             "for exact in (False, True):\n"
             "    for sq in (False, True):\n"
-            "        b = native.certify_bound(xs[0], t[0], cells, (0.01, 0.02, 0.7, 0.3), torch.arange(20),\n"
-            "                                 pivot=(9.5, 4.0), exact=exact, squared=sq, stop=float('inf'))\n"
-            "        h.update(b.numpy().tobytes())\n"
+            "        for half in ((0.01, 0.02, 0.7, 0.3), (0.03, 0.03, 2.0, 1.5)):\n"
+            "            sums = torch.empty(2, 20, dtype=torch.float64)\n"
+            "            b = native.certify_bound(xs[0], t[0], cells, half, torch.arange(20), pivot=(9.5, 4.0),\n"
+            "                                     exact=exact, squared=sq, stop=float('inf'), row_sums=sums)\n"
+            "            h.update(b.numpy().tobytes() + sums.numpy().tobytes())\n"
+            # and from floors (half each row's sum), stopped at the smaller whole sum
+            "            b = native.certify_bound(xs[0], t[0], cells, half, torch.arange(20), pivot=(9.5, 4.0),\n"
+            "                                     exact=exact, squared=sq, stop=float(b.min()), floors=sums / 2)\n"
+            "            h.update(b.numpy().tobytes())\n"
+            # the level rule's band share (align_band), both dtypes
+            "from densematch.alignment.api import _band_dft, _window\n"
+            "for dt in (torch.float32, torch.float64):\n"
+            "    share = native.align_band(tpl[None, None].to(dt), _window(44, 40), *_band_dft(44, 40, 2))\n"
+            "    h.update(repr(share).encode())\n"
             # the certified bfloat16 step: whole chunks (AVX2's lanes or the portable ones) and a tail
             "hb = torch.randn(40, 100, generator=g).bfloat16()\n"
             "hb[3, 50] = float('nan')\n"
