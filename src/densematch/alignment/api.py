@@ -238,6 +238,7 @@ def _inputs(
     range_w: tuple[float, float],
     objective: str,
     template_mask: Any,
+    *,
     finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """align's inputs checked: ``template`` and ``image`` as tensors (:func:`checked_images`),
@@ -260,6 +261,14 @@ def _inputs(
         check_finite(t4.permute(0, 2, 3, 1), "template", mask=read)
         t4 = t4.masked_fill(~read[:, None], 0.0)
     return t, x, t4, x4, mask
+
+
+def _check_pair_finite(t: torch.Tensor, x: torch.Tensor, *, template: bool = True) -> None:
+    """The image, then the template (unless not ``template``: its mask's check is the caller's),
+    finite, as C's search checks them first where it runs."""
+    check_finite(x, "image")
+    if template:
+        check_finite(t, "template")
 
 
 def _centred(t4: torch.Tensor, x4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
@@ -357,12 +366,10 @@ def align(
     (lo_h, hi_h), (lo_w, hi_w) = _check_range(scale_h, "scale_h"), _check_range(scale_w, "scale_w")
     # C's search checks that both are finite itself, before anything else: the checks here are
     # for torch's path
-    t, x, t4, x4, mask = _inputs(template, image, (lo_h, hi_h), (lo_w, hi_w), objective, template_mask, False)
+    t, x, t4, x4, mask = _inputs(template, image, (lo_h, hi_h), (lo_w, hi_w), objective, template_mask, finite=False)
     in_c = ops_for(kernel_setting() != "torch", x4.device, x4.dtype).c
     if not in_c:
-        check_finite(x4, "image")
-        if template_mask is None:
-            check_finite(t4, "template")
+        _check_pair_finite(t4, x4, template=template_mask is None)
     budget = resolve_memory(memory, x.device)
     if check_bool(certify, "certify"):
         if objective == "ncc":
@@ -804,8 +811,7 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
     total = None if settings.uniform else mask.sum((1, 2, 3)) * c  # C counts uniform weights itself
     given, back = None, None
     if setup.grid.taps is None:  # the grid's minima from torch's chunks, at unit amplitude as C searches
-        check_finite(x, "image")  # before torch's steps, where C would have checked it first
-        check_finite(t, "template")
+        _check_pair_finite(t, x)  # before torch's steps, where C would have checked them first
         t, x, level, unit = _centred(t, x)
         back = (level, unit)
         tc, xc = downsample(t, coarse), downsample(x, coarse)
