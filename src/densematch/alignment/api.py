@@ -582,6 +582,12 @@ def _check_template_mask(mask: Any, t4: torch.Tensor, shape: tuple[int, ...], dt
     return (m / peak.reshape(-1, 1, 1)).contiguous().reshape(-1, 1, h, w).expand(b, 1, h, w)
 
 
+def _distinct(mask: torch.Tensor) -> torch.Tensor:
+    """The distinct maps of weights ``mask`` (B, 1, h, w): the one every pair shares (1, 1, h, w)
+    where it is broadcast (stride 0, as :func:`_check_template_mask` makes it), else all B."""
+    return mask[:1] if mask.stride(0) == 0 else mask
+
+
 @functools.lru_cache(maxsize=8)
 def _ones(h: int, w: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Uniform weights (1, 1, h, w), kept (never written: every use takes a view or a copy)."""
@@ -682,7 +688,7 @@ def _low_band(t: torch.Tensor, mask: torch.Tensor | None, in_c: bool = False) ->
     if in_c:
         weights = _window(h, w)
         if mask is not None:
-            weights = ((mask[:1] if mask.stride(0) == 0 else mask)[:, 0].to(torch.float64) * weights).contiguous()
+            weights = (_distinct(mask)[:, 0].to(torch.float64) * weights).contiguous()
         return lambda f: native.align_band(t, weights, *_band_dft(h, w, f))
     weight = _window(h, w).numpy()
     if mask is not None:
@@ -761,7 +767,7 @@ def _search_steps(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
         if settings.uniform:  # ones stay ones
             m_half = torch.ones(1, 1, *t_half.shape[-2:], dtype=mb.dtype, device=mb.device)
         else:
-            m_half = downsample(mb[:1] if mb.stride(0) == 0 else mb, 2)  # one mask for every pair stays one
+            m_half = downsample(_distinct(mb), 2)  # one mask for every pair stays one
         pyramid[f] = (t_half, x_half, m_half.expand(b, *m_half.shape[1:]))
     coarse = levels[0]
     tc, xc, mc = pyramid[coarse]
@@ -807,7 +813,7 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
     small_x = (b, c, x.shape[-2] // coarse, x.shape[-1] // coarse)
     setup = _c_grid(settings.range_h, settings.range_w, small, small_x, settings.uniform, settings.budget, x.dtype)
     _refine_chunk(t, x, settings)  # the budget's rule, as in torch, at its largest level (C holds less)
-    weights = None if settings.uniform else (mask[:1, 0] if mask.stride(0) == 0 else mask[:, 0])
+    weights = None if settings.uniform else _distinct(mask)[:, 0]
     total = None if settings.uniform else mask.sum((1, 2, 3)) * c  # C counts uniform weights itself
     given, back = None, None
     if setup.grid.taps is None:  # the grid's minima from torch's chunks, at unit amplitude as C searches
@@ -815,7 +821,7 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
         t, x, level, unit = _centred(t, x)
         back = (level, unit)
         tc, xc = downsample(t, coarse), downsample(x, coarse)
-        mc = None if weights is None else downsample(mask[:1] if mask.stride(0) == 0 else mask, coarse)
+        mc = None if weights is None else downsample(_distinct(mask), coarse)
         given = grid_minima(tc, xc, mc, settings.photometric, setup.plan, True)
     answer, error, warped, landscape, shifts, relative = native.align_search(
         t, x, weights, total, setup.grid, levels=len(levels), given=given, pick=setup.pick,

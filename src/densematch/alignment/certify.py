@@ -322,9 +322,8 @@ def certify_alignment(
         left = torch.cat(kept)
         if not len(left):
             return result(left)
-        carried = [v for v in kept_sums if v is not None]
-        room = len(carried) == len(kept) and len(left) * len(rows) * 8 <= _FLOOR_BYTES
-        floors = torch.cat(carried) if room else None
+        room = bound is not None and len(left) * len(rows) * 8 <= _FLOOR_BYTES  # torch's path gives none
+        floors = torch.cat([v for v in kept_sums if v is not None]) if room else None
         # a cell whose very centre is a fit of the space searched and beats the answer settles it
         placed = axes.fits(left)  # the cells' centres as (scale, shift) fits
         sh, sw, ty, tx = placed.unbind(1)

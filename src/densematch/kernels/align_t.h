@@ -345,14 +345,9 @@ int DM_T(dm_align_band)(const T *t, const double *wt, int64_t wt_per_pair, int64
         double energy = 0, power = 0;
         for (int64_t c = 0; c < C; c++) {
             const T *tc = t + (b * C + c) * hw;
-            double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int64_t i = 0;
-            for (; i + 8 <= hw; i += 8)
-                for (int l = 0; l < 8; l++) lanes[l] += (double)tc[i + l] * a[i + l];
-            double mean = fold8(lanes);
-            for (; i < hw; i++) mean += (double)tc[i] * a[i];
-            mean /= weights;
-            for (i = 0; i < hw; i++) v[i] = ((double)tc[i] - mean) * a[i];
+            for (int64_t i = 0; i < hw; i++) v[i] = (double)tc[i];
+            const double mean = band_sum(v, a, hw) / weights;
+            for (int64_t i = 0; i < hw; i++) v[i] = (v[i] - mean) * a[i];
             energy += band_sum(v, v, hw);
             for (int64_t j = 0; j < nb; j++) /* p = v cols, block j of its columns, two rows at a time */
                 for (int64_t r = 0; r < h; r += 2)

@@ -148,13 +148,12 @@ def align_search(
     ``t`` (B, C, h, w) and ``x`` (B, C, H, W), float32 or float64; ``weights`` (B, h, w), or
     (1, h, w) shared, or None for uniform ones, and ``total`` (B,) their sums times C, of that
     dtype (None with uniform weights: C h w). ``grid`` (:class:`AlignGrid`, made for the coarsest
-    level's sizes and this dtype): C
-    searches it where it has its taps; else ``given`` are its minima (B, nh, nw, K) and their
-    flat shift indices, found elsewhere. ``pick`` and ``candidates``, ``keep`` (after the
-    coarsest level, after the others), ``objective`` (0 "l1", 1 "l2", 2 "ncc": gain and bias),
-    ``iterations``, the scale ``ranges`` (lo_h, hi_h, lo_w, hi_w), ``near`` (the candidates'
-    spacing), ``same`` (twins), ``tolerance`` (coarse levels, full resolution) and ``far`` as
-    :func:`densematch.alignment.api._search` names them.
+    level's sizes and this dtype): C searches it where it has its taps; else ``given`` are its
+    minima (B, nh, nw, K) and their flat shift indices, found elsewhere. ``pick`` and
+    ``candidates``, ``keep`` (after the coarsest level, after the others), ``objective`` (0 "l1",
+    1 "l2", 2 "ncc": gain and bias), ``iterations``, the scale ``ranges`` (lo_h, hi_h, lo_w,
+    hi_w), ``near`` (the candidates' spacing), ``same`` (twins), ``tolerance`` (coarse levels,
+    full resolution) and ``far`` as :func:`densematch.alignment.api._search` names them.
 
     Each pair is searched at unit amplitude (less its image's mean level per channel, times a
     power of two), and everything it returns is in its own units: the answers (B, 4) (scale_h,
@@ -209,10 +208,8 @@ def align_search(
     warped, relative = torch.empty(b, c, h, w, dtype=t.dtype), torch.empty(b, dtype=t.dtype)
     failed = getattr(lib, f"dm_align_search_{_SUFFIX[t.dtype]}")(
         t.data_ptr(), x.data_ptr(), None if wt is None else wt.data_ptr(), None if total is None else total.data_ptr(),
-        sizes.ctypes.data, reals.ctypes.data, *grid.pointers,
-        best.data_ptr(),
-        where.data_ptr(), landscape.data_ptr(), shifts.data_ptr(), answer.data_ptr(), error.data_ptr(),
-        warped.data_ptr(), relative.data_ptr(),
+        sizes.ctypes.data, reals.ctypes.data, *grid.pointers, best.data_ptr(), where.data_ptr(), landscape.data_ptr(),
+        shifts.data_ptr(), answer.data_ptr(), error.data_ptr(), warped.data_ptr(), relative.data_ptr(),
     )  # fmt: skip
     if failed:
         if failed in (2, 3):  # checked in C before anything else, as check_finite would have
