@@ -71,13 +71,15 @@ HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # with more is searched again or resolved after the scan without any cap, so the cap changes the
 # cost, never the answer. docs/precision.md.
 CANDIDATES = 32
-# With the default, the cap grows with the references: a row over it costs one float32 product
-# row (nb products at matrix-product speed), a listed candidate one direct score (tens of times a
-# product's cost per value on a CPU), so up to about nb / 32 candidates are cheaper to re-score
-# than the row is to search again (same-scene features: benchmarks/history/, issue 39). Capped so that
-# the lists stay small beside a tile's scores.
-_CANDIDATES_PER_REFERENCE = 1 / 32
-_MOST_CANDIDATES = 256
+# With the default, the cap grows with the references: a row over it costs 1.7-2 float32 product
+# rows where many are (nb products at matrix-product speed, then float32's own settling), several
+# where a handful are (one more pass per query tile), a listed candidate at most one direct score
+# (tens of times a product's cost per value on a CPU; most are dropped unscored as the floor rises),
+# so up to about nb / 16 candidates are cheaper to keep than the row is to search again (same-scene
+# features, 2026-12-07: benchmarks/history/, issue 39). Capped so that the lists stay small beside
+# a tile's scores.
+_CANDIDATES_PER_REFERENCE = 1 / 16
+_MOST_CANDIDATES = 512
 
 # Unit roundoff of float32; gamma for n terms is n * u / (1 - n * u), doubled here because fused
 # dot-product instructions may round twice per pair of products.

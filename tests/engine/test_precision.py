@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 import densematch
 from densematch import engine, precision
+from densematch.engine import driver
+from densematch.engine.half import HalfSearch
 from densematch.engine.strategy import Strategy
 from densematch.kernels import native
 from densematch.metrics import get_metric
@@ -542,11 +544,35 @@ def test_the_l2_column_stays_out_of_the_half_product(metric):
 
 
 def test_the_default_cap_grows_with_the_references():
-    # the rule: max(32, 8 k, min(nb / 32, 256)); an explicit candidates= keeps max(candidates, 8 k)
+    # the rule: max(32, 8 k, min(nb / 16, 512)); an explicit candidates= keeps max(candidates, 8 k)
     p = Precision(half=torch.bfloat16)
-    assert [p.cap(1, nb) for nb in (0, 100, 1024, 3200, 9216, 10**7)] == [32, 32, 32, 100, 256, 256]
-    assert p.cap(8, 100) == 64 and p.cap(40, 10**6) == 320
+    assert [p.cap(1, nb) for nb in (0, 100, 1024, 3200, 9216, 10**7)] == [32, 32, 64, 200, 512, 512]
+    assert p.cap(8, 100) == 64 and p.cap(80, 10**6) == 640
     assert Precision(candidates=4).cap(1, 10**6) == 8 and Precision(candidates=100).cap(1, 10) == 100
+
+
+def test_the_grown_cap_is_kept_unless_it_costs_more_tiles() -> None:
+    # 2304 references of 1536 channels, k=8 under 256 MiB: the grown cap (2304 / 16) needs a
+    # slightly narrower query tile than the base cap (8 k); kept where the query tiles stay as
+    # many, the base cap where there would be more
+    def plan(na: int, candidates: int | None) -> tuple[int, engine.TilePlan]:
+        p = Precision(half=torch.bfloat16, candidates=candidates)
+        dims, tiles = driver._plan(
+            HalfSearch, na, 2304, 1536, 8, 2**28, metric=get_metric("cosine"), device=torch.device("cpu"),
+            precision=p, in_dtype=torch.float32, tiles=None, reserved=0,
+        )  # fmt: skip
+        return dims.cap, tiles
+
+    grown, base = BF16.cap(8, 2304), BF16.cap(8, 0)
+    kept = []
+    for na in (2304, 2000, 2680):
+        wide, narrow = plan(na, grown)[1], plan(na, base)[1]
+        assert wide.tile_a < narrow.tile_a
+        cheap = -(-na // wide.tile_a) <= -(-na // narrow.tile_a)
+        cap, chosen = plan(na, None)
+        assert (cap, chosen) == ((grown, wide) if cheap else (base, narrow))
+        kept.append(cheap)
+    assert kept == [True, False, False]
 
 
 def test_reference_tiles_nearest_the_query_tile_come_first():

@@ -49,6 +49,11 @@ _GROUP_ROUNDING = 2 * unit_roundoff(torch.float32)
 # the largest share of their norm the references' lowest tenth keep, less their group's centre,
 # for the groups to be worth their products (`HalfSearch._group_centres`)
 _GROUPS_WORTH = 0.75
+# rows over the cap searched again uncapped list at most this share of the tile's list's room
+# (`_search_again`): a row of exact ties (flat, saturated patches) lists every reference, each
+# then scored directly, so the share bounds that worst case (with the cap at nb / 16: 2026-12-07,
+# issue 39, 96x96x64 cosine: 27 -> 90 ms a call at the whole room)
+_UNCAPPED_SHARE = 0.5
 # a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
 _Side = tuple[torch.Tensor | None, torch.Tensor | None]
 
@@ -529,9 +534,10 @@ class HalfSearch(Strategy):
         k, r = best_v.shape[1], redo.numel()
         rows, cols = self._resolve_shape(q.shape[0])
         cap: int | None = None
-        if r * self.nb <= min(rows * cols, q.shape[0] * self.cap_rows):
+        if r * self.nb <= min(rows * cols, _UNCAPPED_SHARE * q.shape[0] * self.cap_rows):
             # a few rows: every reference in one product, every candidate listed (no cap to
-            # outgrow, so no second pass), within the bytes of the block and of the tile's list
+            # outgrow, so no second pass), within the bytes of the block and a share of the
+            # tile's list
             group, width, cap = r, self.nb, self.nb
         else:
             group, width = self._groups(q.shape[0], r)
