@@ -76,10 +76,10 @@ CANDIDATES = 32
 # where a handful are (one more pass per query tile), a listed candidate at most one direct score
 # (tens of times a product's cost per value on a CPU; most are dropped unscored as the floor rises),
 # so up to about nb / 16 candidates are cheaper to keep than the row is to search again (same-scene
-# features, 2026-12-07: benchmarks/history/, issue 39). Capped so that the lists stay small beside
-# a tile's scores.
+# features at C >= 256: benchmarks/history/2026-12-07-issue-39-the-certificate-s-cap-on-an-avx2-cpu.md).
+# Capped at 256: at C=64 (9216 references) 512 halved l2's rows over the cap and saved nothing.
 _CANDIDATES_PER_REFERENCE = 1 / 16
-_MOST_CANDIDATES = 512
+_MOST_CANDIDATES = 256
 
 # Unit roundoff of float32; gamma for n terms is n * u / (1 - n * u), doubled here because fused
 # dot-product instructions may round twice per pair of products.
@@ -114,7 +114,7 @@ class Precision:
         search fits it; "torch" never does.
     candidates : int, optional
         Candidates kept per row: the cap is ``max(candidates, 8 k)``. None (the default) lets
-        it grow with the number of references ``nb``: ``max(32, 8 k, min(nb / 32, 256))``.
+        it grow with the number of references ``nb``: ``max(32, 8 k, min(nb / 16, 256))``.
 
     Examples
     --------
