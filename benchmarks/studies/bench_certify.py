@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import time
 
 import densematch
-from _common import machine, photo_features, save, table, timeit
+from _common import photo_features, report, timeit
 from densematch import engine
 from densematch.app.synthetic import same_scene_pair
 from densematch.engine.half import HalfSearch
@@ -184,10 +184,7 @@ def main() -> None:
                                 row.update(measure(a, b, metric, k, args.repeats, cap or None, not args.no_fast))
                             rows.append(row)
                             print(row, flush=True)
-    info = machine()
-    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
-    print(f"\nmachine: {info}\nsaved {path}\n")
-    print(table(rows, list(rows[0])))
+    report(args.name, rows)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import machine, save, table
+from _common import report
 from densematch import engine
 from densematch.app.synthetic import same_scene_pair
 from densematch.metrics import get_metric
@@ -165,10 +165,7 @@ def main() -> None:
                 row.update(count(a, b, metric, k, cap, plan.tile_a))
                 rows.append(row)
                 print(row, flush=True)
-    info = machine()
-    path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "rows": rows})
-    print(f"\nmachine: {info}\nsaved {path}\n")
-    print(table(rows, list(rows[0])))
+    report(args.name, rows)
 
 
 if __name__ == "__main__":
