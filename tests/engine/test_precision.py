@@ -110,7 +110,6 @@ def rows_over_the_cap(monkeypatch, switch, metric):
     """Rows of a 48x48x64 same-scene pair searched again in float32 by the certified bfloat16
     search (k=1), with HalfSearch's ``switch`` on and off, each answer checked exact."""
     from densematch.app.synthetic import same_scene_pair
-    from densematch.engine.half import HalfSearch
 
     fa, fb = same_scene_pair(48, 48, 64)
     a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
@@ -210,7 +209,6 @@ def test_group_centres_skip_rows_that_are_not_finite():
 @pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="needs the C kernels")
 def test_references_are_grouped_only_where_their_neighbours_look_alike(monkeypatch):
     from densematch.app.synthetic import same_scene_pair
-    from densematch.engine.half import HalfSearch
 
     seen = []
     original = HalfSearch._group_centres
@@ -576,7 +574,6 @@ def test_the_grown_cap_is_kept_unless_it_costs_more_tiles() -> None:
 
 
 def test_reference_tiles_nearest_the_query_tile_come_first():
-    from densematch.engine.half import HalfSearch
     from densematch.engine.plan import TilePlan
     from densematch.engine.strategy import Inputs
     from densematch.metrics import get_metric
@@ -625,8 +622,6 @@ def test_each_certified_path_takes_the_step_its_rule_names(monkeypatch, half, ke
     # one C call per tile, any other half type or kernel="torch" torch's operators; the torch
     # engine centres its query tiles, the fused kernel (no bias per reference) does not
     import importlib.util
-
-    from densematch.engine.half import HalfSearch
 
     if kernel == "triton" and importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed: the kernel path cannot run here")
