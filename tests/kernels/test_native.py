@@ -602,20 +602,25 @@ class TestMerge:
 
 
 @needs_library
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     m=st.integers(1, 9),
-    n=st.integers(1, 70),
+    n=st.integers(1, 200),
     k=st.integers(1, 5),
     cap=st.integers(1, 12),
     with_bias=st.booleans(),
+    with_groups=st.booleans(),
+    poisoned=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, seed):
+def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, with_groups, poisoned, seed):
     # one C pass for the bounds, the merge of the lower bounds and the listing of the upper ones,
     # against the same steps in torch: the same top-k (ties to the lower column) and every pair
     # whose upper bound reaches the final floor listed, for the rows that never went over the cap
-    # (a row over is skipped from then on: the engine searches it again in float32)
+    # (a row over is skipped from then on: the engine searches it again in float32). Tiles of
+    # several chunks starting inside a group, with the groups' additions, and NaN and infinities
+    # among the scores and the reference terms: the chunk test (native.c) may skip only chunks
+    # where the pair loop takes nothing
     from densematch.engine.merge import order
 
     g = torch.Generator().manual_seed(seed)
@@ -624,22 +629,39 @@ def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, seed):
     # C pass and torch must agree exactly, ties included
     qt = torch.randint(0, 4, (m, 3), generator=g).float() * 2.0**-8
     rt = torch.randint(0, 4, (n, 3), generator=g).float() * 2.0**-8
+    if poisoned:
+        spots = torch.randint(0, m * n, (3,), generator=g)
+        h.view(-1)[spots] = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.bfloat16)
+        rt[int(torch.randint(0, n, (1,), generator=g)), 1] = math.nan
     bias = (torch.randn(n, generator=g) * 2).round() if with_bias else None
     rounding = 2.0**-9
     k = min(k, n)
+    # each row's product with each group's centre and their bound's terms (native.GROUP columns a group)
+    groups = n // native.GROUP + 1
+    gp = torch.randn(m, groups, generator=g)
+    gq, gt = torch.rand(m, 5, generator=g) * 1e-3, torch.rand(groups, 3, generator=g)
     best_v, best_i = torch.full((m, k), -math.inf), torch.full((m, k), -1, dtype=torch.int64)
     listed = native.Candidates(m, cap, torch.float32)
     half = n // 2
     for j, stop in ((0, half), (half, n)):  # two tiles
-        native.merge_certified(
-            h[:, j:stop], j, best_v, best_i, qt, rt[j:stop], None if bias is None else bias[j:stop], rounding, listed
-        )
+        if stop == j:
+            continue
+        first, last = j // native.GROUP, (stop - 1) // native.GROUP + 1
+        tile_groups = (gp[:, first:last].contiguous(), gq, gt[first:last]) if with_groups else None
+        tile_bias = None if bias is None else bias[j:stop]
+        native.merge_certified(h[:, j:stop], j, best_v, best_i, qt, rt[j:stop], tile_bias, rounding, listed, tile_groups)
     hf = h.float()
     e = qt @ rt.T + rounding * hf.abs()
     low, up = hf - e, hf + e
     if bias is not None:
         low, up = low + bias, up + bias
+    if with_groups:  # as native.c's group_slack forms each group's bound
+        slack = (((gq[:, :1] * gt[:, 0] + gq[:, 1:2] * gt[:, 1]) + gq[:, 2:3] * gt[:, 2]) + gq[:, 3:4] * gp.abs()) + gq[:, 4:]
+        column = torch.arange(n) // native.GROUP
+        low, up = low + (gp - slack)[:, column], up + (gp + slack)[:, column]
+    low, up = low.where(~low.isnan(), -math.inf), up.where(~up.isnan(), math.inf)
     want_v, want_i = order(low, torch.arange(n).expand(m, n).clone())
+    want_i[want_v == -math.inf] = -1  # a lower bound of -inf (NaN's) never enters the top k
     kept = ~listed.over
     assert torch.equal(best_v[kept], want_v[kept, :k]) and torch.equal(best_i[kept], want_i[kept, :k])
     rows, cols = listed.reaching(best_v[:, -1])

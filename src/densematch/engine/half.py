@@ -498,8 +498,7 @@ class HalfSearch(Strategy):
             if products is not None and self.group_norms is not None and pq is not None:
                 first, last = j // native.GROUP, (j + n - 1) // native.GROUP + 1
                 groups = (products(pc, first, last), pq, self.group_norms[first:last])
-            native.merge_certified(s, j, pv, pi, pt, terms, bias, self.rounding, pl, groups)
-            gone = int(pl.over.sum())
+            gone = native.merge_certified(s, j, pv, pi, pt, terms, bias, self.rounding, pl, groups)
             if gone and 4 * gone >= ph.shape[0]:
                 put_back()
                 keep = (~pl.over).nonzero().squeeze(1)

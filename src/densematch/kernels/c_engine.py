@@ -249,11 +249,12 @@ def merge_certified(
     rounding: float,
     listed: Candidates,
     groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+) -> int:
     """The certified search's step for the bfloat16 score tile ``h`` (m, n; columns ``offset``
     onwards): lower bounds merged into the running top-k ``best_v`` / ``best_i`` (m, k, float32,
     contiguous), upper bounds reaching each row's k-th lower bound listed in ``listed`` (see
-    native.c). ``qt`` (m, 3) and ``rt`` (n, 3) are the bound terms of
+    native.c). Returns how many of the rows are over the cap (``listed.over``), this tile's
+    and earlier. ``qt`` (m, 3) and ``rt`` (n, 3) are the bound terms of
     :func:`densematch.precision.query_terms` / ``ref_terms``; ``bias`` (n,) float32 or None.
 
     ``groups``: where the references' half rows were centred per group of :data:`GROUP`
@@ -267,7 +268,7 @@ def merge_certified(
     h = _unit_rows(h)
     m, n = h.shape
     if m * n == 0:
-        return
+        return int(listed.over.sum())
     qt, rt = qt.float().contiguous(), rt.float().T.contiguous()  # the references' terms as planes
     bias = torch.zeros(n) if bias is None else bias.float().contiguous()
     gp = gq = gt = None
@@ -281,13 +282,16 @@ def merge_certified(
         _require(gp.dtype == gq.dtype == gt.dtype == torch.float32, "groups must be float32")
         _require(gp.stride(1) == 1, "the groups' products need unit-stride rows")
         gq, gt = gq.contiguous(), gt.contiguous()
-    lib.dm_merge_certified_bf16(
+    scratch = torch.empty(9 * (n // GROUP + 1))  # the C step's chunk test (native.c)
+    gone = lib.dm_merge_certified_bf16(
         h.data_ptr(), h.stride(0), m, n, offset, bias.data_ptr(),
         None if gp is None else gp.data_ptr(), 0 if gp is None else gp.stride(0),
         None if gq is None else gq.data_ptr(), None if gt is None else gt.data_ptr(),
         qt.data_ptr(), rt.data_ptr(), rounding, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
         listed.cap, listed.cols.data_ptr(), listed.vals.data_ptr(), listed.counts.data_ptr(), listed.over.data_ptr(),
+        scratch.data_ptr(),
     )  # fmt: skip
+    return int(gone)
 
 
 PAIR_KINDS = {"dot": 0, "sqdiff": 1, "absdiff": 2, "maxabs": 3, "cosine": 4}

@@ -138,20 +138,57 @@ static inline void certified_take(float up, float low, int64_t idx, float *bv, i
  * first whole group go pair by pair. */
 enum { DM_GROUP = 32 };
 
+static inline float group_slack(const float *gq, float t0, float t1, float t2, float p) {
+    return (((gq[0] * t0 + gq[1] * t1) + gq[2] * t2) + gq[3] * fabsf(p)) + gq[4];
+}
+
 static inline void group_add(const float *gp, const float *gq, const float *gt, int64_t g, float *up, float *low) {
-    const float p = gp[g], *t = gt + 3 * g;
-    const float slack = (((gq[0] * t[0] + gq[1] * t[1]) + gq[2] * t[2]) + gq[3] * fabsf(p)) + gq[4];
+    const float p = gp[g], *t = gt + 3 * g, slack = group_slack(gq, t[0], t[1], t[2], p);
     *up = p + slack;
     *low = p - slack;
 }
 
-void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias,
+/* the larger of m and v, NaN kept once met (either way round) */
+static inline float max_keeping_nan(float m, float v) { return v > m || v != v ? v : m; }
+
+/* The chunk test. A pair's e = ((x ry + z rw) + one rf) + rounding |h| grows with each reference
+ * term (no term is negative), and float32's rounded products and sums never decrease as an
+ * operand grows; so with each whole chunk's largest terms (NaN where one is NaN) in place of the
+ * pair's, every lane's upper bound is at least the pair's own as the pair loop forms it. Where
+ * none reaches the row's floor (NaN does), no pair does, and the chunk costs one pass of a few
+ * operations a pair, from values made once per row (each chunk's share of the bound and its
+ * group's additions), instead of the bounds' three products and their chain per chunk. */
+static void chunk_terms(const float *ry, const float *rw, const float *rf, int64_t head, int64_t chunks, float *out) {
+    for (int64_t q = 0; q < chunks; q++) {
+        float y = -INFINITY, w = -INFINITY, f = -INFINITY;
+        for (int64_t c = head + q * DM_GROUP; c < head + (q + 1) * DM_GROUP; c++) {
+            y = max_keeping_nan(y, ry[c]);
+            w = max_keeping_nan(w, rw[c]);
+            f = max_keeping_nan(f, rf[c]);
+        }
+        out[q] = y, out[chunks + q] = w, out[2 * chunks + q] = f;
+    }
+}
+
+/* scratch: 9 (n / DM_GROUP + 1) floats (the chunks' largest terms and their groups' terms, one
+ * plane each, then one row's shares and additions). Returns how many of the m rows are over. */
+int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias,
                              const float *gp, int64_t ldg, const float *gq, const float *gt, const float *qt,
                              const float *rt, float rounding, float *best_v, int64_t *best_i, int64_t k, int64_t cap,
-                             int64_t *cand_cols, float *cand_vals, int *counts, unsigned char *over) {
+                             int64_t *cand_cols, float *cand_vals, int *counts, unsigned char *over, float *scratch) {
     enum { CB = DM_GROUP, L = 8 };
     const float *ry = rt, *rw = rt + n, *rf = rt + 2 * n; /* the reference terms, one plane each */
     const int64_t first = offset / DM_GROUP, head = (DM_GROUP - offset % DM_GROUP) % DM_GROUP;
+    const int64_t chunks = n > head ? (n - head) / CB : 0;
+    const float *my = scratch, *mw = scratch + chunks, *mf = scratch + 2 * chunks;
+    float *g0 = scratch + 3 * chunks, *g1 = g0 + chunks, *g2 = g1 + chunks;
+    /* one row's: each chunk's share of the bound, and its group's additions to the bounds */
+    float *share = g2 + chunks, *adds_up = share + chunks, *adds_low = adds_up + chunks;
+    chunk_terms(ry, rw, rf, head, chunks, scratch);
+    const int64_t base = (offset + head) / DM_GROUP - first; /* the first whole chunk's group */
+    for (int64_t q = 0; gp && q < chunks; q++)
+        g0[q] = gt[3 * (base + q)], g1[q] = gt[3 * (base + q) + 1], g2[q] = gt[3 * (base + q) + 2];
+    const vec_f32 vround = (vec_f32){} + rounding;
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = h + r * ldh;
         float *bv = best_v + r * k;
@@ -170,20 +207,42 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
     } while (0)
 #define DM_GROUP_AT(c) \
     if (rp) group_add(rp, rq, gt, (offset + (c)) / DM_GROUP - first, &gu, &gl)
+        /* (loops the compiler vectorises, forming the values as group_add and the pair loop do) */
+        for (int64_t q = 0; q < chunks; q++) share[q] = (x * my[q] + z * mw[q]) + one * mf[q];
+        if (rp) {
+            const float *p = rp + base;
+            for (int64_t q = 0; q < chunks; q++) {
+                const float slack = group_slack(rq, g0[q], g1[q], g2[q], p[q]);
+                adds_up[q] = p[q] + slack;
+                adds_low[q] = p[q] - slack;
+            }
+        } else {
+            for (int64_t q = 0; q < chunks; q++) adds_up[q] = adds_low[q] = 0.0f;
+        }
 #if !defined(__AVX512F__)
         const vec_f32 vx = (vec_f32){} + x, vz = (vec_f32){} + z, vone = (vec_f32){} + one;
-        const vec_f32 vround = (vec_f32){} + rounding;
 #endif
         int listing = 1;
         int64_t c0 = head < n ? head : n;
         if (c0) DM_GROUP_AT(0);
         for (int64_t c = 0; c < c0; c++) DM_PAIR(c);
-        /* whole chunks: the upper bounds eight (sixteen) lanes at a time; only where one reaches
-         * the floor (NaN does: it proves nothing), the lower bounds too, and the pairs that reach
-         * go on to the merge and the listing. After the first tiles few do. */
+        /* whole chunks: the chunk test; where a lane passes it, the upper bounds eight (sixteen)
+         * lanes at a time; only where one reaches the floor (NaN does: it proves nothing), the
+         * lower bounds too, and the pairs that reach go on to the merge and the listing. After
+         * the first tiles few do. */
         float ups[CB], lows[CB];
-        for (; c0 + CB <= n; c0 += CB) {
-            DM_GROUP_AT(c0);
+        for (int64_t q = 0; q < chunks; q++, c0 += CB) {
+            gu = adds_up[q], gl = adds_low[q];
+            {
+                const vec_f32 vp = (vec_f32){} + share[q], floor = (vec_f32){} + bv[k - 1], vgu = (vec_f32){} + gu;
+                mask_f32 any = {};
+                for (int t = 0; t < CB; t += L) {
+                    const vec_f32 hv = widen_bf16(row + c0 + t);
+                    const vec_f32 up = ((hv + (vp + vround * vabs_f32(hv))) + load_f32(bias + c0 + t)) + vgu;
+                    any |= ~(up < floor);
+                }
+                if (!lanes_set(any)) continue;
+            }
             uint32_t reach = 0;
 #if defined(__AVX512F__)
             const __m512 floor = _mm512_set1_ps(bv[k - 1]), vgu = _mm512_set1_ps(gu);
@@ -239,6 +298,9 @@ void dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t 
 #undef DM_PAIR
 #undef DM_GROUP_AT
     }
+    int64_t gone = 0;
+    for (int64_t r = 0; r < m; r++) gone += over[r] != 0;
+    return gone;
 }
 
 /* A bfloat16 score tile (m x n, row stride lds) merged into a float32 running top-k, as dm_merge
