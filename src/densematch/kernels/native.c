@@ -180,10 +180,11 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
     const float *ry = rt, *rw = rt + n, *rf = rt + 2 * n; /* the reference terms, one plane each */
     const int64_t first = offset / DM_GROUP, head = (DM_GROUP - offset % DM_GROUP) % DM_GROUP;
     const int64_t chunks = n > head ? (n - head) / CB : 0;
-    const float *my = scratch, *mw = scratch + chunks, *mf = scratch + 2 * chunks;
-    float *g0 = scratch + 3 * chunks, *g1 = g0 + chunks, *g2 = g1 + chunks;
+    /* (disjoint planes of scratch, so restrict: the compiler vectorises the loops over chunks) */
+    const float *restrict my = scratch, *restrict mw = scratch + chunks, *restrict mf = scratch + 2 * chunks;
+    float *restrict g0 = scratch + 3 * chunks, *restrict g1 = g0 + chunks, *restrict g2 = g1 + chunks;
     /* one row's: each chunk's share of the bound, and its group's additions to the bounds */
-    float *share = g2 + chunks, *adds_up = share + chunks, *adds_low = adds_up + chunks;
+    float *restrict share = g2 + chunks, *restrict adds_up = share + chunks, *restrict adds_low = adds_up + chunks;
     chunk_terms(ry, rw, rf, head, chunks, scratch);
     const int64_t base = (offset + head) / DM_GROUP - first; /* the first whole chunk's group */
     for (int64_t q = 0; gp && q < chunks; q++)
@@ -207,12 +208,13 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
     } while (0)
 #define DM_GROUP_AT(c) \
     if (rp) group_add(rp, rq, gt, (offset + (c)) / DM_GROUP - first, &gu, &gl)
-        /* (loops the compiler vectorises, forming the values as group_add and the pair loop do) */
+        /* (formed as group_add and the pair loop form them) */
         for (int64_t q = 0; q < chunks; q++) share[q] = (x * my[q] + z * mw[q]) + one * mf[q];
         if (rp) {
-            const float *p = rp + base;
+            const float *restrict p = rp + base;
+            const float terms[5] = {rq[0], rq[1], rq[2], rq[3], rq[4]};
             for (int64_t q = 0; q < chunks; q++) {
-                const float slack = group_slack(rq, g0[q], g1[q], g2[q], p[q]);
+                const float slack = group_slack(terms, g0[q], g1[q], g2[q], p[q]);
                 adds_up[q] = p[q] + slack;
                 adds_low[q] = p[q] - slack;
             }
@@ -231,9 +233,10 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
          * lower bounds too, and the pairs that reach go on to the merge and the listing. After
          * the first tiles few do. */
         float ups[CB], lows[CB];
+        int quick = 1; /* the chunk test, but not right after a chunk that reached: the floor is low */
         for (int64_t q = 0; q < chunks; q++, c0 += CB) {
             gu = adds_up[q], gl = adds_low[q];
-            {
+            if (quick) {
                 const vec_f32 vp = (vec_f32){} + share[q], floor = (vec_f32){} + bv[k - 1], vgu = (vec_f32){} + gu;
                 mask_f32 any = {};
                 for (int t = 0; t < CB; t += L) {
@@ -261,6 +264,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
                 _mm512_storeu_ps(ups + t, up);
                 reach |= (uint32_t)_mm512_cmp_ps_mask(up, floor, _CMP_NLT_UQ) << t;
             }
+            quick = !reach;
             if (!reach) continue;
             const __m512 vgl = _mm512_set1_ps(gl);
             for (int t = 0; t < CB; t += 16) {
@@ -279,6 +283,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
                 memcpy(ups + t, &up, sizeof up);
                 reach |= lanes_set(~(up < floor)) << t;
             }
+            quick = !reach;
             if (!reach) continue;
             const vec_f32 vgl = (vec_f32){} + gl;
             for (int t = 0; t < CB; t += L) {
