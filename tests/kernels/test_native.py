@@ -649,14 +649,16 @@ def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, with_gro
         first, last = j // native.GROUP, (stop - 1) // native.GROUP + 1
         tile_groups = (gp[:, first:last].contiguous(), gq, gt[first:last]) if with_groups else None
         tile_bias = None if bias is None else bias[j:stop]
-        native.merge_certified(h[:, j:stop], j, best_v, best_i, qt, rt[j:stop], tile_bias, rounding, listed, tile_groups)
+        tile = h[:, j:stop]
+        native.merge_certified(tile, j, best_v, best_i, qt, rt[j:stop], tile_bias, rounding, listed, tile_groups)
     hf = h.float()
     e = qt @ rt.T + rounding * hf.abs()
     low, up = hf - e, hf + e
     if bias is not None:
         low, up = low + bias, up + bias
     if with_groups:  # as native.c's group_slack forms each group's bound
-        slack = (((gq[:, :1] * gt[:, 0] + gq[:, 1:2] * gt[:, 1]) + gq[:, 2:3] * gt[:, 2]) + gq[:, 3:4] * gp.abs()) + gq[:, 4:]
+        terms = (gq[:, :1] * gt[:, 0] + gq[:, 1:2] * gt[:, 1]) + gq[:, 2:3] * gt[:, 2]
+        slack = (terms + gq[:, 3:4] * gp.abs()) + gq[:, 4:]
         column = torch.arange(n) // native.GROUP
         low, up = low + (gp - slack)[:, column], up + (gp + slack)[:, column]
     low, up = low.where(~low.isnan(), -math.inf), up.where(~up.isnan(), math.inf)
