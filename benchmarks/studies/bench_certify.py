@@ -125,7 +125,7 @@ def measure(
     row = f32_products / a.shape[0]  # one query row's float32 product against every reference
     over = stats["fallback"]
     got = {
-        "cap": bf16.cap(k, b.shape[0]),
+        "cap": bf16.cap(k, b.shape[0], b.shape[1]),
         "candidates/row": round(stats["candidates"] / stats["rows"], 2),
         "most": stats["most"],
         "over %": round(100 * over / stats["rows"], 2),

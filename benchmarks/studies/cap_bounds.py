@@ -156,7 +156,7 @@ def main() -> None:
                 plan = engine.plan_tiles(
                     a.shape[0], b.shape[0], c, k, 2**28, metric=metric, device=a.device, precision=bf
                 )
-                cap = bf.cap(k, b.shape[0])
+                cap = bf.cap(k, b.shape[0], b.shape[1])
                 stats: dict[str, int] = {}
                 engine.topk(a, b, metric=metric, k=k, budget=2**28, precision=bf, stats=stats)
                 row: dict[str, object] = {"size": size, "metric": metric, "k": k, "cap": cap}

@@ -77,9 +77,13 @@ CANDIDATES = 32
 # (tens of times a product's cost per value on a CPU; most are dropped unscored as the floor rises),
 # so up to about nb / 16 candidates are cheaper to keep than the row is to search again (same-scene
 # features at C >= 256: benchmarks/history/2026-12-07-issue-39-the-certificate-s-cap-on-an-avx2-cpu.md).
-# Capped at 256: at C=64 (9216 references) 512 halved l2's rows over the cap and saved nothing.
+# Capped at 256 below C=256: at C=64 (9216 references) 512 halved l2's rows over the cap and saved
+# nothing. From C=256, where a row searched again costs four times the products of C=64 and a
+# candidate about what it did, at 512: 80x80x256 l2 k=1 at 400 (nb / 16) sent no row over against
+# 2.3% at 256, and the certificate cost 15-20% less (two sessions, AVX2 EPYC, the history above).
 _CANDIDATES_PER_REFERENCE = 1 / 16
 _MOST_CANDIDATES = 256
+_MORE_CANDIDATES_FROM = 256  # channels
 
 # Unit roundoff of float32; gamma for n terms is n * u / (1 - n * u), doubled here because fused
 # dot-product instructions may round twice per pair of products.
@@ -114,7 +118,8 @@ class Precision:
         search fits it; "torch" never does.
     candidates : int, optional
         Candidates kept per row: the cap is ``max(candidates, 8 k)``. None (the default) lets
-        it grow with the number of references ``nb``: ``max(32, 8 k, min(nb / 16, 256))``.
+        it grow with the number of references ``nb`` and their channels ``C``: ``max(32, 8 k,
+        min(nb / 16, 256))``, with 512 in place of 256 from C=256.
 
     Examples
     --------
@@ -151,11 +156,12 @@ class Precision:
         says they can): every backend but "torch", which means torch's own kernels throughout."""
         return self.backend != "torch"
 
-    def cap(self, k: int, nb: int = 0) -> int:
-        """Candidates kept per row for a top-``k`` search of ``nb`` references."""
+    def cap(self, k: int, nb: int = 0, c: int = 0) -> int:
+        """Candidates kept per row for a top-``k`` search of ``nb`` references of ``c`` channels."""
         if self.candidates is not None:
             return max(self.candidates, 8 * k)
-        return max(CANDIDATES, 8 * k, min(int(nb * _CANDIDATES_PER_REFERENCE), _MOST_CANDIDATES))
+        most = _MOST_CANDIDATES * (2 if c >= _MORE_CANDIDATES_FROM else 1)
+        return max(CANDIDATES, 8 * k, min(int(nb * _CANDIDATES_PER_REFERENCE), most))
 
 
 FLOAT32 = Precision()

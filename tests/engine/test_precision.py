@@ -542,9 +542,12 @@ def test_the_l2_column_stays_out_of_the_half_product(metric):
 
 
 def test_the_default_cap_grows_with_the_references():
-    # the rule: max(32, 8 k, min(nb / 16, 256)); an explicit candidates= keeps max(candidates, 8 k)
+    # the rule: max(32, 8 k, min(nb / 16, 256)), 512 in place of 256 from C=256; an explicit
+    # candidates= keeps max(candidates, 8 k)
     p = Precision(half=torch.bfloat16)
     assert [p.cap(1, nb) for nb in (0, 100, 1024, 3200, 9216, 10**7)] == [32, 32, 64, 200, 256, 256]
+    assert [p.cap(1, 10**7, c) for c in (0, 64, 255, 256, 1536)] == [256, 256, 256, 512, 512]
+    assert p.cap(1, 6400, 256) == 400 and p.cap(1, 6400, 64) == 256
     assert p.cap(8, 100) == 64 and p.cap(80, 10**6) == 640
     assert Precision(candidates=4).cap(1, 10**6) == 8 and Precision(candidates=100).cap(1, 10) == 100
 

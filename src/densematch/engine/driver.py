@@ -77,7 +77,7 @@ def _plan(
         )
         return dims, plan
 
-    grown, base = strategy.cap(precision, metric, k, nb), strategy.cap(precision, metric, k, 0)
+    grown, base = strategy.cap(precision, metric, k, nb, c), strategy.cap(precision, metric, k, 0, c)
     chosen = planned(base)  # its ValueError, where even one tile does not fit, is the call's
     if grown > base:
         # a cap grown with the references saves searching rows again, but never at the price of
@@ -194,7 +194,7 @@ def prepare(
             precision,
             k,
             common_scale(top),
-            strategy.cap(precision, metric, k, nb),
+            strategy.cap(precision, metric, k, nb, b.shape[1]),
             ops=kernels.ops_for(precision.c_kernels, b.device, precision.dtype),
         )
         return strategy(inputs, plan).prepared(top)

@@ -78,8 +78,8 @@ class HalfSearch(Strategy):
     centre_groups = True
 
     @classmethod
-    def cap(cls, precision: Precision, metric: Metric, k: int, nb: int) -> int:
-        return precision.cap(k, nb) if precision.certify else 0
+    def cap(cls, precision: Precision, metric: Metric, k: int, nb: int, c: int) -> int:
+        return precision.cap(k, nb, c) if precision.certify else 0
 
     @classmethod
     def own_bytes(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:

@@ -25,8 +25,8 @@ class PlainSearch(Strategy):
     settled by the direct form."""
 
     @classmethod
-    def cap(cls, precision: Precision, metric: Metric, k: int, nb: int) -> int:
-        return precision.cap(k, nb) if metric.matrix and precision.certify else 0
+    def cap(cls, precision: Precision, metric: Metric, k: int, nb: int, c: int) -> int:
+        return precision.cap(k, nb, c) if metric.matrix and precision.certify else 0
 
     @classmethod
     def own_bytes(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:

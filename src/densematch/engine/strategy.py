@@ -140,8 +140,9 @@ class Strategy:
     ref_norms: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
-    def cap(cls, precision: Precision, metric: Metric, k: int, nb: int) -> int:
-        """Candidates kept per row of a search of ``nb`` references (0: the strategy keeps none)."""
+    def cap(cls, precision: Precision, metric: Metric, k: int, nb: int, c: int) -> int:
+        """Candidates kept per row of a search of ``nb`` references of ``c`` channels (0: the
+        strategy keeps none)."""
         return 0
 
     @classmethod
