@@ -79,8 +79,9 @@ CANDIDATES = 32
 # features at C >= 256: benchmarks/history/2026-12-07-issue-39-the-certificate-s-cap-on-an-avx2-cpu.md).
 # Capped at 256 below C=256: at C=64 (9216 references) 512 halved l2's rows over the cap and saved
 # nothing. From C=256, where a row searched again costs four times the products of C=64 and a
-# candidate about what it did, at 512: 80x80x256 l2 k=1 at 400 (nb / 16) sent no row over against
-# 2.3% at 256, and the certificate cost 15-20% less (two sessions, AVX2 EPYC, the history above).
+# candidate about what it did, at 512: 80x80x256 l2 at 400 (nb / 16) sent no row over against
+# 2.3-3.0% at 256, and the certificate cost 5-20% less (AVX2 EPYC, two sessions:
+# benchmarks/history/2026-12-07-issue-39-the-certified-c-step-s-chunk-test-and-the-cap-from-c-256.md).
 _CANDIDATES_PER_REFERENCE = 1 / 16
 _MOST_CANDIDATES = 256
 _MORE_CANDIDATES_FROM = 256  # channels
