@@ -531,7 +531,21 @@ class HalfSearch(Strategy):
         of them against every reference at once, uncapped), near-ties settled by the direct form
         (:meth:`Strategy._rank_exact`). A row over the cap costs about one float32 product row,
         never a direct score per pair inside the half-precision bound."""
-        k, r = best_v.shape[1], redo.numel()
+        k = best_v.shape[1]
+        if not self.metric.extra_columns:
+            # a zero row of a pure product (a black patch) ties every reference at an exact 0: no
+            # cap holds it, so it goes to `_resolve` at once, which takes its products as its
+            # scores (the capped pass would list up to the cap first: 96x96x64 same-scene cosine,
+            # 77 of the 78 rows over the cap, 8 ms a query tile in two passes)
+            zero = (q.index_select(0, redo) == 0).all(1)
+            if bool(zero.any()):
+                z = redo[zero]
+                floor = torch.full((z.numel(),), -math.inf, dtype=self.dtype, device=q.device)
+                best_v[z], best_i[z] = self._resolve(q.index_select(0, z), z, floor, start, k, best_v[:0, 0])
+                redo = redo[~zero]
+        r = redo.numel()
+        if r == 0:
+            return
         rows, cols = self._resolve_shape(q.shape[0])
         cap: int | None = None
         if r * self.nb <= min(rows * cols, _UNCAPPED_SHARE * q.shape[0] * self.cap_rows):
