@@ -50,10 +50,11 @@ _GROUP_ROUNDING = 2 * unit_roundoff(torch.float32)
 # for the groups to be worth their products (`HalfSearch._group_centres`)
 _GROUPS_WORTH = 0.75
 # rows over the cap searched again uncapped list at most this share of the tile's list's room
-# (`_search_again`): a row of exact ties (flat, saturated patches) lists every reference, each
-# then scored directly, so the share bounds that worst case (where the cap grew from nb / 32 to
-# nb / 16, the room it had before; at the whole room, 96x96x64 cosine with a cap of 512 took
-# 27 -> 90 ms a call: benchmarks/history/2026-12-07-issue-39-the-certificate-s-cap-on-an-avx2-cpu.md)
+# (`_search_again`): a row of exact ties lists every reference, each then scored directly, so the
+# share bounds that worst case (where the cap grew from nb / 32 to nb / 16, the room it had before;
+# at the whole room, 96x96x64 cosine with a cap of 512 took 27 -> 90 ms a call:
+# benchmarks/history/2026-12-07-issue-39-the-certificate-s-cap-on-an-avx2-cpu.md). Those rows were
+# black patches, which now skip this pass; the share stays for ties of other rows.
 _UNCAPPED_SHARE = 0.5
 # a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
 _Side = tuple[torch.Tensor | None, torch.Tensor | None]
