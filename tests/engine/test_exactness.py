@@ -6,6 +6,7 @@ photo, and drawn ones. Near-ties are judged by tests/_reference.py's one helper.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import numpy as np
 import pytest
@@ -306,3 +307,20 @@ def test_zero_query_rows_tie_every_reference(path, metric):
     r = flat_match(a, b, metric, 8, path)
     assert torch.equal(r.index[::4], torch.arange(8).expand(10, 8))
     assert_topk_exact(a, b, r.index, metric, 8)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+@pytest.mark.parametrize("metric", ["cosine", "dot"])
+def test_zero_query_rows_skip_references_that_are_not_finite(kernel, metric):
+    # the engine takes references the public functions refuse: against a NaN or infinite one, a
+    # zero row's product is NaN, which never ranks, so its top k are the first finite references
+    # (found without a product: Strategy._first_finite)
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(3 * Precision().cap(8, 900), 16, generator=g)
+    b[0], b[2, 3], b[5, 0] = math.nan, math.inf, -math.inf
+    a = torch.randn(40, 16, generator=g)
+    a[::4] = 0
+    with densematch.config_context(kernel=kernel):
+        v, got = engine.topk(a, b, metric=metric, k=8, budget=2**26)
+    assert torch.equal(got[::4], torch.tensor([1, 3, 4, 6, 7, 8, 9, 10]).expand(10, 8))
+    assert bool((v[::4] == 0).all())

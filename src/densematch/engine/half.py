@@ -535,8 +535,8 @@ class HalfSearch(Strategy):
         k = best_v.shape[1]
         if not self.metric.extra_columns:
             # a zero row of a pure product (a black patch) ties every reference at an exact 0: no
-            # cap holds it, so it goes to `_resolve` at once, which takes its products as its
-            # scores (the capped pass would list up to the cap first: 96x96x64 same-scene cosine,
+            # cap holds it, so it goes to `_resolve` at once, which finds its top k without a
+            # product (the capped pass would list up to the cap first: 96x96x64 same-scene cosine,
             # all 78 rows over the cap, 7-8 ms a query tile in two passes)
             zero = (q.index_select(0, redo) == 0).all(1)
             if bool(zero.any()):

@@ -404,6 +404,18 @@ class Strategy:
         i = torch.full((r, k), -1, dtype=torch.int64, device=device)
         if r == 0:
             return v, i
+        zero = (q == 0).all(1) if not self.metric.extra_columns else None
+        if zero is not None and bool(zero.any()):
+            # a zero query row of a pure product (dot, cosine: a black patch) ties every reference
+            # at an exact 0: its top k are its first references with a 0 product (`_first_finite`),
+            # found without a product (the direct form would score all nb pairs one by one, its
+            # products a pass over every block for a few rows: 96x96x64 same-scene cosine, 78
+            # such rows took 12 ms of 206)
+            v[zero], i[zero] = self._first_finite(k, device)
+            keep = (~zero).nonzero().squeeze(1)
+            if keep.numel():
+                v[keep], i[keep] = self._resolve(q[keep], rows[keep], floor[keep], start, k, buf)
+            return v, i
         group, width = self._groups(q.shape[0], r)
         limit = max(width, q.shape[0] * self.cap_rows)
         merge = native.merge if self.ops.c else self.merge
@@ -411,22 +423,11 @@ class Strategy:
             sel, fg = rows[g : g + group], floor[g : g + group, None]
             gv, gi = v[g : g + group], i[g : g + group]
             side = q[g : g + group]
-            # a zero query row of a pure product (dot, cosine: a black patch) ties every
-            # reference at an exact 0, which its product already is: the direct form would score
-            # all nb pairs one by one to find the same ties
-            zero = (side == 0).all(1) if not self.metric.extra_columns else None
-            exact = zero.nonzero().squeeze(1) if zero is not None and bool(zero.any()) else None
             for j in range(0, self.nb, width):
                 block = self.metric.score_tile(side, self._prepare_refs(j, j + min(width, self.nb - j)), ops=self.ops)
                 reach = block >= fg
-                products = None
-                if exact is not None:
-                    products = block.index_select(0, exact)
-                    reach.index_fill_(0, exact, False)
                 total = torch.cumsum(reach.sum(1), 0).tolist()
                 block.fill_(-math.inf)
-                if exact is not None and products is not None:
-                    block.index_copy_(0, exact, products)
                 first = 0
                 while first < len(total):  # rows of the group in steps of at most `limit` candidates
                     base = total[first - 1] if first else 0
@@ -436,6 +437,23 @@ class Strategy:
                         block[first + lr, lc] = self._direct_scores(start, sel[first + lr], lc + j, buf)
                     first = last
                 merge(block, j, gv, gi)
+        return v, i
+
+    def _first_finite(self, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top ``k`` (values (k,), positions (k,)) of a zero query row of a pure product: the
+        first references whose prepared row is finite score an exact 0 (a sum of products of 0),
+        the others NaN (0 times inf or NaN), which never ranks; -inf and -1 past the last."""
+        v = torch.full((k,), -math.inf, dtype=self.dtype, device=device)
+        i = torch.full((k,), -1, dtype=torch.int64, device=device)
+        found = 0
+        for j in range(0, self.nb, self.tile_b):
+            refs = self._prepare_refs(j, min(j + self.tile_b, self.nb))
+            at = torch.isfinite(refs).all(1).nonzero().squeeze(1)[: k - found] + j
+            i[found : found + at.numel()] = at
+            v[found : found + at.numel()] = 0.0
+            found += at.numel()
+            if found == k:
+                break
         return v, i
 
     def _record(self, m: int, rows: torch.Tensor, resolved: torch.Tensor) -> None:
