@@ -54,7 +54,7 @@ _GROUPS_WORTH = 0.75
 # share bounds that worst case (where the cap grew from nb / 32 to nb / 16, the room it had before;
 # at the whole room, 96x96x64 cosine with a cap of 512 took 27 -> 90 ms a call:
 # benchmarks/history/2026-12-07-issue-39-the-certificate-s-cap-on-an-avx2-cpu.md). Those rows were
-# black patches, which now skip this pass; the share stays for ties of other rows.
+# black patches, which `_rank_exact` now settles before its scan; the share stays for other ties.
 _UNCAPPED_SHARE = 0.5
 # a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
 _Side = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -532,21 +532,7 @@ class HalfSearch(Strategy):
         of them against every reference at once, uncapped), near-ties settled by the direct form
         (:meth:`Strategy._rank_exact`). A row over the cap costs about one float32 product row,
         never a direct score per pair inside the half-precision bound."""
-        k = best_v.shape[1]
-        if not self.metric.extra_columns:
-            # a zero row of a pure product (a black patch) ties every reference at an exact 0: no
-            # cap holds it, so it goes to `_resolve` at once, which finds its top k without a
-            # product (the capped pass would list up to the cap first: 96x96x64 same-scene cosine,
-            # all 78 rows over the cap, 7-8 ms a query tile in two passes)
-            zero = (q.index_select(0, redo) == 0).all(1)
-            if bool(zero.any()):
-                z = redo[zero]
-                floor = torch.full((z.numel(),), -math.inf, dtype=self.dtype, device=q.device)
-                best_v[z], best_i[z] = self._resolve(q.index_select(0, z), z, floor, start, k, best_v[:0, 0])
-                redo = redo[~zero]
-        r = redo.numel()
-        if r == 0:
-            return
+        k, r = best_v.shape[1], redo.numel()
         rows, cols = self._resolve_shape(q.shape[0])
         cap: int | None = None
         if r * self.nb <= min(rows * cols, _UNCAPPED_SHARE * q.shape[0] * self.cap_rows):

@@ -338,6 +338,21 @@ class Strategy:
         resolved, for :meth:`_record`."""
         m, k = best_v.shape
         rows_of_tile = (lambda r: r) if tile_rows is None else (lambda r: tile_rows[r])
+        zero = (q == 0).all(1) if not self.metric.extra_columns else None
+        if zero is not None and bool(zero.any()):
+            # a zero query row of a pure product (dot, cosine: a black patch) ties every reference
+            # at an exact 0, more ties than any cap: its top k are its first references with a 0
+            # product (`_first_finite`), found without a product, and the scan goes on without it
+            # (listed up to the cap, then resolved over every block: 96x96x64 same-scene cosine,
+            # 78 such rows took 12 ms of a 206 ms search). Counted with the rows resolved.
+            best_v[zero], best_i[zero] = self._first_finite(k, q.device)
+            keep = (~zero).nonzero().squeeze(1)
+            rows, redo = keep[:0], keep[:0]
+            if keep.numel():
+                v, i = best_v[keep], best_i[keep]
+                rows, redo = self._rank_exact(q[keep], rows_of_tile(keep), v, i, start, buf, width, cap)
+                best_v[keep], best_i[keep] = v, i
+            return rows, torch.cat([redo, rows_of_tile(zero.nonzero().squeeze(1))])
         twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
@@ -403,18 +418,6 @@ class Strategy:
         v = torch.full((r, k), -math.inf, dtype=self.dtype, device=device)
         i = torch.full((r, k), -1, dtype=torch.int64, device=device)
         if r == 0:
-            return v, i
-        zero = (q == 0).all(1) if not self.metric.extra_columns else None
-        if zero is not None and bool(zero.any()):
-            # a zero query row of a pure product (dot, cosine: a black patch) ties every reference
-            # at an exact 0: its top k are its first references with a 0 product (`_first_finite`),
-            # found without a product (the direct form would score all nb pairs one by one, its
-            # products a pass over every block for a few rows: 96x96x64 same-scene cosine, 78
-            # such rows took 12 ms of 206)
-            v[zero], i[zero] = self._first_finite(k, device)
-            keep = (~zero).nonzero().squeeze(1)
-            if keep.numel():
-                v[keep], i[keep] = self._resolve(q[keep], rows[keep], floor[keep], start, k, buf)
             return v, i
         group, width = self._groups(q.shape[0], r)
         limit = max(width, q.shape[0] * self.cap_rows)
