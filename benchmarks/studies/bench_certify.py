@@ -14,6 +14,13 @@ cap: the time spent searching them again in float32, per row, against one query 
 product with every reference ("row again / f32 product row"). ``--features same-scene`` is the hard
 case (:func:`densematch.app.synthetic.same_scene_pair`: raw colour patches of two overlapping
 crops, not normalised), where bfloat16's bound leaves dozens of near-ties in every smooth region.
+On such a CPU the difference also carries what the slow, emulated products do to the rest (they
+leave its data out of the caches: at 96x96x64 l2, k=1, the rest read 94-99 ms beside float32
+products of the same tiles in their place, 132-137 ms beside the emulated ones). So the products
+are also recorded once and replayed (each tile copied into place, at memory speed, as a fast
+product writes it): "overhead, replayed" is the search's time less the time inside its product
+calls, with every other step as it runs (and the answer checked against the recorded search's),
+and "replayed / float32" the median of its ratios to float32's search, the two run in turns.
 ``--kernels auto torch`` times the certified step both ways in one run: one C call per tile
 ("auto", on a CPU with the C kernels) and torch's operators (``config_context(kernel="torch")``,
 which keeps the C kernels out of both searches)."""
@@ -53,11 +60,22 @@ HalfSearch._search_again = _timed_search_again  # type: ignore[method-assign]
 # seconds inside the search's own half-precision products (HalfSearch._block), summed
 PRODUCTS = {"seconds": 0.0}
 _block = HalfSearch._block
+# the product tiles of one search, in the order it made them, while "record" is set; replayed in
+# that order while "replay" is (one thread: the order is the search's own)
+TILES: dict = {"record": False, "replay": False, "made": [], "at": 0}
 
 
 def _timed_block(self, qh, j, n, out=None, **kw):  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
-    got = _block(self, qh, j, n, out=out, **kw)
+    if TILES["replay"]:  # _block's own steps, the product's tile copied in place of the product
+        rh = self._half_refs(j, j + n)
+        terms, bias = kw["sides"](j, j + n, rh)
+        got = (out.copy_(TILES["made"][TILES["at"]]), terms, bias)
+        TILES["at"] += 1
+    else:
+        got = _block(self, qh, j, n, out=out, **kw)
+        if TILES["record"]:
+            TILES["made"].append(got[0].clone())
     PRODUCTS["seconds"] += time.perf_counter() - t0
     return got
 
@@ -78,6 +96,45 @@ def certified_parts(fn, repeats: int) -> tuple[float, float, float]:  # type: ig
         runs.append((time.perf_counter() - t0, PRODUCTS["seconds"], AGAIN["seconds"]))
     runs.sort(key=lambda r: r[0] - r[1])
     return runs[len(runs) // 2]
+
+
+def replayed_rest(fn, plain, repeats: int) -> tuple[float, float] | None:  # type: ignore[no-untyped-def]
+    """``fn``'s time less the time inside its product calls, its products recorded in a first
+    call and replayed (see the module), and that time over ``plain``'s (float32's search), the
+    two called in turns: the medians over ``repeats`` turns of the time and of each turn's ratio
+    (this VM's speed drifts between the turns, less within one). None where the recorded tiles
+    would pass :data:`REPLAY_BYTES`."""
+    TILES.update(record=True, made=[])
+    try:
+        want = fn()
+    finally:
+        TILES["record"] = False
+    if sum(t.numel() * t.element_size() for t in TILES["made"]) > REPLAY_BYTES:
+        TILES["made"] = []
+        return None
+    rests, ratios = [], []
+    try:
+        for turn in range(repeats + 1):  # (the first, a warm-up)
+            TILES.update(replay=True, at=0)
+            PRODUCTS["seconds"] = 0.0
+            t0 = time.perf_counter()
+            got = fn()
+            rest = time.perf_counter() - t0 - PRODUCTS["seconds"]
+            TILES["replay"] = False
+            if not torch.equal(got[1], want[1]):
+                raise AssertionError("the replayed search found other matches than the recorded one")
+            t0 = time.perf_counter()
+            plain()
+            if turn:
+                rests.append(rest)
+                ratios.append(rest / (time.perf_counter() - t0))
+    finally:
+        TILES.update(replay=False, made=[])
+    return sorted(rests)[repeats // 2], sorted(ratios)[repeats // 2]
+
+
+# the most bytes of product tiles kept for a replay (96x96 against 96x96: 170 MB)
+REPLAY_BYTES = 2**30
 
 
 def median_time(fn, repeats: int) -> float:
@@ -119,6 +176,7 @@ def measure(
     stats: dict[str, int] = {}
     engine.topk(a, b, **kw, precision=bf16, stats=stats)
     certified, products, again = certified_parts(lambda: engine.topk(a, b, **kw, precision=bf16), repeats)
+    replayed = replayed_rest(lambda: engine.topk(a, b, **kw, precision=bf16), lambda: engine.topk(a, b, **kw), repeats)
     tiles = (plan.tile_a, plan.tile_b)
     plain = median_time(lambda: engine.topk(a, b, **kw), repeats)
     f32_products = median_time(lambda: products_only(a, b, metric, tiles, torch.float32), repeats)
@@ -134,6 +192,8 @@ def measure(
         "overhead ms": round(1e3 * (certified - products), 1),
         "float32 ms": round(1e3 * plain, 1),
         "overhead / float32": round((certified - products) / plain, 3),
+        "overhead, replayed ms": None if replayed is None else round(1e3 * replayed[0], 1),
+        "replayed / float32": None if replayed is None else round(replayed[1], 3),
         "row again / f32 product row": round(again / over / row, 2) if over else None,
     }
     if fast:  # the bfloat16 ranking alone, beside the bare bfloat16 products of its tiles
