@@ -602,10 +602,10 @@ class TestMerge:
 
 
 @needs_library
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     m=st.integers(1, 9),
-    n=st.integers(1, 200),
+    n=st.integers(1, 200) | st.integers(260, 700),
     k=st.integers(1, 5),
     cap=st.integers(1, 12),
     with_bias=st.booleans(),
@@ -618,9 +618,10 @@ def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, with_gro
     # against the same steps in torch: the same top-k (ties to the lower column) and every pair
     # whose upper bound reaches the final floor listed, for the rows that never went over the cap
     # (a row over is skipped from then on: the engine searches it again in float32). Tiles of
-    # several chunks starting inside a group, with the groups' additions, and NaN and infinities
-    # among the scores and the reference terms: the chunk test (native.c) may skip only chunks
-    # where the pair loop takes nothing
+    # several chunks starting inside a group (and of several of the chunk test's passes, with a
+    # part pass after them), with the groups' additions, and NaN and infinities among the scores
+    # and the reference terms: the chunk test (native.c) may skip only chunks where the pair loop
+    # takes nothing
     from densematch.engine.merge import order
 
     g = torch.Generator().manual_seed(seed)
@@ -629,6 +630,10 @@ def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, with_gro
     # C pass and torch must agree exactly, ties included
     qt = torch.randint(0, 4, (m, 3), generator=g).float() * 2.0**-8
     rt = torch.randint(0, 4, (n, 3), generator=g).float() * 2.0**-8
+    # each group's terms on a scale of its own (powers of two: still exact), so that a chunk's
+    # largest terms tell it apart from the others' (the chunk test's share of each chunk)
+    scales = 2.0 ** torch.randint(-3, 3, (n // native.GROUP + 1,), generator=g).float()
+    rt *= scales[torch.arange(n) // native.GROUP, None]
     if poisoned:
         spots = torch.randint(0, m * n, (3,), generator=g)
         h.view(-1)[spots] = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.bfloat16)
@@ -638,7 +643,7 @@ def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, with_gro
     k = min(k, n)
     # each row's product with each group's centre and their bound's terms (native.GROUP columns a group)
     groups = n // native.GROUP + 1
-    gp = torch.randn(m, groups, generator=g)
+    gp = torch.randn(m, groups, generator=g) * 8  # on the scores' scale: a group's addition decides
     gq, gt = torch.rand(m, 5, generator=g) * 1e-3, torch.rand(groups, 3, generator=g)
     best_v, best_i = torch.full((m, k), -math.inf), torch.full((m, k), -1, dtype=torch.int64)
     listed = native.Candidates(m, cap, torch.float32)
