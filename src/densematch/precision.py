@@ -60,6 +60,7 @@ __all__ = [
     "query_terms",
     "ref_terms",
     "resolve_precision",
+    "row_norms",
 ]
 
 # nearest_prototype takes these: its compute dtype follows its inputs (float64 for float64)
@@ -196,7 +197,20 @@ def product_slack(q: torch.Tensor, ref_norms: tuple[float, float], extra: int = 
     return 2 * _gamma(q.shape[1], q.dtype) * bound + _FLUSH
 
 
-def query_terms(q: torch.Tensor, qh: torch.Tensor, uncentred: torch.Tensor | None = None) -> torch.Tensor:
+def row_norms(x: torch.Tensor, h: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's norms (n, 4) that the bound terms are made of: ``|x|``, ``|h|``, ``|h - x|``
+    (the difference in x's dtype) and ``|u|`` (0 without ``u``), of rows ``x`` and ``u`` in the
+    compute dtype and their half copies ``h``, all (n, C). :func:`densematch.kernels.native.row_norms`
+    makes the same in one pass (bfloat16 on a CPU)."""
+    h32 = h.to(x.dtype, copy=True)  # the one (n, C) temporary: reused for the difference
+    nh = torch.linalg.vector_norm(h32, dim=1)
+    both = [torch.linalg.vector_norm(x, dim=1), nh, torch.linalg.vector_norm(h32.sub_(x), dim=1)]
+    return torch.stack([*both, torch.zeros_like(nh) if u is None else torch.linalg.vector_norm(u, dim=1)], dim=1)
+
+
+def query_terms(
+    q: torch.Tensor, qh: torch.Tensor, uncentred: torch.Tensor | None = None, *, norms: torch.Tensor | None = None
+) -> torch.Tensor:
     """The query side of the per-pair rounding bound: (m, 3) rows ``(x, z, 1)``.
 
     The bound of pair (i, j) is ``query_terms[i] . ref_terms[j]``: a bound on |half score -
@@ -215,16 +229,15 @@ def query_terms(q: torch.Tensor, qh: torch.Tensor, uncentred: torch.Tensor | Non
         the references' own centring are at most ``u32 (|u| + |q|)`` per unit of reference norm,
         which the float32 terms above, proportional to ``|q|``, no longer cover when ``|q|`` is
         far below ``|u|``.
+    norms : Tensor of shape (m, 4), optional
+        :func:`row_norms` of ``(q, qh, uncentred)``, where the caller has them.
     """
     gamma = _gamma(q.shape[1], q.dtype)
-    qh32 = qh.to(q.dtype, copy=True)  # the one (m, C) temporary: reused for the residual below
-    nq = torch.linalg.vector_norm(q, dim=1)
-    nqh = torch.linalg.vector_norm(qh32, dim=1)
-    dq = torch.linalg.vector_norm(qh32.sub_(q), dim=1)
+    nq, nqh, dq, nu = (row_norms(q, qh, uncentred) if norms is None else norms).unbind(1)
     x = nq * _NORM_SLACK
     z = (dq + nqh * gamma) * _NORM_SLACK
     if uncentred is not None:  # against the half references' norm w, within u of their own
-        z += 2 * unit_roundoff(q.dtype) * (torch.linalg.vector_norm(uncentred, dim=1) + x)
+        z += 2 * unit_roundoff(q.dtype) * (nu + x)
     return torch.stack([x, z, torch.ones_like(x)], dim=1)
 
 
@@ -267,7 +280,7 @@ def group_centres(r: torch.Tensor, size: int) -> torch.Tensor:
     return centres
 
 
-def group_terms(q: torch.Tensor, uncentred: torch.Tensor) -> torch.Tensor:
+def group_terms(q: torch.Tensor, uncentred: torch.Tensor, *, norms: torch.Tensor | None = None) -> torch.Tensor:
     """The query side (m, 5) of the bound on each query row's product with a reference group's
     centre, for references whose half rows hold ``d = fl(b - t)``, ``t`` their group's centre.
 
@@ -287,10 +300,16 @@ def group_terms(q: torch.Tensor, uncentred: torch.Tensor) -> torch.Tensor:
         The query rows the half product reads, in float32 (centred, where they are).
     uncentred : Tensor of shape (m, C)
         The rows before their centring (``q`` itself where none).
+    norms : Tensor of shape (m, 4), optional
+        :func:`row_norms` with ``q`` first and ``uncentred`` last (as :func:`query_terms` takes
+        them), where the caller has them.
     """
     gamma, u = _gamma(q.shape[1], q.dtype), _U32
-    nq = torch.linalg.vector_norm(q, dim=1) * _NORM_SLACK
-    nu = torch.linalg.vector_norm(uncentred, dim=1) * _NORM_SLACK
+    if norms is None:
+        nq, nu = torch.linalg.vector_norm(q, dim=1), torch.linalg.vector_norm(uncentred, dim=1)
+    else:
+        nq, nu = norms[:, 0], norms[:, 3]
+    nq, nu = nq * _NORM_SLACK, nu * _NORM_SLACK
     rows = [gamma * nq, 2 * u * (nu + nq), 2 * u * nq, torch.full_like(nq, 4 * u * _NORM_SLACK)]
     return torch.stack([*rows, torch.full_like(nq, _FLUSH * (q.shape[1] + 2))], dim=1)
 
@@ -302,13 +321,13 @@ def group_norms(centres: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.linalg.vector_norm(centres, dim=1, keepdim=True), largest], dim=1) * _NORM_SLACK
 
 
-def ref_terms(r: torch.Tensor, rh: torch.Tensor) -> torch.Tensor:
+def ref_terms(r: torch.Tensor, rh: torch.Tensor, *, norms: torch.Tensor | None = None) -> torch.Tensor:
     """The reference side of the per-pair rounding bound: (n, 3) rows ``(y, w, flush)`` of
-    prepared float32 rows ``r`` and their half copies ``rh``."""
+    prepared float32 rows ``r`` and their half copies ``rh`` (``norms``: their :func:`row_norms`,
+    where the caller has them)."""
     gamma = _gamma(r.shape[1], r.dtype)
-    rh32 = rh.to(r.dtype, copy=True)  # the one (n, C) temporary, as in query_terms
-    w = torch.linalg.vector_norm(rh32, dim=1)
-    y = torch.linalg.vector_norm(rh32.sub_(r), dim=1) + gamma * torch.linalg.vector_norm(r, dim=1)
+    nr, w, dr, _ = (row_norms(r, rh) if norms is None else norms).unbind(1)
+    y = dr + gamma * nr
     return torch.stack([y, w, torch.full_like(y, _FLUSH * (r.shape[1] + 2))], dim=1)
 
 

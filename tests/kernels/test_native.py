@@ -602,6 +602,50 @@ class TestMerge:
 
 
 @needs_library
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 7),
+    c=st.integers(1, 40),
+    with_u=st.booleans(),
+    strided=st.booleans(),
+    poisoned=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_row_norms_equal_float64_and_torchs(n, c, with_u, strided, poisoned, seed):
+    # the bound terms' norms in one C pass (columns around its eight lanes and their tail, rows
+    # of any stride, NaN and infinities) against float64 and against the torch form the engine
+    # takes elsewhere: the same values to within an ulp of float32, non-finite where torch's are
+    from densematch.precision import row_norms
+
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(n, c + 3, generator=g) * 2.0 ** torch.randint(-20, 20, (n, 1), generator=g)
+    x = wide[:, 1 : c + 1] if strided else wide[:, :c].contiguous()
+    u = torch.randn(n, c, generator=g) if with_u else None
+    h = (x + torch.randn(n, c, generator=g) * 1e-3 * x.abs()).to(torch.bfloat16)  # not always x rounded
+    if poisoned and n * c:
+        x.reshape(-1)[0] = math.nan if seed % 2 else math.inf
+        h.view(-1)[-1] = -math.inf
+    got, torch_form = native.row_norms(x, h, u), row_norms(x, h, u)
+    h64 = h.double()
+    diff = (h.float() - x).double()  # the difference in x's dtype, as both forms take it
+    want = torch.stack(
+        [
+            x.double().norm(dim=1),
+            h64.norm(dim=1),
+            diff.norm(dim=1),
+            u.double().norm(dim=1) if with_u else torch.zeros(n, dtype=torch.float64),
+        ],
+        dim=1,
+    )
+    finite = want.isfinite()
+    assert torch.equal(got.isfinite(), finite) and torch.equal(torch_form.isfinite(), finite)
+    assert torch.equal(got.isnan(), want.isnan())
+    close = dict(rtol=2.0**-22, atol=0.0)
+    assert torch.allclose(got.double()[finite], want[finite], **close)
+    assert torch.allclose(torch_form.double()[finite], want[finite], rtol=2.0**-20, atol=0.0)
+
+
+@needs_library
 @settings(max_examples=100, deadline=None)
 @given(
     m=st.integers(1, 9),

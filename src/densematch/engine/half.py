@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,6 +32,7 @@ from ..precision import (
     group_terms,
     query_terms,
     ref_terms,
+    row_norms,
     unit_roundoff,
 )
 from ..threads import share_out, share_size
@@ -58,6 +59,16 @@ _GROUPS_WORTH = 0.75
 _UNCAPPED_SHARE = 0.5
 # a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
 _Side = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+class _QueryHalf(NamedTuple):
+    """A query tile as the half product reads it (:meth:`HalfSearch._half_query`)."""
+
+    rows: torch.Tensor  # (m, C) half rows: the body columns, less their centre
+    terms: torch.Tensor | None  # (m, 3) bound terms (precision.query_terms), None without a bound
+    centre: torch.Tensor | None  # (C,) the rows' centre, None where not centred
+    centred: torch.Tensor  # (m, C) the body columns less the centre, in float32 (the body itself without one)
+    norms: torch.Tensor | None  # (m, 4) precision.row_norms of (centred, rows, body), None without a bound
 
 
 class HalfSearch(Strategy):
@@ -270,22 +281,30 @@ class HalfSearch(Strategy):
             return self.whole_t[start:stop]
         return self._terms(self._grouped(self._prepare_refs(start, stop), start), half_refs)
 
+    def _norms(self, x: torch.Tensor, h: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`densematch.precision.row_norms` of ``(x, h, u)``: in one C pass for bfloat16
+        half rows on a CPU with the C kernels (at C=1536, 4-5 passes of torch's over the rows
+        for each query tile's terms and the references')."""
+        if self.ops.c and h.dtype == torch.bfloat16 and x.dtype == torch.float32:
+            return native.row_norms(x, h, u)
+        return row_norms(x, h, u)
+
     def _terms(self, refs: torch.Tensor, half_refs: torch.Tensor) -> torch.Tensor:
         """The references' bound terms: of every column, or with the l2 bias apart, of the body
         columns plus the float32 rounding of adding the bias (in the per-reference term)."""
         if not self.split:
-            return ref_terms(refs, half_refs)
+            return ref_terms(refs, half_refs, norms=self._norms(refs, half_refs))
         c = refs.shape[1] - 1
-        terms = ref_terms(refs[:, :c], half_refs[:, :c])
+        body, half_body = refs[:, :c], half_refs[:, :c]
+        terms = ref_terms(body, half_body, norms=self._norms(body, half_body))
         terms[:, 2] += _BIAS_ROUNDING * refs[:, c].abs()
         return terms
 
-    def _half_query(
-        self, q: torch.Tensor, *, bound: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The query rows the half product reads (the body columns, less their centre), their
-        bound terms (None without ``bound``), and that centre (None where the rows are not
-        centred).
+    def _half_query(self, q: torch.Tensor, *, bound: bool = True) -> _QueryHalf:
+        """The query rows the half product reads (the body columns, less their centre), with
+        their bound terms and norms (:func:`densematch.precision.row_norms`; both None without
+        ``bound``), that centre (None where the rows are not centred) and the centred rows in
+        float32.
 
         Centring: with ``v`` the mean of the tile's finite body rows, ``a.b = (a - v).b + v.b``,
         and ``v.b`` is a per-reference float32 bias (:meth:`_sides`). Features that look alike
@@ -293,14 +312,18 @@ class HalfSearch(Strategy):
         scales with the norm of the rows multiplied, shrinks with it (issue 39: 5x at C=64)."""
         body = self._body(q)
         finite = self._finite_rows(body) if self.centring and body.shape[0] > 1 else None
-        if finite is None or not bool(finite.any()):
-            qh = body.to(self.half)
-            return qh, query_terms(body, qh) if bound else None, None
-        # (a boolean index would copy the whole tile where, as almost always, every row is finite)
-        centre = body.mean(0) if bool(finite.all()) else body[finite].mean(0)
-        centred = body - centre
+        centre = None
+        centred = body
+        if finite is not None and bool(finite.any()):
+            # (a boolean index would copy the whole tile where, as almost always, every row is finite)
+            centre = body.mean(0) if bool(finite.all()) else body[finite].mean(0)
+            centred = body - centre
         qh = centred.to(self.half)
-        return qh, query_terms(centred, qh, uncentred=body) if bound else None, centre
+        if not bound:
+            return _QueryHalf(qh, None, centre, centred, None)
+        uncentred = None if centre is None else body
+        norms = self._norms(centred, qh, uncentred)
+        return _QueryHalf(qh, query_terms(centred, qh, uncentred, norms=norms), centre, centred, norms)
 
     @staticmethod
     def _finite_rows(body: torch.Tensor) -> torch.Tensor:
@@ -378,18 +401,19 @@ class HalfSearch(Strategy):
             return
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
-        qh, qt, centre = self._half_query(q)
+        half = self._half_query(q)
+        qh, qt = half.rows, half.terms
         assert qt is not None
-        sides = self._sides(centre)
+        sides = self._sides(half.centre)
         if self.centres is not None:  # grouped half rows: only the C step adds the groups' bounds
             v, i = best_v.contiguous(), best_i.contiguous()
-            self._rank_native(q, qh, qt, centre, sides, v, i, start, buf)
+            self._rank_native(q, half, sides, v, i, start, buf)
             if v is not best_v or i is not best_i:
                 best_v.copy_(v)
                 best_i.copy_(i)
             return
         if self._native_certified(best_v, best_i):
-            self._rank_native(q, qh, qt, centre, sides, best_v, best_i, start, buf)
+            self._rank_native(q, half, sides, best_v, best_i, start, buf)
             return
         rounding = self.rounding
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
@@ -433,8 +457,9 @@ class HalfSearch(Strategy):
         """ "fast": rank by the half scores of centred queries plus the float32 bias (the l2
         column and the centre's products, as the certified search forms them), with no bound:
         approximate, but as close to float32 as the half product can be made."""
-        qh, _, centre = self._half_query(q, bound=False)
-        sides = self._sides(centre, bound=False)
+        half = self._half_query(q, bound=False)
+        qh = half.rows
+        sides = self._sides(half.centre, bound=False)
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         c_merge = self._native(best_v, best_i)
@@ -454,9 +479,7 @@ class HalfSearch(Strategy):
     def _rank_native(
         self,
         q: torch.Tensor,
-        qh: torch.Tensor,
-        qt: torch.Tensor,
-        centre: torch.Tensor | None,
+        half: _QueryHalf,
         sides: Callable[..., _Side],
         best_v: torch.Tensor,
         best_i: torch.Tensor,
@@ -464,9 +487,9 @@ class HalfSearch(Strategy):
         buf: torch.Tensor,
     ) -> None:
         """:meth:`rank` with one C call per tile for the bounds, the merge of the lower bounds
-        and the listing of the candidates, after the tile's bfloat16 product (``centre``: the
-        query rows' centre, or None). With grouped references, each tile's group bounds come
-        from the query rows in float32 (:func:`densematch.precision.group_terms`).
+        and the listing of the candidates, after the tile's bfloat16 product (``half``: the
+        query rows as :meth:`_half_query` made them). With grouped references, each tile's group
+        bounds come from the query rows in float32 (:func:`densematch.precision.group_terms`).
 
         Rows over the cap are searched again in float32 (:meth:`_search_again`), so their
         products are wasted: once a quarter of the rows still listing have gone over, the
@@ -476,12 +499,14 @@ class HalfSearch(Strategy):
         m = best_v.shape[0]
         listed = native.Candidates(m, self.cap_rows, self.dtype)
         rows: torch.Tensor | None = None  # the rows still listing, where not all
-        body = self._body(q)
-        centred = body - centre if centre is not None else body  # as `_half_query` forms them
+        qh, qt, centred = half.rows, half.terms, half.centred
+        assert qt is not None and half.norms is not None
         gq = None
         if self.centres is not None:  # and the rounding of adding a group's product to each bound
             qt = qt * (1.0 + 2 * _GROUP_ROUNDING)
-            gq = group_terms(centred, body)
+            # (the rows before their centring: the norms' last column, 0 where not centred)
+            norms = half.norms if half.centre is not None else half.norms[:, [0, 1, 2, 0]]
+            gq = group_terms(centred, self._body(q), norms=norms)
         part = (qh, qt, best_v, best_i, listed, centred, gq)
         products = None if self.centres is None else _GroupProducts(self.centres, self.tile_b)
 

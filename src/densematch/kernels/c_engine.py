@@ -21,6 +21,7 @@ __all__ = [
     "minkowski",
     "minkowski_grad",
     "pair_values",
+    "row_norms",
     "sqnorms",
 ]
 
@@ -292,6 +293,25 @@ def merge_certified(
         scratch.data_ptr(),
     )  # fmt: skip
     return int(gone)
+
+
+def row_norms(x: torch.Tensor, h: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's norms (n, 4): ``|x|``, ``|h|``, ``|h - x|`` and ``|u|`` (0 without ``u``), of x
+    and u (n, C) float32 and h (n, C) bfloat16, each with unit-stride rows; in one pass, summed in
+    float64 (native.c), for :func:`densematch.precision.query_terms`, ``ref_terms`` and
+    ``group_terms``. On this thread."""
+    lib = _loaded("row_norms", x, h, u)
+    _require(x.dtype == torch.float32 and h.dtype == torch.bfloat16, "x must be float32, h bfloat16")
+    _require(x.dim() == 2 and h.shape == x.shape, "x and h must be (n, C) of one shape")
+    _require(u is None or (u.shape == x.shape and u.dtype == torch.float32), "u must be float32 of x's shape")
+    x, h = _unit_rows(x), _unit_rows(h)
+    u = None if u is None else _unit_rows(u)
+    out = torch.empty((x.shape[0], 4), dtype=torch.float32)
+    lib.dm_row_norms_bf16(
+        x.data_ptr(), x.stride(0), h.data_ptr(), h.stride(0), None if u is None else u.data_ptr(),
+        0 if u is None else u.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 PAIR_KINDS = {"dot": 0, "sqdiff": 1, "absdiff": 2, "maxabs": 3, "cosine": 4}

@@ -343,6 +343,63 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
     return gone;
 }
 
+/* The norms the certified search's bound terms are made of (densematch.precision: query_terms,
+ * ref_terms, group_terms), in one pass over each row where torch makes four or five: out[4 r ..
+ * 4 r + 3] = |x|, |h|, |h - x| (the difference in float32) and |u| of row r of x and u (float32)
+ * and h (bfloat16), any row strides (u NULL: 0). Squares summed in float64 (no sum overflows) over eight lanes,
+ * column j in lane j % 8, folded in one order: the same bits on every level, and a float32 norm
+ * within an ulp of the exact one, inside the bound's slack for its norms. */
+typedef float dm_v4f __attribute__((vector_size(16)));
+typedef double dm_v4d __attribute__((vector_size(32)));
+
+/* the squares of eight float32 values at p (lanes 0-3, then 4-7) added to acc[0], acc[1] in float64 */
+static inline void add_squares8(dm_v4d *acc, const float *p) {
+    dm_v4f lo, hi;
+    memcpy(&lo, p, sizeof lo);
+    memcpy(&hi, p + 4, sizeof hi);
+    const dm_v4d a = __builtin_convertvector(lo, dm_v4d), b = __builtin_convertvector(hi, dm_v4d);
+    acc[0] += a * a;
+    acc[1] += b * b;
+}
+
+static inline float norm_of_lanes(const dm_v4d *acc, const double *tail) {
+    double s[8];
+    for (int l = 0; l < 4; l++) s[l] = acc[0][l] + tail[l], s[4 + l] = acc[1][l] + tail[4 + l];
+    return (float)sqrt(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+}
+
+void dm_row_norms_bf16(const float *x, int64_t ldx, const uint16_t *h, int64_t ldh, const float *u, int64_t ldu,
+                       int64_t n, int64_t c, float *out) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * ldx, *ur = u ? u + r * ldu : NULL;
+        const uint16_t *hr = h + r * ldh;
+        dm_v4d ax[2] = {{0}}, ah[2] = {{0}}, ad[2] = {{0}}, au[2] = {{0}};
+        double tx[8] = {0}, th[8] = {0}, td[8] = {0}, tu[8] = {0}; /* the last columns' lanes */
+        int64_t j = 0;
+        for (; j + 8 <= c; j += 8) {
+            float hv[8], dv[8];
+            const vec_f32 w = widen_bf16(hr + j), d = w - load_f32(xr + j); /* in float32, as torch's form */
+            memcpy(hv, &w, sizeof hv);
+            memcpy(dv, &d, sizeof dv);
+            add_squares8(ax, xr + j);
+            add_squares8(ah, hv);
+            add_squares8(ad, dv);
+        }
+        for (int64_t t = j; t < c; t++) {
+            const double a = xr[t], b = bf16_to_f32(hr[t]), d = (float)(bf16_to_f32(hr[t]) - xr[t]);
+            tx[t % 8] += a * a, th[t % 8] += b * b, td[t % 8] += d * d;
+        }
+        if (ur) {
+            for (j = 0; j + 8 <= c; j += 8) add_squares8(au, ur + j);
+            for (int64_t t = j; t < c; t++) tu[t % 8] += (double)ur[t] * ur[t];
+        }
+        out[4 * r] = norm_of_lanes(ax, tx);
+        out[4 * r + 1] = norm_of_lanes(ah, th);
+        out[4 * r + 2] = norm_of_lanes(ad, td);
+        out[4 * r + 3] = norm_of_lanes(au, tu);
+    }
+}
+
 /* A bfloat16 score tile (m x n, row stride lds) merged into a float32 running top-k, as dm_merge
  * does (equal scores to the lower column, in any tile order), for precision="fast": chunks of 32
  * scores widened to float32 (a shift each), plus bias[c] where given (the l2 column and the
