@@ -321,9 +321,9 @@ class HalfSearch(Strategy):
         qh = centred.to(self.half)
         if not bound:
             return _QueryHalf(qh, None, centre, centred, None)
-        uncentred = None if centre is None else body
-        norms = self._norms(centred, qh, uncentred)
-        return _QueryHalf(qh, query_terms(centred, qh, uncentred, norms=norms), centre, centred, norms)
+        norms = self._norms(centred, qh, body)
+        terms = query_terms(centred, qh, None if centre is None else body, norms=norms)
+        return _QueryHalf(qh, terms, centre, centred, norms)
 
     @staticmethod
     def _finite_rows(body: torch.Tensor) -> torch.Tensor:
@@ -504,9 +504,7 @@ class HalfSearch(Strategy):
         gq = None
         if self.centres is not None:  # and the rounding of adding a group's product to each bound
             qt = qt * (1.0 + 2 * _GROUP_ROUNDING)
-            # (the rows before their centring: the norms' last column, 0 where not centred)
-            norms = half.norms if half.centre is not None else half.norms[:, [0, 1, 2, 0]]
-            gq = group_terms(centred, self._body(q), norms=norms)
+            gq = group_terms(centred, self._body(q), norms=half.norms)
         part = (qh, qt, best_v, best_i, listed, centred, gq)
         products = None if self.centres is None else _GroupProducts(self.centres, self.tile_b)
 
