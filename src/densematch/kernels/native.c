@@ -387,7 +387,8 @@ void dm_row_norms_bf16(const float *x, int64_t ldx, const uint16_t *h, int64_t l
             add_squares8(ad, dv);
         }
         for (int64_t t = j; t < c; t++) {
-            const double a = xr[t], b = bf16_to_f32(hr[t]), d = (float)(bf16_to_f32(hr[t]) - xr[t]);
+            const float w = bf16_to_f32(hr[t]);
+            const double a = xr[t], b = w, d = w - xr[t]; /* (the difference in float32, as above) */
             tx[t % 8] += a * a, th[t % 8] += b * b, td[t % 8] += d * d;
         }
         if (ur) {
