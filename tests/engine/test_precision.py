@@ -629,18 +629,18 @@ def test_each_certified_path_takes_the_step_its_rule_names(monkeypatch, half, ke
     if kernel == "triton" and importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed: the kernel path cannot run here")
     seen = {"c calls": 0, "centred": []}
-    real_merge, real_query = native.merge_certified, HalfSearch._half_query
+    real_step, real_query = native.CertifiedStep.__call__, HalfSearch._half_query
 
-    def merge(*args, **kwargs):
+    def step(*args, **kwargs):
         seen["c calls"] += 1
-        return real_merge(*args, **kwargs)
+        return real_step(*args, **kwargs)
 
     def half_query(self, q):
         got = real_query(self, q)
         seen["centred"].append(got[2] is not None)
         return got
 
-    monkeypatch.setattr(native, "merge_certified", merge)
+    monkeypatch.setattr(native.CertifiedStep, "__call__", step)
     monkeypatch.setattr(HalfSearch, "_half_query", half_query)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(60, 16, generator=g), torch.randn(90, 16, generator=g)

@@ -724,6 +724,48 @@ def test_certified_merge_equals_its_torch_form(m, n, k, cap, with_bias, with_gro
 
 
 @needs_library
+@pytest.mark.parametrize("with_groups", [False, True])
+def test_a_certified_step_over_tiles_equals_one_call_a_tile(with_groups):
+    # the engine's form: one CertifiedStep for a query tile's rows, the references' terms as planes
+    # of the whole set sliced per tile (a row stride of the whole, not the tile), the bias a
+    # strided column: the same top-k, lists and rows over as merge_certified called per tile
+    g = torch.Generator().manual_seed(3)
+    m, nb, k, cap = 9, 300, 3, 12
+    h = (torch.randn(m, nb, generator=g) * 4).round().to(torch.bfloat16)
+    qt = torch.randint(0, 4, (m, 3), generator=g).float() * 2.0**-8
+    rt = torch.randint(0, 4, (nb, 3), generator=g).float() * 2.0**-8
+    prepared = torch.randn(nb, 5, generator=g).round()  # the bias is its last column: stride 5
+    groups = nb // native.GROUP + 1
+    gp, gq = torch.randn(m, groups, generator=g) * 8, torch.rand(m, 5, generator=g) * 1e-3
+    gt = torch.rand(groups, 3, generator=g)
+    planes = rt.T.contiguous()
+    results = []
+    for stepwise in (False, True):
+        best_v, best_i = torch.full((m, k), -math.inf), torch.full((m, k), -1, dtype=torch.int64)
+        listed = native.Candidates(m, cap, torch.float32)
+        step = native.CertifiedStep(best_v, best_i, qt, 2.0**-9, listed, gq if with_groups else None)
+        for j in range(0, nb, 70):  # tiles that start inside a group
+            stop = min(j + 70, nb)
+            first, last = j // native.GROUP, (stop - 1) // native.GROUP + 1
+            bias = prepared[j:stop, 4]
+            if stepwise:
+                pair = (gp[:, first:last], gt[first:last]) if with_groups else None
+                step(h[:, j:stop], j, planes[:, j:stop], bias, pair)
+            else:
+                trio = (gp[:, first:last].contiguous(), gq, gt[first:last]) if with_groups else None
+                native.merge_certified(h[:, j:stop], j, best_v, best_i, qt, rt[j:stop], bias, 2.0**-9, listed, trio)
+        results.append((best_v, best_i, listed.over, *listed.reaching(best_v[:, -1])))
+    assert all(torch.equal(x, y) for x, y in zip(*results, strict=True))
+    assert results[0][3].numel() > 0  # pairs were listed
+    best_v, best_i = torch.full((m, k), -math.inf), torch.full((m, k), -1, dtype=torch.int64)
+    step = native.CertifiedStep(best_v, best_i, qt, 2.0**-9, native.Candidates(m, cap, torch.float32))
+    with pytest.raises(ValueError, match="planes must be"):
+        step(h[:, :32], 0, rt[:32])  # rows, not planes
+    with pytest.raises(ValueError, match="group terms"):
+        step(h[:, :32], 0, planes[:, :32], None, (gp[:, :1], gt[:1]))
+
+
+@needs_library
 @settings(max_examples=60, deadline=None)
 @given(
     m=st.integers(1, 6),

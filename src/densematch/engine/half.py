@@ -336,22 +336,28 @@ class HalfSearch(Strategy):
             finite[doubt] = torch.isfinite(body[doubt]).all(1)
         return finite
 
-    def _sides(self, centre: torch.Tensor | None, *, bound: bool = True) -> Callable[[int, int, torch.Tensor], _Side]:
+    def _sides(
+        self, centre: torch.Tensor | None, *, bound: bool = True, planes: bool = False
+    ) -> Callable[[int, int, torch.Tensor], _Side]:
         """``side(start, stop, half_refs)``: the bound terms of references start:stop (None
-        without ``bound``) and the float32 bias added to their half scores (the l2 column kept
-        out of the product, plus ``centre . b`` for centred queries; None without either), for a
-        query tile centred on ``centre``. With every reference prepared, the bias of all of them
-        is made once here."""
+        without ``bound``; rows (n, 3), or with ``planes`` three planes (3, n) with unit-stride
+        rows, as the C step reads them) and the float32 bias added to their half scores (the l2
+        column kept out of the product, plus ``centre . b`` for centred queries; None without
+        either), for a query tile centred on ``centre``. With every reference prepared, the terms
+        and bias of all of them are made once here."""
         if self.whole is not None and (self.whole_t is not None or not bound):
             terms, bias = self._centred(self.whole, self.whole_t if bound else None, centre)
+            if planes and terms is not None:
+                terms = terms.T.contiguous()
             return lambda start, stop, rh: (
-                None if terms is None else terms[start:stop],
+                None if terms is None else terms[:, start:stop] if planes else terms[start:stop],
                 None if bias is None else bias[start:stop],
             )
 
         def side(start: int, stop: int, rh: torch.Tensor) -> _Side:
             refs = self._prepare_refs(start, stop)
-            return self._centred(refs, self._terms(refs, rh) if bound else None, centre)
+            terms, bias = self._centred(refs, self._terms(refs, rh) if bound else None, centre)
+            return (terms.T.contiguous() if planes and terms is not None else terms), bias
 
         return side
 
@@ -404,17 +410,17 @@ class HalfSearch(Strategy):
         half = self._half_query(q)
         qh, qt = half.rows, half.terms
         assert qt is not None
-        sides = self._sides(half.centre)
         if self.centres is not None:  # grouped half rows: only the C step adds the groups' bounds
             v, i = best_v.contiguous(), best_i.contiguous()
-            self._rank_native(q, half, sides, v, i, start, buf)
+            self._rank_native(q, half, self._sides(half.centre, planes=True), v, i, start, buf)
             if v is not best_v or i is not best_i:
                 best_v.copy_(v)
                 best_i.copy_(i)
             return
         if self._native_certified(best_v, best_i):
-            self._rank_native(q, half, sides, best_v, best_i, start, buf)
+            self._rank_native(q, half, self._sides(half.centre, planes=True), best_v, best_i, start, buf)
             return
+        sides = self._sides(half.centre)
         rounding = self.rounding
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
         pool = Pool(m, self.cap_rows, q.device, self.dtype)
@@ -473,7 +479,7 @@ class HalfSearch(Strategy):
 
     def _native_certified(self, best_v: torch.Tensor, best_i: torch.Tensor) -> bool:
         """Whether each tile's bounds, merge and listing run as one C call
-        (:func:`densematch.kernels.native.merge_certified`): bfloat16 products on a CPU."""
+        (:class:`densematch.kernels.native.CertifiedStep`): bfloat16 products on a CPU."""
         return self.half == torch.bfloat16 and self.ops.c and best_v.is_contiguous() and best_i.is_contiguous()
 
     def _rank_native(
@@ -505,30 +511,32 @@ class HalfSearch(Strategy):
         if self.centres is not None:  # and the rounding of adding a group's product to each bound
             qt = qt * (1.0 + 2 * _GROUP_ROUNDING)
             gq = group_terms(centred, self._body(q), norms=half.norms)
-        part = (qh, qt, best_v, best_i, listed, centred, gq)
+        step = native.CertifiedStep(best_v, best_i, qt, self.rounding, listed, gq)
+        part = (qh, best_v, best_i, listed, centred, step)
         products = None if self.centres is None else _GroupProducts(self.centres, self.tile_b)
 
         def put_back() -> None:
             if rows is not None:
-                best_v[rows], best_i[rows] = part[2], part[3]
-                listed.put(rows, part[4])
+                best_v[rows], best_i[rows] = part[1], part[2]
+                listed.put(rows, part[3])
 
         for j in self._tile_order(start, m):
             n = min(self.tile_b, self.nb - j)
-            ph, pt, pv, pi, pl, pc, pq = part
-            s, terms, bias = self._block(ph, j, n, out=buf[: ph.shape[0] * n].view(-1, n), sides=sides)
-            assert terms is not None
+            ph, _, _, pl, pc, step = part
+            s, planes, bias = self._block(ph, j, n, out=buf[: ph.shape[0] * n].view(-1, n), sides=sides)
+            assert planes is not None
             groups = None
-            if products is not None and self.group_norms is not None and pq is not None:
+            if products is not None and self.group_norms is not None:
                 first, last = j // native.GROUP, (j + n - 1) // native.GROUP + 1
-                groups = (products(pc, first, last), pq, self.group_norms[first:last])
-            gone = native.merge_certified(s, j, pv, pi, pt, terms, bias, self.rounding, pl, groups)
+                groups = (products(pc, first, last), self.group_norms[first:last])
+            gone = step(s, j, planes, bias, groups)
             if gone and 4 * gone >= ph.shape[0]:
                 put_back()
                 keep = (~pl.over).nonzero().squeeze(1)
                 rows = keep if rows is None else rows[keep]
-                pq = None if gq is None else gq[rows]
-                part = (qh[rows], qt[rows], best_v[rows], best_i[rows], listed.take(rows), centred[rows], pq)
+                pv, pi, pl = best_v[rows], best_i[rows], listed.take(rows)
+                step = native.CertifiedStep(pv, pi, qt[rows], self.rounding, pl, None if gq is None else gq[rows])
+                part = (qh[rows], pv, pi, pl, centred[rows], step)
                 if products is not None:
                     products.take(keep)
         put_back()

@@ -12,6 +12,7 @@ __all__ = [
     "GROUP",
     "PAIR_KINDS",
     "Candidates",
+    "CertifiedStep",
     "cosine_terms",
     "l2_finish",
     "l2_weights",
@@ -239,6 +240,104 @@ def merge_pairs(
     )  # fmt: skip
 
 
+class CertifiedStep:
+    """The certified search's step (native.c's ``dm_merge_certified_bf16``) for one query tile's
+    rows, called once per reference tile. What holds for every tile is checked and held here once:
+    the running top-k ``best_v`` / ``best_i`` (m, k, float32 / int64, contiguous; lower bounds
+    merged, equal values to the lower column), the rows' bound terms ``qt`` (m, 3,
+    :func:`densematch.precision.query_terms`), the ``listed`` candidates (upper bounds reaching
+    each row's k-th lower bound), the ``rounding`` of the stored scores and, where the references'
+    half rows were centred per group of :data:`GROUP`, the rows' group terms ``group_terms``
+    (m, 5, :func:`densematch.precision.group_terms`). A tile's call then costs the C step and
+    a few checks: a third of what one call's checks and copies cost when each tile made them
+    all (about a quarter of a late tile's step on an AVX2 CPU; BENCHMARKS.md)."""
+
+    def __init__(
+        self,
+        best_v: torch.Tensor,
+        best_i: torch.Tensor,
+        qt: torch.Tensor,
+        rounding: float,
+        listed: Candidates,
+        group_terms: torch.Tensor | None = None,
+    ) -> None:
+        self._lib = _loaded("CertifiedStep", best_v, best_i, qt, group_terms)
+        _require(best_v.dtype == torch.float32 and best_i.dtype == torch.int64, "best_v must be float32, best_i int64")
+        _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
+        m = best_v.shape[0]
+        _require(qt.shape == (m, 3), "qt must be the rows' terms (rows, 3)")
+        lists = (listed.cols, listed.vals, listed.counts, listed.over)
+        _require(all(t.is_contiguous() and t.shape[0] == m for t in lists), "the lists must be contiguous, a row each")
+        self.qt = qt.float().contiguous()
+        self.gq = None
+        if group_terms is not None:
+            _require(group_terms.shape == (m, 5) and group_terms.dtype == torch.float32, "group_terms: (rows, 5)")
+            self.gq = group_terms.contiguous()
+        self.rows, self.listed, self._held = m, listed, (best_v, best_i)
+        self._head = (self.qt.data_ptr(),)
+        self._tail = (
+            rounding, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
+            listed.cap, *(t.data_ptr() for t in lists),
+        )  # fmt: skip
+        self._zeros = torch.zeros(0)
+        self._scratch = torch.empty(0)
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        offset: int,
+        planes: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> int:
+        """The step for the bfloat16 score tile ``h`` (m, n; unit-stride rows; columns
+        ``offset`` onwards) with the references' bound terms ``planes`` (3, n, float32,
+        :func:`densematch.precision.ref_terms` as planes: unit-stride rows, any row stride),
+        ``bias`` (n,) float32 or None and, with group terms, ``groups``: each row's float32
+        product with the centres of the groups this tile touches (m, g; unit-stride rows, the
+        first being group ``offset // GROUP``) and those groups' terms (g, 3,
+        :func:`densematch.precision.group_norms`). Returns how many of the rows are over the
+        cap (``listed.over``), this tile's and earlier."""
+        _loaded("CertifiedStep", h, planes, bias, groups)
+        m, n = h.shape
+        _require(h.dtype == torch.bfloat16 and m == self.rows and _unit_stride(h), "h must be bfloat16 (rows, n)")
+        _require(
+            planes.dtype == torch.float32 and planes.shape == (3, n) and _unit_stride(planes),
+            "planes must be the references' terms (3, n), float32, unit-stride rows",
+        )
+        if m * n == 0:
+            return int(self.listed.over.sum())
+        _require(bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)), "bias must be (n,) float32")
+        if bias is None:
+            if self._zeros.numel() < n:
+                self._zeros = torch.zeros(n)
+            bias = self._zeros
+        elif bias.stride(0) != 1:  # (the l2 column of prepared rows, where not centred)
+            bias = bias.contiguous()
+        gp = gt = None
+        if (groups is None) != (self.gq is None):
+            raise ValueError("groups go with the group terms the step was made with")
+        if groups is not None:
+            gp, gt = groups
+            touched = (offset + n - 1) // GROUP - offset // GROUP + 1
+            _require(
+                gp.shape[0] == m and gp.shape[1] >= touched and gt.shape[0] >= touched and gt.shape[1] == 3,
+                "groups must be the products (rows, groups touched) and the groups' terms (groups, 3)",
+            )
+            _require(gp.dtype == gt.dtype == torch.float32, "groups must be float32")
+            _require(_unit_stride(gp) and gt.is_contiguous(), "the groups' products need unit-stride rows")
+        size = 9 * (n // GROUP + 1)  # the C step's chunk test (native.c)
+        if self._scratch.numel() < size:
+            self._scratch = torch.empty(size)
+        gone = self._lib.dm_merge_certified_bf16(
+            h.data_ptr(), h.stride(0), m, n, offset, bias.data_ptr(),
+            None if gp is None else gp.data_ptr(), 0 if gp is None else gp.stride(0),
+            None if self.gq is None else self.gq.data_ptr(), None if gt is None else gt.data_ptr(),
+            *self._head, planes.data_ptr(), planes.stride(0), *self._tail, self._scratch.data_ptr(),
+        )  # fmt: skip
+        return int(gone)
+
+
 def merge_certified(
     h: torch.Tensor,
     offset: int,
@@ -251,48 +350,15 @@ def merge_certified(
     listed: Candidates,
     groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> int:
-    """The certified search's step for the bfloat16 score tile ``h`` (m, n; columns ``offset``
-    onwards): lower bounds merged into the running top-k ``best_v`` / ``best_i`` (m, k, float32,
-    contiguous), upper bounds reaching each row's k-th lower bound listed in ``listed`` (see
-    native.c). Returns how many of the rows are over the cap (``listed.over``), this tile's
-    and earlier. ``qt`` (m, 3) and ``rt`` (n, 3) are the bound terms of
-    :func:`densematch.precision.query_terms` / ``ref_terms``; ``bias`` (n,) float32 or None.
-
-    ``groups``: where the references' half rows were centred per group of :data:`GROUP`
-    references, ``(products, query_terms, group_terms)``: each row's float32 product with the
-    centres of the groups this tile touches (m, g; unit-stride rows, the first being group
-    ``offset // GROUP``), and their bound's terms (m, 5) and (g, 3), from
-    :func:`densematch.precision.group_terms` and ``group_norms``."""
-    lib = _loaded("merge_certified", h, best_v, best_i, qt, rt, bias, groups)
-    _require(h.dtype == torch.bfloat16 and best_v.dtype == torch.float32, "h must be bfloat16, best_v float32")
-    _require(best_v.is_contiguous() and best_i.is_contiguous(), "the running top-k must be contiguous")
-    h = _unit_rows(h)
-    m, n = h.shape
-    if m * n == 0:
-        return int(listed.over.sum())
-    qt, rt = qt.float().contiguous(), rt.float().T.contiguous()  # the references' terms as planes
-    bias = torch.zeros(n) if bias is None else bias.float().contiguous()
-    gp = gq = gt = None
-    if groups is not None:
-        gp, gq, gt = groups
-        touched = (offset + n - 1) // GROUP - offset // GROUP + 1
-        _require(
-            gp.shape[0] == m and gp.shape[1] >= touched and gq.shape == (m, 5) and gt.shape[0] >= touched,
-            "groups must be the products (rows, groups touched) and terms (rows, 5), (groups, 3)",
-        )
-        _require(gp.dtype == gq.dtype == gt.dtype == torch.float32, "groups must be float32")
-        _require(gp.stride(1) == 1, "the groups' products need unit-stride rows")
-        gq, gt = gq.contiguous(), gt.contiguous()
-    scratch = torch.empty(9 * (n // GROUP + 1))  # the C step's chunk test (native.c)
-    gone = lib.dm_merge_certified_bf16(
-        h.data_ptr(), h.stride(0), m, n, offset, bias.data_ptr(),
-        None if gp is None else gp.data_ptr(), 0 if gp is None else gp.stride(0),
-        None if gq is None else gq.data_ptr(), None if gt is None else gt.data_ptr(),
-        qt.data_ptr(), rt.data_ptr(), rounding, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
-        listed.cap, listed.cols.data_ptr(), listed.vals.data_ptr(), listed.counts.data_ptr(), listed.over.data_ptr(),
-        scratch.data_ptr(),
-    )  # fmt: skip
-    return int(gone)
+    """One :class:`CertifiedStep` call: the step for the bfloat16 score tile ``h`` (m, n;
+    columns ``offset`` onwards) with the references' terms ``rt`` as rows (n, 3) and
+    ``groups`` as ``(products, query_terms, group_terms)``. Returns how many of the rows are
+    over the cap."""
+    _require(h.dtype == torch.bfloat16, "h must be bfloat16")
+    gq, pair = (None, None) if groups is None else (groups[1], (groups[0], groups[2].contiguous()))
+    step = CertifiedStep(best_v, best_i, qt, rounding, listed, gq)
+    planes = rt.float().T.contiguous()
+    return step(_unit_rows(h), offset, planes, None if bias is None else bias.float().contiguous(), pair)
 
 
 def row_norms(x: torch.Tensor, h: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define DM_ABI_VERSION 7
+#define DM_ABI_VERSION 8
 
 int64_t dm_abi_version(void);
 
@@ -30,7 +30,7 @@ void dm_merge_pairs_f32(const int64_t *rows, const int64_t *cols, const float *s
 void dm_merge_pairs_f64(const int64_t *rows, const int64_t *cols, const double *score, int64_t count, double *best_v, int64_t *best_i, int64_t k);
 int64_t dm_list_reaching_f32(const int64_t *cols, const float *vals, const int *counts, const unsigned char *over, int64_t m, int64_t cap, const float *floor, int64_t *rows, int64_t *cols_out);
 int64_t dm_list_reaching_f64(const int64_t *cols, const double *vals, const int *counts, const unsigned char *over, int64_t m, int64_t cap, const double *floor, int64_t *rows, int64_t *cols_out);
-int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias, const float *gp, int64_t ldg, const float *gq, const float *gt, const float *qt, const float *rt, float rounding, float *best_v, int64_t *best_i, int64_t k, int64_t cap, int64_t *cand_cols, float *cand_vals, int *counts, unsigned char *over, float *scratch);
+int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias, const float *gp, int64_t ldg, const float *gq, const float *gt, const float *qt, const float *rt, int64_t ldr, float rounding, float *best_v, int64_t *best_i, int64_t k, int64_t cap, int64_t *cand_cols, float *cand_vals, int *counts, unsigned char *over, float *scratch);
 void dm_merge_bf16(const uint16_t *s, int64_t lds, int64_t m, int64_t n, int64_t offset, float *best_v, int64_t *best_i, int64_t k, const float *bias);
 void dm_row_norms_bf16(const float *x, int64_t ldx, const uint16_t *h, int64_t ldh, const float *u, int64_t ldu, int64_t n, int64_t c, float *out);
 void dm_cosine_terms_f32(const float *x, int64_t ldx, int64_t m, int64_t C, float *out);

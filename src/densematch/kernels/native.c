@@ -62,7 +62,8 @@ static inline int local_inside(int64_t qy, int64_t qx, int64_t H, int64_t W, con
 
 /* The certified bfloat16 search's step for one tile (densematch.engine.half): for the stored
  * bfloat16 scores h (m x n, row stride ldh) of a reference tile, each pair's rounding bound
- * e = qt[r] . rt[c] + rounding |h| (the terms of densematch.precision; rows of three), its lower
+ * e = qt[r] . rt[c] + rounding |h| (the terms of densematch.precision: the queries' in rows of
+ * three, the references' in three planes of n, ldr apart), its lower
  * and upper bounds h - e and h + e (plus bias[c], the l2 column kept out of the product, and the
  * row's group terms, DM_GROUP below), the lower bounds merged into the running top-k (equal values to the lower column) and
  * every pair whose upper bound reaches its row's running k-th lower bound listed as dm_merge lists
@@ -210,10 +211,10 @@ static inline unsigned chunk_pass(const uint16_t *row, const float *bias, const 
  * plane each, then one row's shares and additions). Returns how many of the m rows are over. */
 int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias,
                              const float *gp, int64_t ldg, const float *gq, const float *gt, const float *qt,
-                             const float *rt, float rounding, float *best_v, int64_t *best_i, int64_t k, int64_t cap,
+                             const float *rt, int64_t ldr, float rounding, float *best_v, int64_t *best_i, int64_t k, int64_t cap,
                              int64_t *cand_cols, float *cand_vals, int *counts, unsigned char *over, float *scratch) {
     enum { CB = DM_GROUP, L = 8 };
-    const float *ry = rt, *rw = rt + n, *rf = rt + 2 * n; /* the reference terms, one plane each */
+    const float *ry = rt, *rw = rt + ldr, *rf = rt + 2 * ldr; /* the reference terms, one plane each */
     const int64_t first = offset / DM_GROUP, head = (DM_GROUP - offset % DM_GROUP) % DM_GROUP;
     const int64_t chunks = n > head ? (n - head) / CB : 0;
     /* (disjoint planes of scratch, so restrict: the compiler vectorises the loops over chunks) */
