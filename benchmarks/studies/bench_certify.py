@@ -1,6 +1,6 @@
 """What the certified half-precision search costs apart from its products, on any CPU.
 
-Run: python benchmarks/studies/bench_certify.py [--sizes 96x96x64 ...] [--repeats 3]
+Run: python benchmarks/studies/bench_certify.py [--sizes 96x96x64 ...] [--repeats 3] [--threads 1]
 
 The device picks the certified bfloat16 search where it multiplies bfloat16 fast (AMX, AVX-512
 BF16); this script forces it with ``config_context(half="bfloat16")`` on whatever CPU runs it and
@@ -61,8 +61,14 @@ HalfSearch._search_again = _timed_search_again  # type: ignore[method-assign]
 PRODUCTS = {"seconds": 0.0}
 _block = HalfSearch._block
 # the product tiles of one search, in the order it made them, while "record" is set; replayed in
-# that order while "replay" is (one thread: the order is the search's own)
-TILES: dict = {"record": False, "replay": False, "made": [], "at": 0}
+# that order while "replay" is (one thread: the order is the search's own). With several threads
+# the tiles come in any order, so each is kept under its reference block, its row count and a sum
+# of the query block's first and last rows ("keyed")
+TILES: dict = {"record": False, "replay": False, "made": [], "at": 0, "keyed": False, "by": {}}
+
+
+def _tile_key(qh: torch.Tensor, j: int, n: int) -> tuple:
+    return (j, n, qh.shape[0], float(qh[0].float().sum()), float(qh[-1].float().sum()))
 
 
 def _timed_block(self, qh, j, n, out=None, **kw):  # type: ignore[no-untyped-def]
@@ -70,12 +76,19 @@ def _timed_block(self, qh, j, n, out=None, **kw):  # type: ignore[no-untyped-def
     if TILES["replay"]:  # _block's own steps, the product's tile copied in place of the product
         rh = self._half_refs(j, j + n)
         terms, bias = kw["sides"](j, j + n, rh)
-        got = (out.copy_(TILES["made"][TILES["at"]]), terms, bias)
-        TILES["at"] += 1
+        if TILES["keyed"]:
+            made = TILES["by"][_tile_key(qh, j, n)]
+        else:
+            made = TILES["made"][TILES["at"]]
+            TILES["at"] += 1
+        got = (out.copy_(made), terms, bias)
     else:
         got = _block(self, qh, j, n, out=out, **kw)
         if TILES["record"]:
-            TILES["made"].append(got[0].clone())
+            if TILES["keyed"]:
+                TILES["by"][_tile_key(qh, j, n)] = got[0].clone()
+            else:
+                TILES["made"].append(got[0].clone())
     PRODUCTS["seconds"] += time.perf_counter() - t0
     return got
 
@@ -104,13 +117,13 @@ def replayed_rest(fn, plain, repeats: int) -> tuple[float, float] | None:  # typ
     two called in turns: the medians over ``repeats`` turns of the time and of each turn's ratio
     (this VM's speed drifts between the turns, less within one). None where the recorded tiles
     would pass :data:`REPLAY_BYTES`."""
-    TILES.update(record=True, made=[])
+    TILES.update(record=True, made=[], by={}, keyed=torch.get_num_threads() > 1)
     try:
         want = fn()
     finally:
         TILES["record"] = False
-    if sum(t.numel() * t.element_size() for t in TILES["made"]) > REPLAY_BYTES:
-        TILES["made"] = []
+    if sum(t.numel() * t.element_size() for t in [*TILES["made"], *TILES["by"].values()]) > REPLAY_BYTES:
+        TILES.update(made=[], by={})
         return None
     rests, ratios = [], []
     try:
@@ -119,7 +132,8 @@ def replayed_rest(fn, plain, repeats: int) -> tuple[float, float] | None:  # typ
             PRODUCTS["seconds"] = 0.0
             t0 = time.perf_counter()
             got = fn()
-            rest = time.perf_counter() - t0 - PRODUCTS["seconds"]
+            # (with several threads the copies' times overlap: the whole replayed search is kept)
+            rest = time.perf_counter() - t0 - (PRODUCTS["seconds"] if not TILES["keyed"] else 0.0)
             TILES["replay"] = False
             if not torch.equal(got[1], want[1]):
                 raise AssertionError("the replayed search found other matches than the recorded one")
@@ -129,7 +143,7 @@ def replayed_rest(fn, plain, repeats: int) -> tuple[float, float] | None:  # typ
                 rests.append(rest)
                 ratios.append(rest / (time.perf_counter() - t0))
     finally:
-        TILES.update(replay=False, made=[])
+        TILES.update(replay=False, made=[], by={})
     return sorted(rests)[repeats // 2], sorted(ratios)[repeats // 2]
 
 
@@ -181,6 +195,7 @@ def measure(
     plain = median_time(lambda: engine.topk(a, b, **kw), repeats)
     f32_products = median_time(lambda: products_only(a, b, metric, tiles, torch.float32), repeats)
     row = f32_products / a.shape[0]  # one query row's float32 product against every reference
+    alone = torch.get_num_threads() == 1  # (else the parts' times, summed over threads, overlap)
     over = stats["fallback"]
     got = {
         "cap": bf16.cap(k, b.shape[0], b.shape[1]),
@@ -189,12 +204,12 @@ def measure(
         "over %": round(100 * over / stats["rows"], 2),
         "certified ms": round(1e3 * certified, 1),
         "its bf16 products ms": round(1e3 * products, 1),
-        "overhead ms": round(1e3 * (certified - products), 1),
+        "overhead ms": round(1e3 * (certified - products), 1) if alone else None,
         "float32 ms": round(1e3 * plain, 1),
-        "overhead / float32": round((certified - products) / plain, 3),
+        "overhead / float32": round((certified - products) / plain, 3) if alone else None,
         "overhead, replayed ms": None if replayed is None else round(1e3 * replayed[0], 1),
         "replayed / float32": None if replayed is None else round(replayed[1], 3),
-        "row again / f32 product row": round(again / over / row, 2) if over else None,
+        "row again / f32 product row": round(again / over / row, 2) if over and alone else None,
     }
     if fast:  # the bfloat16 ranking alone, beside the bare bfloat16 products of its tiles
         fast_p = Precision("fast", half=torch.bfloat16, certify=False)
@@ -220,9 +235,16 @@ def main() -> None:
         "--candidates", nargs="+", type=int, default=[0], help="the cap per row to try (0: the default rule)"
     )
     p.add_argument("--no-fast", action="store_true", help='leave "fast" (the bfloat16 ranking alone) out')
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (the search's workers); above 1 the times inside the products overlap, so "
+        '"overhead" is left out and "overhead, replayed" keeps the tiles\' copies',
+    )
     p.add_argument("--name", default="certify")
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     rows = []
     for size in args.sizes:
         h, w, c = map(int, size.split("x"))
