@@ -52,7 +52,11 @@ def _plan(
     in_dtype: torch.dtype,
     tiles: tuple[int | None, int | None] | None,
     reserved: int,
+    share: int | None = None,
 ) -> tuple[Dims, TilePlan]:
+    """The dims and tile plan of a search, with the grown candidate cap where it costs no more
+    tiles (query tiles of at most ``share`` rows where workers take shares of them)."""
+
     def planned(cap: int) -> tuple[Dims, TilePlan]:
         dims = Dims(
             na=na,
@@ -86,14 +90,17 @@ def _plan(
         # under 256 MiB, 670 -> 648 rows)
         with contextlib.suppress(ValueError):
             wide = planned(grown)
-            if _tiles(na, nb, wide[1]) <= _tiles(na, nb, chosen[1]) and wide[1].whole_b >= chosen[1].whole_b:
+            more = _tiles(na, nb, wide[1], share) > _tiles(na, nb, chosen[1], share)
+            if not more and wide[1].whole_b >= chosen[1].whole_b:
                 chosen = wide
     return chosen
 
 
-def _tiles(na: int, nb: int, plan: TilePlan) -> int:
-    """How many (query tile, reference tile) pairs ``plan`` searches ``na`` x ``nb`` rows in."""
-    return -(-na // plan.tile_a) * -(-nb // plan.tile_b)
+def _tiles(na: int, nb: int, plan: TilePlan, share: int | None = None) -> int:
+    """How many (query tile, reference tile) pairs ``plan`` searches ``na`` x ``nb`` rows in,
+    its query tiles cut to ``share`` rows where workers take shares."""
+    ta = plan.tile_a if share is None else min(plan.tile_a, share)
+    return -(-na // ta) * -(-nb // plan.tile_b)
 
 
 def plan_tiles(
@@ -287,6 +294,7 @@ def topk(
         in_dtype=a.dtype,
         tiles=tiles,
         reserved=reserved,
+        share=share_size(na, workers) if workers > 1 else None,
     )
     with torch.inference_mode(), strict_products(device):
         top_a = peak(a, rows_a, plan.tile_a, workers)
