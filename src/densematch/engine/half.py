@@ -410,17 +410,16 @@ class HalfSearch(Strategy):
         half = self._half_query(q)
         qh, qt = half.rows, half.terms
         assert qt is not None
-        if self.centres is not None:  # grouped half rows: only the C step adds the groups' bounds
+        # grouped half rows: only the C step adds the groups' bounds
+        c_step = self.centres is not None or self._native_certified(best_v, best_i)
+        sides = self._sides(half.centre, planes=c_step)
+        if c_step:
             v, i = best_v.contiguous(), best_i.contiguous()
-            self._rank_native(q, half, self._sides(half.centre, planes=True), v, i, start, buf)
+            self._rank_native(q, half, sides, v, i, start, buf)
             if v is not best_v or i is not best_i:
                 best_v.copy_(v)
                 best_i.copy_(i)
             return
-        if self._native_certified(best_v, best_i):
-            self._rank_native(q, half, self._sides(half.centre, planes=True), best_v, best_i, start, buf)
-            return
-        sides = self._sides(half.centre)
         rounding = self.rounding
         reach_rows = (qt[:, 0] + qt[:, 1]) * (1.0 + 2.0**-10) * rounding  # >= |a'| u/(1-u)
         pool = Pool(m, self.cap_rows, q.device, self.dtype)
