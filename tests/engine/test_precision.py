@@ -576,38 +576,46 @@ def test_the_grown_cap_is_kept_unless_it_costs_more_tiles() -> None:
     assert kept == [True, False, False]
 
 
-def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_tile() -> None:
-    # two workers split 2304 query rows (1536 channels, k=1) into shares of 288 rows, under half
-    # the budget each: the grown cap's plan has more of its own tiles than the base cap's, but
-    # the shares, narrower than both, make the tiles searched as many, so the grown cap stays (it
-    # fell to the base cap before, and 1-6% of the same-scene rows went over it)
+def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_tile(monkeypatch) -> None:
+    # two workers split 2304 query rows into shares of 288 rows, under half the budget each: the
+    # grown cap's plan has more of its own tiles than the base cap's, but the shares, narrower
+    # than both, make the tiles searched as many, so the grown cap stays (it fell to the base cap
+    # before: at 48x48x1536 same-scene, 1-6% of the rows went over it)
     from densematch.app.synthetic import same_scene_pair
     from densematch.threads import share_size
 
-    def plan(share: int | None, budget: int) -> tuple[int, engine.TilePlan]:
+    def plan(c: int, share: int | None, budget: int) -> tuple[int, engine.TilePlan]:
         dims, tiles = driver._plan(
-            HalfSearch, 2304, 2304, 1536, 1, budget, metric=get_metric("l2"), device=torch.device("cpu"),
+            HalfSearch, 2304, 2304, c, 1, budget, metric=get_metric("l2"), device=torch.device("cpu"),
             precision=BF16, in_dtype=torch.float32, tiles=None, reserved=0, share=share,
         )  # fmt: skip
         return dims.cap, tiles
 
     grown, base = BF16.cap(1, 2304), BF16.cap(1, 0)
     share = share_size(2304, 2)
-    for budget in (2**26, 2**27):  # (2**27: 2**28 shared by two workers)
-        alone, shared = plan(None, budget), plan(share, budget)
+    for c, budget in ((1536, 2**26), (1536, 2**27), (64, 2**24)):  # (2**27: 2**28 shared by two workers)
+        alone, shared = plan(c, None, budget), plan(c, share, budget)
         assert alone[0] == base and -(-2304 // alone[1].tile_a) < -(-2304 // shared[1].tile_a)
         assert shared[0] == grown and shared[1].tile_a >= share
-    p = Precision(half=torch.bfloat16)
-    fa, fb = same_scene_pair(48, 48, 1536)
-    a, b = fa.reshape(-1, 1536), fb.reshape(-1, 1536)
+    # and a search on two threads plans with its workers' share: 16 MiB each
+    chosen = []
+    real = driver._plan
+
+    def spy(*args, **kwargs):
+        got = real(*args, **kwargs)
+        chosen.append(got[0].cap)
+        return got
+
+    monkeypatch.setattr(driver, "_plan", spy)
+    fa, fb = same_scene_pair(48, 48, 64)
+    a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        stats: dict[str, int] = {}
-        _, got = engine.topk(a, b, metric="l2", k=1, budget=2**28, precision=p, stats=stats)
+        _, got = engine.topk(a, b, metric="l2", k=1, budget=2**25, precision=Precision(half=torch.bfloat16))
     finally:
         torch.set_num_threads(threads)
-    assert stats["fallback"] == 0 and stats["most"] <= grown
+    assert chosen == [grown]
     assert_topk_exact(a, b, got, "l2", 1)
 
 
