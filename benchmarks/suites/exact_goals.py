@@ -40,7 +40,7 @@ import torch
 
 import densematch
 from densematch.app.synthetic import same_scene_pair
-from densematch.precision import resolve_precision
+from densematch.precision import Precision, resolve_precision
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import report
@@ -60,9 +60,8 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def path_of(metric: str) -> str:
-    """What precision="exact" runs on this CPU for ``metric``."""
-    p = resolve_precision("exact", torch.device("cpu"), metric)
+def path_of(p: Precision) -> str:
+    """What a resolved precision="exact" runs."""
     return f"certified {str(p.half).removeprefix('torch.')}" if p.half is not None and p.certify else "float32"
 
 
@@ -126,17 +125,17 @@ def methods(
     return run
 
 
-def timed(run: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Each method's median over ``rounds`` calls, the methods in turns, after one warm-up each."""
-    for fn in run.values():
-        fn()
+def timed(run: dict[str, Callable[[], Any]], rounds: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Each method's median over ``rounds`` calls, the methods in turns, after one warm-up each
+    (whose answers are returned beside the medians)."""
+    answers = {name: fn() for name, fn in run.items()}
     times: dict[str, list[float]] = {name: [] for name in run}
     for _ in range(rounds):
         for name, fn in run.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, answers
 
 
 def one_case(
@@ -152,20 +151,20 @@ def one_case(
     if faiss is not None:
         faiss.omp_set_num_threads(threads)
     run = methods(fa, fb, metric, k, faiss, products)
-    got = timed(run, rounds)
-    want = run["float32 s"]()
+    got, answers = timed(run, rounds)
     row: dict[str, Any] = {"threads": threads, "case": case, "features": features, "metric": metric, "k": k}
-    row["path"] = path_of(metric)
-    stats: dict[str, int] = {}
     p = resolve_precision("exact", torch.device("cpu"), metric)
+    row["path"] = path_of(p)
+    stats: dict[str, int] = {}
     if p.certify and p.half is not None:
-        densematch.engine.topk(*rows_for("dot", fa, fb), metric=metric, k=k, budget=2**28, precision=p, stats=stats)
+        a, b = fa.reshape(-1, c), fb.reshape(-1, c)
+        densematch.engine.topk(a, b, metric=metric, k=k, budget=2**28, precision=p, stats=stats)
     row["over %"] = round(100 * stats["fallback"] / stats["rows"], 1) if stats else "-"
     row.update({name: round(t, 4) for name, t in got.items()})
     row["exact / float32"] = round(got["exact s"] / got["float32 s"], 2)
     row["fast / float32"] = round(got["fast s"] / got["float32 s"], 2)
     for name in ("exact", "fast"):
-        row[f"{name} agrees"] = round(float((run[f"{name} s"]() == want).float().mean()), 4)
+        row[f"{name} agrees"] = round(float((answers[f"{name} s"] == answers["float32 s"]).float().mean()), 4)
     print(row, flush=True)
     return row
 

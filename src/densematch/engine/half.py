@@ -410,7 +410,8 @@ class HalfSearch(Strategy):
         half = self._half_query(q)
         qh, qt = half.rows, half.terms
         assert qt is not None
-        # grouped half rows: only the C step adds the groups' bounds
+        # the C step: always with grouped half rows (only it adds the groups' bounds), else for
+        # bfloat16 on a CPU with the C kernels
         c_step = self.centres is not None or self._native_certified(best_v, best_i)
         sides = self._sides(half.centre, planes=c_step)
         if c_step:

@@ -273,8 +273,7 @@ class CertifiedStep:
         if group_terms is not None:
             _require(group_terms.shape == (m, 5) and group_terms.dtype == torch.float32, "group_terms: (rows, 5)")
             self.gq = group_terms.contiguous()
-        self.rows, self.listed, self._held = m, listed, (best_v, best_i)
-        self._head = (self.qt.data_ptr(),)
+        self.rows, self.listed, self._held = m, listed, (best_v, best_i)  # (held: their pointers below)
         self._tail = (
             rounding, best_v.data_ptr(), best_i.data_ptr(), best_v.shape[1],
             listed.cap, *(t.data_ptr() for t in lists),
@@ -333,7 +332,7 @@ class CertifiedStep:
             h.data_ptr(), h.stride(0), m, n, offset, bias.data_ptr(),
             None if gp is None else gp.data_ptr(), 0 if gp is None else gp.stride(0),
             None if self.gq is None else self.gq.data_ptr(), None if gt is None else gt.data_ptr(),
-            *self._head, planes.data_ptr(), planes.stride(0), *self._tail, self._scratch.data_ptr(),
+            self.qt.data_ptr(), planes.data_ptr(), planes.stride(0), *self._tail, self._scratch.data_ptr(),
         )  # fmt: skip
         return int(gone)
 
