@@ -24,7 +24,7 @@ import torch
 
 from ._oprules import transformed
 
-__all__ = ["THREADED", "own_thread", "scratch", "share_out", "share_size", "workers_for"]
+__all__ = ["ITEMS_PER_WORKER", "THREADED", "own_thread", "scratch", "share_out", "share_size", "workers_for"]
 
 T = TypeVar("T")
 
@@ -51,10 +51,10 @@ def workers_for(device: torch.device) -> int:
     return max(1, torch.get_num_threads())
 
 
-def share_size(total: int, workers: int) -> int:
-    """The largest share of ``total`` units that still cuts them into :data:`ITEMS_PER_WORKER`
-    items per worker (at least 1)."""
-    return max(1, -(-total // (ITEMS_PER_WORKER * workers)))
+def share_size(total: int, workers: int, items: int | None = None) -> int:
+    """The largest share of ``total`` units that still cuts them into ``items`` items per worker
+    (default :data:`ITEMS_PER_WORKER`; at least 1 unit)."""
+    return max(1, -(-total // ((ITEMS_PER_WORKER if items is None else items) * workers)))
 
 
 @contextlib.contextmanager

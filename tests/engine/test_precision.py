@@ -566,7 +566,7 @@ def test_the_grown_cap_is_kept_unless_it_costs_more_tiles() -> None:
 
     grown, base = BF16.cap(8, 2304), BF16.cap(8, 0)
     kept = []
-    for na in (2304, 2000, 2680):
+    for na in (2304, 1270, 1900):
         wide, narrow = plan(na, grown)[1], plan(na, base)[1]
         assert wide.tile_a < narrow.tile_a
         cheap = -(-na // wide.tile_a) <= -(-na // narrow.tile_a)
@@ -577,10 +577,11 @@ def test_the_grown_cap_is_kept_unless_it_costs_more_tiles() -> None:
 
 
 def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_tile(monkeypatch) -> None:
-    # two workers split 2304 query rows into shares of 288 rows, under half the budget each: the
-    # grown cap's plan has more of its own tiles than the base cap's, but the shares, narrower
-    # than both, make the tiles searched as many, so the grown cap stays (it fell to the base cap
-    # before: at 48x48x1536 same-scene, 1-6% of the rows went over it)
+    # two workers split 2304 query rows into shares (HalfSearch.items_per_worker to a worker),
+    # under half the budget each: the grown cap's plan has more of its own tiles than the base
+    # cap's, but the shares, narrower than both, make the tiles searched as many, so the grown
+    # cap stays (it fell to the base cap before: at 48x48x1536 same-scene, 1-6% of the rows went
+    # over it)
     from densematch.app.synthetic import same_scene_pair
     from densematch.threads import share_size
 
@@ -592,12 +593,12 @@ def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_ti
         return dims.cap, tiles
 
     grown, base = BF16.cap(1, 2304), BF16.cap(1, 0)
-    share = share_size(2304, 2)
-    for c, budget in ((1536, 2**26), (1536, 2**27), (64, 2**24)):  # (2**27: 2**28 shared by two workers)
-        alone, shared = plan(c, None, budget), plan(c, share, budget)
-        assert alone[0] == base and -(-2304 // alone[1].tile_a) < -(-2304 // shared[1].tile_a)
-        assert shared[0] == grown and shared[1].tile_a >= share
-    # and a search on two threads plans with its workers' share: 16 MiB each
+    share = share_size(2304, 2, HalfSearch.items_per_worker)
+    alone, shared = plan(64, None, 2**25), plan(64, share, 2**25)
+    assert alone[0] == base and -(-2304 // alone[1].tile_a) < -(-2304 // shared[1].tile_a)
+    assert shared[0] == grown and shared[1].tile_a >= share
+    assert plan(1536, None, 2**27)[0] == plan(1536, share, 2**27)[0] == grown  # (2**28 shared by two)
+    # and a search on two threads plans with its workers' share: 32 MiB each
     chosen = []
     real = driver._plan
 
@@ -612,11 +613,48 @@ def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_ti
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        _, got = engine.topk(a, b, metric="l2", k=1, budget=2**25, precision=Precision(half=torch.bfloat16))
+        _, got = engine.topk(a, b, metric="l2", k=1, budget=2**26, precision=Precision(half=torch.bfloat16))
     finally:
         torch.set_num_threads(threads)
     assert chosen == [grown]
     assert_topk_exact(a, b, got, "l2", 1)
+
+
+def test_the_half_search_takes_wider_cpu_tiles_and_fewer_query_tiles_a_worker(monkeypatch) -> None:
+    # the rule: on a CPU the half-precision search's reference tiles are twice the plain
+    # search's and its workers take two query tiles each, not four (fewer Python steps between
+    # its C calls and products, and fewer of each query tile's fixed costs); elsewhere the
+    # device's caps hold. Whichever shapes run, the answer is the exact one.
+    from densematch.app.synthetic import same_scene_pair
+    from densematch.engine.plain import PlainSearch
+    from densematch.engine.plan import MAX_TILES
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert PlainSearch.tile_caps(cpu, 10**4, 10**4) == MAX_TILES["cpu"]
+    assert HalfSearch.tile_caps(cpu, 10**4, 10**4) == (MAX_TILES["cpu"][0], 2 * MAX_TILES["cpu"][1])
+    assert HalfSearch.tile_caps(gpu, 10**4, 10**4) == MAX_TILES["cuda"]
+    assert (PlainSearch.items_per_worker, HalfSearch.items_per_worker) == (4, 2)
+    seen: dict[str, list[int]] = {"plain": [], "half": []}
+    for name, cls in (("plain", PlainSearch), ("half", HalfSearch)):
+        real = cls.rank
+
+        def spy(self, best_v, *args, real=real, name=name):
+            seen[name].append(best_v.shape[0])
+            return real(self, best_v, *args)
+
+        monkeypatch.setattr(cls, "rank", spy)
+    fa, fb = same_scene_pair(48, 48, 32)
+    a, b = fa.reshape(-1, 32), fb.reshape(-1, 32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, plain = engine.topk(a, b, metric="cosine", k=1, budget=2**28)
+        _, half = engine.topk(a, b, metric="cosine", k=1, budget=2**28, precision=BF16)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(seen["plain"]) == [288] * 8 and sorted(seen["half"]) == [576] * 4
+    assert_topk_exact(a, b, plain, "cosine", 1)
+    assert_topk_exact(a, b, half, "cosine", 1)
 
 
 def test_reference_tiles_nearest_the_query_tile_come_first():

@@ -294,7 +294,7 @@ def topk(
         in_dtype=a.dtype,
         tiles=tiles,
         reserved=reserved,
-        share=share_size(na, workers) if workers > 1 else None,
+        share=share_size(na, workers, strategy.items_per_worker) if workers > 1 else None,
     )
     with torch.inference_mode(), strict_products(device):
         top_a = peak(a, rows_a, plan.tile_a, workers)
@@ -309,7 +309,7 @@ def topk(
         search = strategy(inputs, plan)
         if workers > 1:
             # tiles small enough that a worker slowed by other processes leaves little behind
-            ta = min(plan.tile_a, share_size(na, workers))
+            ta = min(plan.tile_a, share_size(na, workers, strategy.items_per_worker))
             _threaded(search, value, index, ta, workers, on_tile)
             return value, index
         ta = plan.tile_a

@@ -89,6 +89,18 @@ class HalfSearch(Strategy):
     # native.GROUP (:meth:`_grouped`), each query's product with the centre added back
     centre_groups = True
 
+    # Each query tile costs a fixed share besides its pairs (its centre's products with every
+    # reference, its terms, the settling): fewer, taller shares per worker, and each Python step
+    # between C calls and products over twice the columns. At two threads the GIL passed between
+    # the workers at every step (about 550 waits a search at 96x96x64): 14-20% off the search
+    # less its products at C = 64-1536, level at one thread (BENCHMARKS.md, issue 39).
+    items_per_worker = 2
+
+    @classmethod
+    def tile_caps(cls, device: torch.device, na: int, nb: int) -> tuple[int, int]:
+        rows, cols = super().tile_caps(device, na, nb)
+        return (rows, 2 * cols) if device.type == "cpu" else (rows, cols)
+
     @classmethod
     def cap(cls, precision: Precision, metric: Metric, k: int, nb: int, c: int) -> int:
         return precision.cap(k, nb, c) if precision.certify else 0

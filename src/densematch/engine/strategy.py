@@ -22,7 +22,7 @@ from ..kernels import native
 from ..metrics import Metric
 from ..ops import TORCH_OPS, Ops
 from ..precision import Precision, product_slack
-from ..threads import own_thread, share_out
+from ..threads import ITEMS_PER_WORKER, own_thread, share_out
 from .merge import best_of_candidates, merge_best, merge_topk, order
 from .plan import Dims, TilePlan, device_caps
 from .pool import CandidateList, Pool
@@ -135,6 +135,9 @@ class Strategy:
 
     # the reference tile may halve down to this many rows to make room for taller query tiles
     narrowest_b = 1
+    # query tiles per worker thread at least (threads.share_size), so that a worker slowed down
+    # by other processes leaves few behind
+    items_per_worker = ITEMS_PER_WORKER
     # the largest prepared reference norms (:meth:`_largest_norms`), set by the strategies that
     # search in the compute dtype with near-ties settled (:meth:`_rank_exact`)
     ref_norms: tuple[float, float] = (0.0, 0.0)
