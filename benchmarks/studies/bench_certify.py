@@ -20,7 +20,9 @@ products of the same tiles in their place, 132-137 ms beside the emulated ones).
 are also recorded once and replayed (each tile copied into place, at memory speed, as a fast
 product writes it): "overhead, replayed" is the search's time less the time inside its product
 calls, with every other step as it runs (and the answer checked against the recorded search's),
-and "replayed / float32" the median of its ratios to float32's search, the two run in turns.
+and "replayed / float32" the median of its ratios to float32's search, the two run in turns. With
+``--threads`` above 1 the replayed time keeps the tiles' copies (the threads' times inside them
+overlap); "replayed less copies / float32" takes out their summed time over the thread count.
 ``--kernels auto torch`` times the certified step both ways in one run: one C call per tile
 ("auto", on a CPU with the C kernels) and torch's operators (``config_context(kernel="torch")``,
 which keeps the C kernels out of both searches)."""
@@ -34,6 +36,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+import threading
 import time
 
 import densematch
@@ -57,8 +60,10 @@ def _timed_search_again(self, q, redo, start, best_v, best_i):  # type: ignore[n
 
 HalfSearch._search_again = _timed_search_again  # type: ignore[method-assign]
 
-# seconds inside the search's own half-precision products (HalfSearch._block), summed
+# seconds inside the search's own half-precision products (HalfSearch._block), summed over
+# the threads that make them
 PRODUCTS = {"seconds": 0.0}
+_PRODUCTS_LOCK = threading.Lock()
 _block = HalfSearch._block
 # the product tiles of one search, in the order it made them, while "record" is set; replayed in
 # that order while "replay" is (one thread: the order is the search's own). With several threads
@@ -89,7 +94,8 @@ def _timed_block(self, qh, j, n, out=None, **kw):  # type: ignore[no-untyped-def
                 TILES["by"][_tile_key(qh, j, n)] = got[0].clone()
             else:
                 TILES["made"].append(got[0].clone())
-    PRODUCTS["seconds"] += time.perf_counter() - t0
+    with _PRODUCTS_LOCK:
+        PRODUCTS["seconds"] += time.perf_counter() - t0
     return got
 
 
@@ -111,12 +117,14 @@ def certified_parts(fn, repeats: int) -> tuple[float, float, float]:  # type: ig
     return runs[len(runs) // 2]
 
 
-def replayed_rest(fn, plain, repeats: int) -> tuple[float, float] | None:  # type: ignore[no-untyped-def]
+def replayed_rest(fn, plain, repeats: int) -> tuple[float, float, float] | None:  # type: ignore[no-untyped-def]
     """``fn``'s time less the time inside its product calls, its products recorded in a first
     call and replayed (see the module), and that time over ``plain``'s (float32's search), the
     two called in turns: the medians over ``repeats`` turns of the time and of each turn's ratio
-    (this VM's speed drifts between the turns, less within one). None where the recorded tiles
-    would pass :data:`REPLAY_BYTES`."""
+    (this VM's speed drifts between the turns, less within one), and third, with several threads
+    (where the time is the whole replayed search's, the tiles' copies in it), the ratio with the
+    copies' time taken out as the threads share it (their sum over the thread count: exact for
+    workers kept equally busy). None where the recorded tiles would pass :data:`REPLAY_BYTES`."""
     TILES.update(record=True, made=[], by={}, keyed=torch.get_num_threads() > 1)
     try:
         want = fn()
@@ -125,7 +133,8 @@ def replayed_rest(fn, plain, repeats: int) -> tuple[float, float] | None:  # typ
     if sum(t.numel() * t.element_size() for t in [*TILES["made"], *TILES["by"].values()]) > REPLAY_BYTES:
         TILES.update(made=[], by={})
         return None
-    rests, ratios = [], []
+    rests, ratios, less_copies = [], [], []
+    threads = torch.get_num_threads()
     try:
         for turn in range(repeats + 1):  # (the first, a warm-up)
             TILES.update(replay=True, at=0)
@@ -140,11 +149,14 @@ def replayed_rest(fn, plain, repeats: int) -> tuple[float, float] | None:  # typ
             t0 = time.perf_counter()
             plain()
             if turn:
+                took = time.perf_counter() - t0
                 rests.append(rest)
-                ratios.append(rest / (time.perf_counter() - t0))
+                ratios.append(rest / took)
+                copies = PRODUCTS["seconds"] / threads if TILES["keyed"] else 0.0
+                less_copies.append((rest - copies) / took)
     finally:
         TILES.update(replay=False, made=[], by={})
-    return sorted(rests)[repeats // 2], sorted(ratios)[repeats // 2]
+    return sorted(rests)[repeats // 2], sorted(ratios)[repeats // 2], sorted(less_copies)[repeats // 2]
 
 
 # the most bytes of product tiles kept for a replay (96x96 against 96x96: 170 MB)
@@ -209,6 +221,7 @@ def measure(
         "overhead / float32": round((certified - products) / plain, 3) if alone else None,
         "overhead, replayed ms": None if replayed is None else round(1e3 * replayed[0], 1),
         "replayed / float32": None if replayed is None else round(replayed[1], 3),
+        "replayed less copies / float32": None if replayed is None or alone else round(replayed[2], 3),
         "row again / f32 product row": round(again / over / row, 2) if over and alone else None,
     }
     if fast:  # the bfloat16 ranking alone, beside the bare bfloat16 products of its tiles
@@ -240,7 +253,8 @@ def main() -> None:
         type=int,
         default=1,
         help="torch threads (the search's workers); above 1 the times inside the products overlap, so "
-        '"overhead" is left out and "overhead, replayed" keeps the tiles\' copies',
+        '"overhead" is left out, "overhead, replayed" keeps the tiles\' copies and "replayed less copies" '
+        "takes their summed time over the threads out",
     )
     p.add_argument("--name", default="certify")
     args = p.parse_args()

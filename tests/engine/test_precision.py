@@ -212,7 +212,7 @@ def test_references_are_grouped_only_where_their_neighbours_look_alike(monkeypat
 
     seen = []
     original = HalfSearch._group_centres
-    monkeypatch.setattr(HalfSearch, "_group_centres", lambda self, *a: seen.append(original(self, *a)) or seen[-1])
+    monkeypatch.setattr(HalfSearch, "_group_centres", lambda self, **kw: seen.append(original(self, **kw)) or seen[-1])
     fa, fb = same_scene_pair(32, 32, 64)
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(1024, 64, generator=g), torch.randn(1024, 64, generator=g)

@@ -174,18 +174,14 @@ class HalfSearch(Strategy):
                     total += self._prepare_refs(j, j + self.tile_b).sum(0)
                 shift = total / self.nb
             self.shift = shift
-        # with every reference prepared, the grouping's pass leaves the grouped rows here
-        rows = torch.empty_like(self.whole) if grouped and self.whole is not None else None
-        if grouped and self._group_centres(rows):
-            self.rounding += _GROUP_ROUNDING
-        else:
-            rows = self.whole
         self.whole_h = self.whole_t = None
-        if rows is not None:
-            self.whole_h = rows.to(self.half)
+        # with every reference prepared, the grouping's blocks leave their half rows and terms
+        if grouped and self._group_centres(whole=self.whole is not None):
+            self.rounding += _GROUP_ROUNDING
+        elif self.whole is not None:
+            self.whole_h = self.whole.to(self.half)
             if self.cap_rows:
-                self.whole_t = self._terms(rows, self.whole_h)
-            del rows
+                self.whole_t = self._terms(self.whole, self.whole_h)
         # for the rows over the cap, searched again in float32 (`_search_again`)
         self.ref_norms = self._largest_norms() if self.cap_rows else (0.0, 0.0)
 
@@ -204,12 +200,14 @@ class HalfSearch(Strategy):
         """The columns of prepared rows that the half product reads (the l2 column apart)."""
         return rows[:, : rows.shape[1] - 1] if self.split else rows
 
-    def _group_centres(self, grouped: torch.Tensor | None = None) -> bool:
+    def _group_centres(self, *, whole: bool = False) -> bool:
         """The centres of the groups of native.GROUP consecutive references (their prepared
         body rows' means), and each group's largest norms before and after its centring; kept
         (and True returned) where a tenth of the groups lose at least a quarter of their norm.
-        ``grouped`` (the shape of every prepared reference, where they all are): filled with
-        the references less their group's centre, as :meth:`_grouped` makes them.
+        With ``whole`` (every reference prepared), each block also leaves the references less
+        their group's centre, as :meth:`_grouped` makes them, in the half type with their bound
+        terms (``whole_h``, ``whole_t``: set where the groups are kept), while it is in cache
+        and on the worker that made it.
 
         Two views of one scene have, in every smooth region, dozens of references within a
         half type's resolution of a query's best; neighbouring pixels (a group) look alike, so
@@ -217,8 +215,12 @@ class HalfSearch(Strategy):
         bound, which scales with the norm of the rows multiplied, shrinks with it (issue 39)."""
         size = native.GROUP
         step = max(size, self.tile_b // size * size)
-        if grouped is not None:  # the rows are there already: one block per worker
+        halves = terms = None
+        if whole:  # the rows are there already: one block per worker's share
+            assert self.whole is not None
             step = -(-share_size(self.nb, self.inputs.workers) // size) * size
+            halves = torch.empty((self.nb, self.whole.shape[1]), dtype=self.half, device=self.whole.device)
+            terms = torch.empty((self.nb, 3), dtype=self.dtype, device=self.whole.device) if self.cap_rows else None
         parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
         def block(j: int) -> None:  # references j:j + step, a whole number of groups from j
@@ -228,7 +230,8 @@ class HalfSearch(Strategy):
             both = torch.zeros(t.shape[0] * size, 2, dtype=body.dtype, device=body.device)
             torch.linalg.vector_norm(body, dim=1, out=both[: body.shape[0], 0])
             # row j starts a group
-            d = self._body(self._grouped(refs, 0, t, None if grouped is None else grouped[j : j + refs.shape[0]]))
+            grouped = self._grouped(refs, 0, t)
+            d = self._body(grouped)
             torch.linalg.vector_norm(d, dim=1, out=both[: body.shape[0], 1])
             # rows holding NaN or inf bound nothing (their own products do); a finite row's norm
             # that overflows stays inf
@@ -236,6 +239,11 @@ class HalfSearch(Strategy):
             if doubt.numel():
                 both[doubt[~torch.isfinite(body[doubt]).all(1)]] = 0.0
             parts[j] = t, both.view(t.shape[0], size, 2).amax(1), both[: body.shape[0], 0]
+            if halves is not None:
+                h = halves[j : j + refs.shape[0]]
+                h.copy_(grouped)
+                if terms is not None:
+                    terms[j : j + refs.shape[0]] = self._terms(grouped, h)
 
         # each block on a worker: on the caller's threads, operators this small wait on OpenMP
         share_out(range(0, self.nb, step), block, self.inputs.workers, name="densematch-groups")
@@ -251,7 +259,8 @@ class HalfSearch(Strategy):
         self.centres = torch.cat(centres)
         self.group_norms = group_norms(self.centres, largest)
         # the references' own norms, for the queries' centre products (`_centred`)
-        self.body_norms = torch.cat(body_norms) if self.whole is not None else None
+        self.body_norms = torch.cat(body_norms) if whole else None
+        self.whole_h, self.whole_t = halves, terms
         return True
 
     def _grouped(
