@@ -552,10 +552,13 @@ def test_the_default_cap_grows_with_the_references():
     assert Precision(candidates=4).cap(1, 10**6) == 8 and Precision(candidates=100).cap(1, 10) == 100
 
 
-def test_the_grown_cap_is_kept_unless_it_costs_more_tiles() -> None:
+def test_the_grown_cap_is_kept_unless_it_costs_more_tiles(monkeypatch) -> None:
     # 2304 references of 1536 channels, k=8 under 256 MiB: the grown cap (2304 / 16) needs a
     # slightly narrower query tile than the base cap (8 k); kept where the query tiles stay as
     # many, the base cap where there would be more
+    # (the rule at the strategy's own caps: the device's narrower ones left out)
+    monkeypatch.setattr(HalfSearch, "narrower_caps", classmethod(lambda cls, *a: None))
+
     def plan(na: int, candidates: int | None) -> tuple[int, engine.TilePlan]:
         p = Precision(half=torch.bfloat16, candidates=candidates)
         dims, tiles = driver._plan(
@@ -584,6 +587,8 @@ def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_ti
     # over it)
     from densematch.app.synthetic import same_scene_pair
     from densematch.threads import share_size
+
+    monkeypatch.setattr(HalfSearch, "narrower_caps", classmethod(lambda cls, *a: None))  # (the rule alone)
 
     def plan(c: int, share: int | None, budget: int) -> tuple[int, engine.TilePlan]:
         dims, tiles = driver._plan(
@@ -634,6 +639,25 @@ def test_the_half_search_takes_wider_cpu_tiles_and_fewer_query_tiles_a_worker(mo
     assert HalfSearch.tile_caps(cpu, 10**4, 10**4) == (MAX_TILES["cpu"][0], 2 * MAX_TILES["cpu"][1])
     assert HalfSearch.tile_caps(gpu, 10**4, 10**4) == MAX_TILES["cuda"]
     assert (PlainSearch.items_per_worker, HalfSearch.items_per_worker) == (4, 2)
+
+    # where the wider reference tile would cost the grown cap of candidates, the device's caps
+    # (80x80x256, k=8, a worker's half of 256 MiB: base cap 64 at 1024 columns, 400 at 512)
+    def plan(budget: int, share: int | None, fallback: bool = True) -> tuple[int, engine.TilePlan]:
+        with monkeypatch.context() as m:
+            if not fallback:
+                m.setattr(HalfSearch, "narrower_caps", classmethod(lambda cls, *a: None))
+            dims, tiles = driver._plan(
+                HalfSearch, 6400, 6400, 256, 8, budget, metric=get_metric("l2"), device=cpu, precision=BF16,
+                in_dtype=torch.float32, tiles=None, reserved=0, share=share,
+            )  # fmt: skip
+        return dims.cap, tiles
+
+    grown = BF16.cap(8, 6400, 256)
+    assert plan(2**27, 1600, fallback=False)[0] < grown  # the wide tile alone
+    got = plan(2**27, 1600)
+    assert got[0] == grown and got[1].tile_b == MAX_TILES["cpu"][1]
+    got = plan(2**28, None)
+    assert got[0] == grown and got[1].tile_b == 2 * MAX_TILES["cpu"][1]
     seen: dict[str, list[int]] = {"plain": [], "half": []}
     for name, cls in (("plain", PlainSearch), ("half", HalfSearch)):
         real = cls.rank

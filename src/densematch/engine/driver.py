@@ -57,7 +57,7 @@ def _plan(
     """The dims and tile plan of a search, with the grown candidate cap where it costs no more
     tiles (query tiles of at most ``share`` rows where workers take shares of them)."""
 
-    def planned(cap: int) -> tuple[Dims, TilePlan]:
+    def planned(cap: int, caps: tuple[int, int]) -> tuple[Dims, TilePlan]:
         dims = Dims(
             na=na,
             nb=nb,
@@ -74,25 +74,36 @@ def _plan(
             dims,
             budget,
             strategy.working_set,
-            caps=strategy.tile_caps(device, na, nb),
+            caps=caps,
             narrowest_b=strategy.narrowest_b,
             tiles=tiles,
             reserved=reserved,
         )
         return dims, plan
 
+    def with_cap(caps: tuple[int, int]) -> tuple[Dims, TilePlan]:
+        chosen = planned(base, caps)  # its ValueError, where even one tile does not fit, is the call's
+        if grown > base:
+            # a cap grown with the references saves searching rows again, but never at the price
+            # of more tiles or the references prepared per tile: where the budget binds, the base
+            # cap (a tile a few rows narrower that leaves the count alone costs nothing:
+            # 48x48x1536, k=8 under 256 MiB, 670 -> 648 rows)
+            with contextlib.suppress(ValueError):
+                wide = planned(grown, caps)
+                more = _tiles(na, nb, wide[1], share) > _tiles(na, nb, chosen[1], share)
+                if not more and wide[1].whole_b >= chosen[1].whole_b:
+                    chosen = wide
+        return chosen
+
     grown, base = strategy.cap(precision, metric, k, nb, c), strategy.cap(precision, metric, k, 0, c)
-    chosen = planned(base)  # its ValueError, where even one tile does not fit, is the call's
-    if grown > base:
-        # a cap grown with the references saves searching rows again, but never at the price of
-        # more tiles or the references prepared per tile: where the budget binds, the base cap (a
-        # tile a few rows narrower that leaves the count alone costs nothing: 48x48x1536, k=8
-        # under 256 MiB, 670 -> 648 rows)
-        with contextlib.suppress(ValueError):
-            wide = planned(grown)
-            more = _tiles(na, nb, wide[1], share) > _tiles(na, nb, chosen[1], share)
-            if not more and wide[1].whole_b >= chosen[1].whole_b:
-                chosen = wide
+    chosen = with_cap(strategy.tile_caps(device, na, nb))
+    fallback = strategy.narrower_caps(device, na, nb)
+    if chosen[0].cap < grown and fallback is not None and tiles is None:
+        # the strategy's wider reference tiles are worth less than the grown cap (80x80x256, k=8
+        # at two threads: 10-16% of the rows over the base cap, searched again)
+        narrow = with_cap(fallback)
+        if narrow[0].cap == grown:
+            chosen = narrow
     return chosen
 
 

@@ -50,6 +50,10 @@ class KernelSearch(HalfSearch):
         return na, nb
 
     @classmethod
+    def narrower_caps(cls, device: torch.device, na: int, nb: int) -> tuple[int, int] | None:
+        return None
+
+    @classmethod
     def own_bytes(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:
         # the kernel's running top-k (`_run`: value + int32 index, k slots rounded up), and the
         # certificate's candidate slots (`rank`: an int32 each, then row and column as int64),

@@ -102,6 +102,11 @@ class HalfSearch(Strategy):
         return (rows, 2 * cols) if device.type == "cpu" else (rows, cols)
 
     @classmethod
+    def narrower_caps(cls, device: torch.device, na: int, nb: int) -> tuple[int, int] | None:
+        # the device's own caps: a wider reference tile holds more per query row
+        return super().tile_caps(device, na, nb) if device.type == "cpu" else None
+
+    @classmethod
     def cap(cls, precision: Precision, metric: Metric, k: int, nb: int, c: int) -> int:
         return precision.cap(k, nb, c) if precision.certify else 0
 

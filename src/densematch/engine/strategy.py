@@ -154,6 +154,12 @@ class Strategy:
         return device_caps(device)
 
     @classmethod
+    def narrower_caps(cls, device: torch.device, na: int, nb: int) -> tuple[int, int] | None:
+        """Tile caps to plan at where :meth:`tile_caps` would leave the search the base cap of
+        candidates, not its grown one (None: no others)."""
+        return None
+
+    @classmethod
     def working_set(cls, d: Dims, ta: int, tb: int, whole_b: bool) -> int:
         """Bytes one call holds at once for tiles of (ta, tb): the terms every strategy shares,
         named below beside what allocates them, plus :meth:`own_bytes`."""
