@@ -11,6 +11,7 @@ from densematch.engine.plain import PlainSearch
 from densematch.metrics import METRICS, get_metric
 
 from .._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores, reported, tolerance
+from .._threads import torch_threads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -194,14 +195,10 @@ def test_an_error_in_a_worker_thread_reaches_the_caller(monkeypatch):
         raise RuntimeError("tile failed")
 
     monkeypatch.setattr(PlainSearch, "rank", broken)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         with pytest.raises(RuntimeError, match="tile failed"):
             engine.topk(a, b, metric="cosine", k=1, budget=2**28)
         assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_finite_rows_reads_again_only_rows_whose_sum_is_not_finite() -> None:

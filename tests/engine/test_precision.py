@@ -19,6 +19,7 @@ from densematch.metrics import get_metric
 from densematch.precision import Precision, query_terms, ref_terms, resolve_precision
 
 from .._reference import MATRIX, assert_same_up_to_ties, assert_topk_exact, patch_features, reference_scores
+from .._threads import torch_threads
 
 BF16 = Precision(half=torch.bfloat16)
 
@@ -615,12 +616,8 @@ def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_ti
     monkeypatch.setattr(driver, "_plan", spy)
     fa, fb = same_scene_pair(48, 48, 64)
     a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         _, got = engine.topk(a, b, metric="l2", k=1, budget=2**26, precision=Precision(half=torch.bfloat16))
-    finally:
-        torch.set_num_threads(threads)
     assert chosen == [grown]
     assert_topk_exact(a, b, got, "l2", 1)
 
@@ -669,13 +666,9 @@ def test_the_half_search_takes_wider_cpu_tiles_and_fewer_query_tiles_a_worker(mo
         monkeypatch.setattr(cls, "rank", spy)
     fa, fb = same_scene_pair(48, 48, 32)
     a, b = fa.reshape(-1, 32), fb.reshape(-1, 32)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         _, plain = engine.topk(a, b, metric="cosine", k=1, budget=2**28)
         _, half = engine.topk(a, b, metric="cosine", k=1, budget=2**28, precision=BF16)
-    finally:
-        torch.set_num_threads(threads)
     assert sorted(seen["plain"]) == [288] * 8 and sorted(seen["half"]) == [576] * 4
     assert_topk_exact(a, b, plain, "cosine", 1)
     assert_topk_exact(a, b, half, "cosine", 1)

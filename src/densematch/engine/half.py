@@ -91,9 +91,10 @@ class HalfSearch(Strategy):
 
     # Each query tile costs a fixed share besides its pairs (its centre's products with every
     # reference, its terms, the settling): fewer, taller shares per worker, and each Python step
-    # between C calls and products over twice the columns. At two threads the GIL passed between
-    # the workers at every step (about 550 waits a search at 96x96x64): 14-20% off the search
-    # less its products at C = 64-1536, level at one thread (BENCHMARKS.md, issue 39).
+    # between C calls and products over twice the columns (tile_caps). At two threads the GIL
+    # passed between the workers at every step (about 550 waits a search at 96x96x64). With the
+    # set-up's changes beside them, a quarter off the search less its products at two threads
+    # (k=1, C = 64-1536), level at one (BENCHMARKS.md, issue 39).
     items_per_worker = 2
 
     @classmethod
@@ -268,18 +269,15 @@ class HalfSearch(Strategy):
         self.whole_h, self.whole_t = halves, terms
         return True
 
-    def _grouped(
-        self, refs: torch.Tensor, start: int, centres: torch.Tensor | None = None, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _grouped(self, refs: torch.Tensor, start: int, centres: torch.Tensor | None = None) -> torch.Tensor:
         """Prepared references ``refs`` (rows start onwards) as the half product reads them:
-        their body less their group's centre where the search groups them (a copy, into ``out``
-        where given), else themselves. ``centres``: the groups' from ``start``'s on (default:
-        the search's)."""
+        their body less their group's centre where the search groups them (a copy), else
+        themselves. ``centres``: the groups' from ``start``'s on (default: the search's)."""
         if centres is None:
             if self.centres is None:
                 return refs
             centres, start = self.centres[start // native.GROUP :], start % native.GROUP
-        out = refs.clone() if out is None else out.copy_(refs)
+        out = refs.clone()
         body, size = self._body(out), native.GROUP
         # the rows of the group start lies in, the whole groups after them, and the last rows
         head = min(body.shape[0], -start % size)
