@@ -5,6 +5,7 @@ import densematch
 from densematch import PrototypeDistance, nearest_prototype, pairwise_distance
 
 from .._reference import METRICS, assert_same_up_to_ties
+from .._threads import torch_threads
 
 
 def broadcast_reference(x: torch.Tensor, p: torch.Tensor, metric: str) -> torch.Tensor:
@@ -258,16 +259,12 @@ def test_gradients_are_the_same_at_any_thread_count(metric):
     x, p = torch.randn(2, 16, 40, 50), torch.randn(24, 16)
     weights = torch.linspace(0, 1, 2 * 24 * 40 * 50).view(2, 24, 40, 50)
     got = []
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with torch_threads(count):
             xx, pp = x.clone().requires_grad_(), p.clone().requires_grad_()
             out = pairwise_distance(xx, pp, metric=metric, memory="4MiB")
             (out * weights).sum().backward()
             got.append((out.detach(), xx.grad, pp.grad))
-    finally:
-        torch.set_num_threads(threads)
     for other in got[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got[0], other, strict=True))
 

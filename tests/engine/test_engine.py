@@ -144,9 +144,7 @@ def test_query_tiles_on_worker_threads_give_the_single_thread_answer(monkeypatch
     # 3000 query rows: over the threshold where a CPU search shares its query tiles out
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(3000, 12, generator=g), torch.randn(700, 12, generator=g)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         assert engine.driver.tile_workers(a.device, a.shape[0]) == 2
         seen = []
         real = PlainSearch.rank
@@ -177,8 +175,6 @@ def test_query_tiles_on_worker_threads_give_the_single_thread_answer(monkeypatch
         t.start()
         t.join()
         assert later == [2]
-    finally:
-        torch.set_num_threads(threads)
     assert sum(done) == 3000
     # two workers share the tiles; which of them takes how many is up to the scheduler
     assert [(w, n > 1) for name, w, n in pools if name == "densematch-tiles"] == [(2, True)]

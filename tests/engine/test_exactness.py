@@ -26,6 +26,7 @@ from .._reference import (
     assert_topk_exact,
     reference_scores_exact,
 )
+from .._threads import torch_threads
 
 
 def flat_match(a, b, metric, k, path, **kw):
@@ -221,6 +222,21 @@ def test_same_scene_features(same_scene, path, metric, k):
     n = 10 if path.startswith("kernel") else 28
     a, b = fa[:n, :n].reshape(-1, 64), fb[:n, :n].reshape(-1, 64)
     r = flat_match(a, b, metric, k, path)
+    assert_topk_exact(a, b, r.index, metric, k)
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+@pytest.mark.parametrize(("metric", "k"), [("cosine", 1), ("l2", 8)])
+def test_same_scene_features_on_two_worker_threads(path, metric, k):
+    # 2304 query rows: enough for a CPU search to share its query tiles out over two workers,
+    # each path with its own shares, reference tiles and set-up blocks (issue 39)
+    from densematch.app.synthetic import same_scene_pair
+
+    fa, fb = same_scene_pair(48, 48, 32)
+    a, b = fa.reshape(-1, 32), fb.reshape(-1, 32)
+    with torch_threads(2):
+        assert engine.driver.tile_workers(a.device, a.shape[0]) == 2
+        r = flat_match(a, b, metric, k, path)
     assert_topk_exact(a, b, r.index, metric, k)
 
 

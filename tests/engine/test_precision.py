@@ -223,6 +223,33 @@ def test_references_are_grouped_only_where_their_neighbours_look_alike(monkeypat
     assert seen == [True, False]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_grouping_blocks_leave_the_grouped_references_half_rows_and_terms(monkeypatch, threads):
+    # each worker's block of grouped references leaves its bfloat16 rows and bound terms; they
+    # are the ones made from every grouped reference at once (the certificate would stay exact
+    # with others, only looser: this checks the blocks themselves)
+    from densematch.app.synthetic import same_scene_pair
+
+    searches = []
+    real = HalfSearch.__init__
+
+    def spy(self, *args):
+        real(self, *args)
+        searches.append(self)
+
+    monkeypatch.setattr(HalfSearch, "__init__", spy)
+    fa, fb = same_scene_pair(48, 48, 64)
+    a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
+    with torch_threads(threads):
+        engine.topk(a, b, metric="l2", k=1, budget=2**28, precision=BF16)
+    (search,) = searches
+    assert search.inputs.workers == threads and search.centres is not None and search.whole is not None
+    grouped = search._grouped(search.whole, 0)
+    want_h = grouped.to(torch.bfloat16)
+    assert torch.equal(search.whole_h, want_h)
+    assert torch.equal(search.whole_t, search._terms(grouped, want_h))
+
+
 def test_group_products_made_in_blocks_equal_each_tiles_own():
     from densematch.engine.half import _GroupProducts
 

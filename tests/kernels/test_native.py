@@ -18,6 +18,7 @@ import densematch
 from densematch.kernels import c_align, c_engine, c_local, loader, native
 
 from .._reference import assert_sums_close, minkowski_reference
+from .._threads import torch_threads
 
 # where no compiler exists the kernels cannot be built; TestBuild and TestCallers still run there
 needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
@@ -229,12 +230,8 @@ class TestCallers:
         x = torch.randn(3, 20, 17, 19, generator=g)
         p = torch.randn(40, 20, generator=g)
         whole = densematch.pairwise_distance(x, p, metric="l1")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             tiled = densematch.pairwise_distance(x, p, metric="l1", memory="40KiB")
-        finally:
-            torch.set_num_threads(threads)
         assert torch.equal(whole, tiled)
 
 

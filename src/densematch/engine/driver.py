@@ -56,6 +56,7 @@ def _plan(
 ) -> tuple[Dims, TilePlan]:
     """The dims and tile plan of a search, with the grown candidate cap where it costs no more
     tiles (query tiles of at most ``share`` rows where workers take shares of them)."""
+    grown, base = strategy.cap(precision, metric, k, nb, c), strategy.cap(precision, metric, k, 0, c)
 
     def planned(cap: int, caps: tuple[int, int]) -> tuple[Dims, TilePlan]:
         dims = Dims(
@@ -95,7 +96,6 @@ def _plan(
                     chosen = wide
         return chosen
 
-    grown, base = strategy.cap(precision, metric, k, nb, c), strategy.cap(precision, metric, k, 0, c)
     chosen = with_cap(strategy.tile_caps(device, na, nb))
     fallback = strategy.narrower_caps(device, na, nb)
     if chosen[0].cap < grown and fallback is not None and tiles is None:
