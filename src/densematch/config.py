@@ -97,8 +97,9 @@ def config_context(
         The default memory budget (see :func:`resolve_memory`).
     half : {"auto", "bfloat16", "float16", "off"}, optional
         Which half-precision operands ``precision="exact"`` and ``"fast"`` use. "auto" (the
-        default) decides from what the device is (tensor-core GPUs and CPUs with AMX or AVX-512 BF16 use half
-        precision, others float32; never a timing); the others force a choice ("off": never).
+        default) decides from what the device is (tensor-core GPUs, CPUs with AMX and AMD CPUs
+        with AVX-512 BF16 use half precision, others float32; never a timing); the others force
+        a choice ("off": never).
     kernel : {"auto", "torch", "triton"}, optional
         Which search runs: "auto" (the default) uses the fused Triton kernel on CUDA devices when
         Triton is installed; "torch" never does; "triton" always does (on a CPU only under

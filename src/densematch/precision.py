@@ -3,8 +3,8 @@
 - ``"float32"``: scores accumulate in float32 from float32 operands. The reference.
 - ``"float64"``: the same in float64.
 - ``"exact"``: results equal to ``"float32"`` (ties aside). Where the device multiplies half
-  precision faster than float32 (GPUs with tensor cores, CPUs with AMX or AVX-512 BF16:
-  :func:`device_half`),
+  precision faster than float32 (GPUs with tensor cores, CPUs with AMX, AMD CPUs with
+  AVX-512 BF16: :func:`device_half`),
   candidates are searched in half precision, every candidate within a rigorous rounding bound
   of a row's k-th best is kept and re-scored in float32; a row with more candidates than fit is
   searched again from float32 products, its near-ties settled as float32's are. Elsewhere,
@@ -346,16 +346,19 @@ def cpu_capabilities() -> dict[str, Any] | None:
 
 def cpu_bf16_unit() -> str | None:
     """The unit with which this CPU multiplies bfloat16 faster than float32, from torch's own
-    CPU feature probe: ``"AMX"`` (tiles: 3-6x float32's rate), ``"AVX512-BF16"`` (``vdpbf16ps``,
-    two products per float32 lane: about 2.2x float32's rate through oneDNN on an AMD EPYC
-    Zen 4, BENCHMARKS.md), or None (bfloat16 emulated: about half float32's rate)."""
+    CPU feature probe: ``"AMX"`` (tiles: 3-6x float32's rate), ``"AVX512-BF16"`` on an AMD CPU
+    (``vdpbf16ps``, two products per float32 lane: about 2.2x float32's rate through oneDNN on an
+    AMD EPYC Zen 4, BENCHMARKS.md), or None: bfloat16 emulated (about half float32's rate), or
+    ``avx512_bf16`` on an Intel CPU without AMX, whose float32 products already run 512 bits wide
+    (on a Xeon with ``avx512_bf16`` and ``avx512_fp16`` whose hypervisor hides AMX, oneDNN's
+    bfloat16 product took 1.5-2x float32's time and float16's 1.0-1.1x, BENCHMARKS.md)."""
     caps = cpu_capabilities()
     if caps is None:
         tile = getattr(torch.cpu, "_is_amx_tile_supported", None)
         return "AMX" if tile is not None and tile() else None
     if caps.get("amx_bf16") and caps.get("amx_tile"):
         return "AMX"
-    if caps.get("avx512_bf16"):
+    if caps.get("avx512_bf16") and str(caps.get("cpu_name", "")).upper().startswith("AMD"):
         return "AVX512-BF16"
     return None
 
@@ -364,10 +367,10 @@ def device_half(device: torch.device, metric: str | Metric) -> torch.dtype | Non
     """The half dtype this device multiplies fastest, from what the device is, never timed.
 
     CUDA devices with tensor cores (compute capability 7.0 and up): float16 for unit rows (an
-    8x tighter bound), else bfloat16 where supported. CPUs with bfloat16 products in hardware
-    (AMX, or AVX-512 BF16: :func:`cpu_bf16_unit`): bfloat16. Other CPUs and older GPUs: None,
-    since their half products are no faster than float32 (a CPU that emulates bfloat16
-    multiplies it at about half the float32 rate).
+    8x tighter bound), else bfloat16 where supported. CPUs whose bfloat16 products are faster
+    than float32's (AMX, or AVX-512 BF16 on AMD: :func:`cpu_bf16_unit`): bfloat16. Other CPUs
+    and older GPUs: None, since their half products are no faster than float32 (a CPU that
+    emulates bfloat16 multiplies it at about half the float32 rate).
     """
     choices = _half_candidates(device, get_metric(metric))
     if not choices:

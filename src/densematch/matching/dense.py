@@ -145,7 +145,7 @@ def match(
         Show a tqdm bar over the query pixels (needs tqdm).
     precision : {"exact", "float32", "fast", "float64"}, default="exact"
         "exact": the same matches as "float32" (ties aside), using a certified half-precision
-        search where the device multiplies half precision faster (GPUs; CPUs with AMX or AVX-512 BF16), else
+        search where the device multiplies half precision faster (GPUs; CPUs with AMX; AMD CPUs with AVX-512 BF16), else
         float32. "float32" / "float64": plain accumulation in that dtype. "fast": ranks by
         half-precision scores where that is faster, without re-scoring: approximate. Measured
         (benchmarks/suites/bench_match.py): 1.9-2.1% of pixels get another match than "float32" on
