@@ -349,9 +349,9 @@ def cpu_bf16_unit() -> str | None:
     CPU feature probe: ``"AMX"`` (tiles: 3-6x float32's rate), ``"AVX512-BF16"`` on an AMD CPU
     (``vdpbf16ps``, two products per float32 lane: about 2.2x float32's rate through oneDNN on an
     AMD EPYC Zen 4, BENCHMARKS.md), or None: bfloat16 emulated (about half float32's rate), or
-    ``avx512_bf16`` on an Intel CPU without AMX, whose float32 products already run 512 bits wide
-    (on a Xeon with ``avx512_bf16`` and ``avx512_fp16`` whose hypervisor hides AMX, oneDNN's
-    bfloat16 product took 1.5-2x float32's time and float16's 1.0-1.1x, BENCHMARKS.md)."""
+    ``avx512_bf16`` on an Intel CPU without AMX (on a Xeon with ``avx512_bf16`` and
+    ``avx512_fp16`` whose hypervisor hides AMX, oneDNN's bfloat16 product took 1.7-2.0x MKL's
+    float32 time, and float16's 1.0-1.1x: BENCHMARKS.md)."""
     caps = cpu_capabilities()
     if caps is None:
         tile = getattr(torch.cpu, "_is_amx_tile_supported", None)

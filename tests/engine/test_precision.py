@@ -473,7 +473,7 @@ class TestPrecisionArgument:
         [
             ({"amx_bf16": True, "amx_tile": True, "avx512_bf16": True, "cpu_name": "Intel Xeon"}, "AMX"),
             ({"amx_bf16": False, "amx_tile": False, "avx512_bf16": True, "cpu_name": "AMD EPYC"}, "AVX512-BF16"),
-            # an Intel core's bfloat16 products without AMX run at 0.5-0.65x float32's rate
+            # an Intel core's bfloat16 products without AMX ran at 0.5-0.6x float32's rate
             ({"amx_bf16": False, "amx_tile": False, "avx512_bf16": True, "cpu_name": "Intel Xeon"}, None),
             ({"avx512_bf16": True, "avx512_fp16": True, "cpu_name": "Intel Xeon"}, None),
             ({"avx512_bf16": True}, None),  # no name: the vendor is unknown, float32 is never slower
