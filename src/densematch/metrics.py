@@ -57,13 +57,17 @@ def row_norms(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.linalg.vector_norm(x / peak, dim=dim, keepdim=True) * peak
 
 
-def unit_rows(x: torch.Tensor, dim: int = -1, *, inplace: bool = False) -> torch.Tensor:
+def unit_rows(x: torch.Tensor, dim: int = -1, *, inplace: bool = False, precise: bool = False) -> torch.Tensor:
     """``x`` scaled to unit length along ``dim``, divided by each line's largest magnitude first
     as in :func:`row_norms` (in place with ``inplace``, no temporary; differentiable
-    otherwise). Only exact zero lines stay zero."""
+    otherwise). Only exact zero lines stay zero. ``precise``: norms summed in float64, so that
+    each value of a line errs by at most about 3 roundings of its dtype, whatever its length."""
     peak = _peaks(x, dim)
     y = x.div_(peak) if inplace else x / peak
-    norm = torch.linalg.vector_norm(y, dim=dim, keepdim=True)
+    if precise and y.dtype != torch.float64:
+        norm = torch.linalg.vector_norm(y, dim=dim, keepdim=True, dtype=torch.float64).to(y.dtype)
+    else:
+        norm = torch.linalg.vector_norm(y, dim=dim, keepdim=True)
     norm = torch.where(norm > 0, norm, 1.0)
     return y.div_(norm) if inplace else y / norm
 
@@ -167,6 +171,7 @@ class Metric:
         centre: torch.Tensor | None = None,
         *,
         out: torch.Tensor | None = None,
+        precise: bool = False,
     ) -> torch.Tensor:
         """Rows ready for :meth:`score_tile`.
 
@@ -182,6 +187,9 @@ class Metric:
             Subtracted from every row when the metric is centred.
         out : Tensor of shape (n, C + extra_columns), optional
             Written and returned (contiguous rows, of ``dtype``).
+        precise : bool, default=False
+            Rows scaled (cosine's unit rows) within about 3 roundings of each value: norms
+            summed in float64.
 
         Returns
         -------
@@ -414,8 +422,9 @@ class Cosine(Metric):
         centre: torch.Tensor | None = None,
         *,
         out: torch.Tensor | None = None,
+        precise: bool = False,
     ) -> torch.Tensor:
-        return unit_rows(super().prepare(x, role, dtype, out=out), inplace=True)
+        return unit_rows(super().prepare(x, role, dtype, out=out), inplace=True, precise=precise)
 
     def pair_value(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (unit_rows(a) * unit_rows(b)).sum(-1)
@@ -471,6 +480,7 @@ class Euclidean(Metric):
         centre: torch.Tensor | None = None,
         *,
         out: torch.Tensor | None = None,
+        precise: bool = False,
     ) -> torch.Tensor:
         n, c = x.shape
         out = torch.empty(n, c + 1, dtype=dtype, device=x.device) if out is None else out

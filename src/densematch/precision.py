@@ -197,6 +197,20 @@ def product_slack(q: torch.Tensor, ref_norms: tuple[float, float], extra: int = 
     return 2 * _gamma(q.shape[1], q.dtype) * bound + _FLUSH
 
 
+def shifted_slack(
+    q_norms: torch.Tensor, c: int, dtype: torch.dtype, ref_norm: float, unshifted: float = 0.0
+) -> torch.Tensor:
+    """:func:`product_slack` of a pure product (no extra column) for query rows of norms
+    ``q_norms`` (m,) and ``c`` columns, against references of largest norm ``ref_norm``, where
+    those references may be shifted by one vector ``m`` (``r - m``: every exact product of a
+    query row moves by ``q . m``, so its ranking stays). Then ``ref_norm`` is the shifted rows'
+    and ``unshifted`` the largest norm before the shift, of rows prepared within 3 roundings of
+    each value (:meth:`densematch.metrics.Metric.prepare` with ``precise``): their own error,
+    which no shift reduces, adds ``4 u |q| unshifted``."""
+    factor = 2 * _gamma(c, dtype) * ref_norm + 4 * unit_roundoff(dtype) * unshifted
+    return q_norms * factor + _FLUSH
+
+
 def row_norms(x: torch.Tensor, h: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's norms (n, 4) that the bound terms are made of: ``|x|``, ``|h|``, ``|h - x|``
     (the difference in x's dtype) and ``|u|`` (0 without ``u``), of rows ``x`` and ``u`` in the

@@ -578,19 +578,23 @@ class TestMerge:
         seed=st.integers(0, 2**16),
     )
     def test_lists_every_pair_reaching_the_final_floor(self, m, n, width, k, cap, slack, dtype, seed):
+        # each tile its own margin (the plain search's tile bounds): a pair is listed with its
+        # score plus its tile's margin, and kept while that reaches the row's k-th best
         g = torch.Generator().manual_seed(seed)
         scores = torch.randn(m, n, generator=g, dtype=dtype)
         k = min(k, n)
         best_v, best_i = torch.full((m, k), float("-inf"), dtype=dtype), torch.full((m, k), -1)
-        margin = torch.full((m,), slack, dtype=dtype)
         listed = native.Candidates(m, cap, dtype)
+        upper = torch.empty_like(scores)
         for start in range(0, n, width):
+            margin = slack * torch.rand(m, generator=g, dtype=dtype)
             native.merge(scores[:, start : start + width], start, best_v, best_i, margin, listed)
-        floor = best_v[:, -1] - margin
-        rows, cols = listed.reaching(floor)
+            upper[:, start : start + width] = scores[:, start : start + width] + margin[:, None]
+        kth = best_v[:, -1]
+        rows, cols = listed.reaching(kth)
         got = set(zip(rows.tolist(), cols.tolist(), strict=True))
         for r in range(m):
-            want = {(r, c) for c in range(n) if scores[r, c] >= floor[r]}
+            want = {(r, c) for c in range(n) if upper[r, c] >= kth[r]}
             mine = {pair for pair in got if pair[0] == r}
             if listed.over[r]:
                 assert not mine and len(want) > 0  # an over row is listed again by the caller

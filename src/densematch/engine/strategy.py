@@ -337,14 +337,16 @@ class Strategy:
         the direct form, references in blocks of ``width`` columns scored into ``buf``, at most
         ``cap`` candidates listed per row (default: the search's cap; ``nb`` lists every one).
 
-        Each product is within ``slack`` (``self.ref_norms``) of the exact one, so the exact top k
-        all score at least the k-th best minus twice that: the candidates. They are listed during
-        the scan, while the block is in cache, against each row's running floor (its running k-th
-        best minus twice the slack, which only rises), and pruned as the floors rise: no block is
-        multiplied twice. Rows with more than k candidates are settled by the direct form; a row
-        that lists more than the cap is resolved at the end against its final floor, without a
-        cap (:meth:`_resolve`). Returns the tile rows of the listed candidates and the rows
-        resolved, for :meth:`_record`."""
+        Each product is within a slack of the exact one (:meth:`_tile_bounds`: one for every tile,
+        or each reference tile its own, its scores lowered by it to lower bounds), so the exact top
+        k all reach the k-th best lower bound: a pair is a candidate if its score less its tile's
+        margin (twice the slack, or once with the lowering) reaches it. They are listed during the
+        scan, while the block is in cache, against each row's running k-th best (which only
+        rises), with their score plus their margin, and pruned as it rises: no block is multiplied
+        twice. Rows with more than k candidates are settled by the direct form; a row that lists
+        more than the cap is resolved at the end against its final k-th best, without a cap
+        (:meth:`_resolve`). Returns the tile rows of the listed candidates and the rows resolved,
+        for :meth:`_record`."""
         m, k = best_v.shape
         rows_of_tile = (lambda r: r) if tile_rows is None else (lambda r: tile_rows[r])
         zero = (q == 0).all(1) if not self.metric.extra_columns else None
@@ -362,7 +364,7 @@ class Strategy:
                 rows, redo = self._rank_exact(q[keep], rows_of_tile(keep), v, i, start, buf, width, cap)
                 best_v[keep], best_i[keep] = v, i
             return rows, torch.cat([redo, rows_of_tile(zero.nonzero().squeeze(1))])
-        twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
+        bounds = self._tile_bounds(q)
         best_v.fill_(-math.inf)
         best_i.fill_(-1)
         # on a CPU one C call per block merges and lists (native.merge); else the torch merge
@@ -376,14 +378,17 @@ class Strategy:
         for j in range(0, self.nb, width):
             n = min(width, self.nb - j)
             s = self.metric.score_tile(q, self._prepare_refs(j, j + n), out=buf[: m * n].view(m, n), ops=self.ops)
+            lowered, margin = bounds(j, n)
+            if lowered is not None:
+                s.sub_(lowered[:, None])
             if isinstance(listed, native.Candidates):
-                native.merge(s, j, best_v, best_i, twice, listed)
+                native.merge(s, j, best_v, best_i, margin, listed)
                 continue
-            hot, sub = self.merge(s, j, best_v, best_i, twice)
+            hot, sub = self.merge(s, j, best_v, best_i, margin)
             if hot.numel():
-                pool.add(sub, j, best_v[:, -1] - twice, hot)
-        floor = best_v[:, -1] - twice
-        rows, cols = listed.reaching(floor)
+                pool.add(sub.add_(margin[hot, None]), j, best_v[:, -1], hot)  # the block is done with
+        # every pair is listed with its score plus its tile's margin: those reaching the k-th best
+        rows, cols = listed.reaching(best_v[:, -1])
         redo = listed.over.nonzero().squeeze(1)
         crowded = torch.bincount(rows, minlength=m) > k
         keep = crowded[rows]
@@ -396,8 +401,18 @@ class Strategy:
             best_v[crowded], best_i[crowded] = v, i
         if redo.numel():
             q_redo = q.index_select(0, redo)
-            best_v[redo], best_i[redo] = self._resolve(q_redo, rows_of_tile(redo), floor[redo], start, k, buf)
+            kth = best_v[redo, -1]
+            best_v[redo], best_i[redo] = self._resolve(q_redo, rows_of_tile(redo), kth, start, k, buf)
         return rows_of_tile(rows), rows_of_tile(redo)
+
+    def _tile_bounds(self, q: torch.Tensor) -> Callable[[int, int], tuple[torch.Tensor | None, torch.Tensor]]:
+        """For prepared query rows ``q`` (m, C), a function of a reference tile (start, rows)
+        giving what each row's scores of that tile are lowered by before they merge (None: they
+        are not) and the margin (m,) by which a merged score may fall short of its row's k-th
+        best and its pair still be a candidate. Here one slack for every tile (the largest
+        references', ``self.ref_norms``): scores as they are, twice the slack."""
+        twice = 2 * product_slack(q, self.ref_norms, self.metric.extra_columns)
+        return lambda start, n: (None, twice)
 
     def _resolve_shape(self, m: int) -> tuple[int, int]:
         """(rows, columns) of the blocks of scores :meth:`_resolve` computes for a query tile of
@@ -413,12 +428,13 @@ class Strategy:
         return max(1, min(r, block_rows * block_cols // width)), width
 
     def _resolve(
-        self, q: torch.Tensor, rows: torch.Tensor, floor: torch.Tensor, start: int, k: int, buf: torch.Tensor
+        self, q: torch.Tensor, rows: torch.Tensor, kth: torch.Tensor, start: int, k: int, buf: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact top ``k`` (values, tile positions) of the rows ``rows`` of the query tile at
         ``start`` (``q``: their prepared rows) whose near-ties outgrew the cap: every pair whose
-        product in the compute dtype reaches its row's ``floor`` (the k-th best minus twice the
-        products' slack) is scored by the metric's direct form, however many there are, written
+        product in the compute dtype reaches its row's floor (``kth``, the scan's k-th best,
+        less its tile's margin, plus what its scores were lowered by: :meth:`_tile_bounds`) is
+        scored by the metric's direct form, however many there are, written
         over its product in the block (the others become -inf) and merged into the rows' top k
         like any score tile (equal scores to the lower column). Rows are taken in groups and
         references in blocks of :meth:`_resolve_shape`; the candidates listed at once are at most
@@ -431,13 +447,17 @@ class Strategy:
         group, width = self._groups(q.shape[0], r)
         limit = max(width, q.shape[0] * self.cap_rows)
         merge = native.merge if self.ops.c else self.merge
+        bounds = self._tile_bounds(q)
         for g in range(0, r, group):
-            sel, fg = rows[g : g + group], floor[g : g + group, None]
+            sel = rows[g : g + group]
             gv, gi = v[g : g + group], i[g : g + group]
             side = q[g : g + group]
             for j in range(0, self.nb, width):
-                block = self.metric.score_tile(side, self._prepare_refs(j, j + min(width, self.nb - j)), ops=self.ops)
-                reach = block >= fg
+                n = min(width, self.nb - j)
+                block = self.metric.score_tile(side, self._prepare_refs(j, j + n), ops=self.ops)
+                lowered, margin = bounds(j, n)
+                floor = kth - margin if lowered is None else kth - margin + lowered
+                reach = block >= floor[g : g + group, None]
                 total = torch.cumsum(reach.sum(1), 0).tolist()
                 block.fill_(-math.inf)
                 first = 0

@@ -179,7 +179,8 @@ def merge(
     """Merge the score tile ``s`` (m, n; columns ``offset`` onwards; higher is better) into the
     running top-k ``best_v`` / ``best_i`` (m, k, contiguous; best first, -inf / -1 when empty),
     equal scores to the lower column. With ``margin`` (m,) and ``listed``, also list every pair
-    reaching its row's k-th best minus the margin (see native.c). bfloat16 scores merge into a
+    reaching its row's k-th best minus the margin, with its score plus the margin, and keep a
+    full list's pairs whose value reaches the k-th best (native_t.h). bfloat16 scores merge into a
     float32 top-k, without a margin, each column plus ``bias`` (n,) in float32 where given. On
     this thread."""
     lib = _loaded("merge", s, best_v, best_i, margin, bias)

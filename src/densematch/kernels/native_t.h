@@ -259,11 +259,13 @@ void DM_T(dm_l2_weights)(const T *g, int64_t gsf, int64_t gsp, const T *dist, in
  * doubles) is tested with vector compares and looked at one by one only when one of them reaches
  * the row's k-th best, which after the first tiles is rare.
  *
- * With a margin (m,), the certified search's candidates are listed too: every (column, score)
- * reaching the row's running floor, its k-th best minus the margin, goes to the row's cap slots
- * (cand_cols / cand_vals, (m, cap), counts (m,)). A full row is pruned against its floor; a row
- * still full is marked over (over[r] = 1) and lists no more (the caller lists it again). The
- * floor only rises, so every pair reaching the final floor is listed, unless its row is over.
+ * With a margin (m,), the certified search's candidates are listed too: every column whose score
+ * reaches the row's running floor, its k-th best minus the margin, goes to the row's cap slots
+ * (cand_cols / cand_vals, (m, cap), counts (m,)) with its score plus the margin: scores that are
+ * lower bounds (a tile's scores less its own slack) list upper bounds, and a call's margin holds
+ * for its own tile only. A full row is pruned against its k-th best; a row still full is marked
+ * over (over[r] = 1) and lists no more (the caller lists it again). The k-th best only rises, so
+ * every pair whose listed value reaches the final k-th best is listed, unless its row is over.
  */
 enum { DM_T(CHUNK) = (int)(2 * STEP(T)) }; /* values per chunk: four vectors */
 static inline int DM_T(better)(T v, int64_t i, T w, int64_t j) { return v > w || (v == w && i < j); }
@@ -334,7 +336,7 @@ void DM_T(dm_merge)(const T *s, int64_t lds, int64_t m, int64_t n, int64_t offse
                 if (!(v >= floor)) continue;
                 const int64_t idx = offset + q;
                 if (listing)
-                    listing = DM_T(list)(cc, cv, &counts[r], cap, &over[r], floor, idx, v);
+                    listing = DM_T(list)(cc, cv, &counts[r], cap, &over[r], bv[k - 1], idx, v + slack);
                 if (DM_T(insert)(bv, bi, k, v, idx)) floor = bv[k - 1] - slack;
             }
         }
