@@ -217,3 +217,29 @@ def test_each_tile_lists_with_its_own_margin(wide, monkeypatch, path, k):
         )
     assert stats["fallback"] > 0
     assert_exact_ties_lowest(a, b, got, "dot", k)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    na=st.integers(1, 20),
+    nb=st.integers(1, 100),
+    c=st.integers(plain.TILE_BOUNDS_FROM, plain.TILE_BOUNDS_FROM + 40),
+    k=st.integers(1, 5),
+    spread=st.sampled_from([0.0, 0.01, 0.3, 3.0]),
+    duplicates=st.booleans(),
+    candidates=st.sampled_from([1, None]),
+    tile_b=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_cosine_as_the_rule_takes_it(na, nb, c, k, spread, duplicates, candidates, tile_b, seed):
+    # the rule's own path (cosine from C=512, shifted or not): rows sharing much, little or all
+    # of their length (spread 0: every row equal, all tied), duplicated references, any cap and tile
+    a, b = common_rows(na, c, seed, spread), common_rows(nb, c, seed + 1, spread)
+    if duplicates:
+        b = torch.cat([b, b[: nb // 2 + 1]])
+    k = min(k, b.shape[0])
+    _, got = engine.topk(
+        a, b, metric="cosine", k=k, budget=2**26, precision=Precision(candidates=candidates), tiles=(None, tile_b)
+    )
+    ref = reference_scores(a, b, "cosine")
+    assert_same_up_to_ties(a, b, got, ref.topk(k, dim=1).indices, "cosine", tol=4 * c * 2.0**-24)
