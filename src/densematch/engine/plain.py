@@ -115,10 +115,7 @@ class PlainSearch(Strategy):
             torch.linalg.vector_norm(refs, dim=1, out=norms[start:stop])
 
         self._each_ref_tile(first)
-        total = torch.zeros(self.b.shape[1], dtype=torch.float64, device=self.b.device)
-        for start in sorted(sums):  # in tile order, whichever worker finished first
-            total += sums[start]
-        mean = (total / max(self.nb, 1)).to(self.dtype)
+        mean = self._mean_in_tile_order(sums, torch.float64).to(self.dtype)  # unused without references
 
         def second(start: int, stop: int) -> None:
             torch.linalg.vector_norm(self._prepare_refs(start, stop) - mean, dim=1, out=shifted[start:stop])

@@ -240,9 +240,15 @@ class Strategy:
             parts[start] = self._scaled(rows_of(self.b, self.rows_b, start, stop)).sum(0, dtype=self.dtype)
 
         self._each_ref_tile(tile)
-        total = torch.zeros(self.b.shape[1], dtype=self.dtype, device=self.b.device)
-        for start in sorted(parts):  # in tile order, whichever worker finished first
-            total += parts[start]
+        return self._mean_in_tile_order(parts, self.dtype)
+
+    def _mean_in_tile_order(self, sums: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The mean over the references of their tiles' sums (``sums``, keyed by each tile's
+        start), added in tile order whichever worker finished first: the same bits with any
+        number of workers."""
+        total = torch.zeros(self.b.shape[1], dtype=dtype, device=self.b.device)
+        for start in sorted(sums):
+            total += sums[start]
         return total / self.nb
 
     def _prepare_refs(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
