@@ -311,6 +311,51 @@ def test_a_few_rows_over_the_cap_are_searched_again_uncapped(same_scene, monkeyp
     assert_same_up_to_ties(q, b, got, want, metric)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+@pytest.mark.parametrize(("metric", "k"), [("cosine", 1), ("cosine", 8)])
+def test_rows_searched_again_share_the_lists_room(same_scene, monkeypatch, kernel, metric, k):
+    # many rows over a small cap, searched again with the same share of the tile's list spread
+    # over them (more candidates each than the scan's cap); rows tied with more references than
+    # even that (one reference copied 300 times, those rows' own patch) are resolved without a cap
+    from densematch.engine import half
+    from densematch.engine.half import HalfSearch
+
+    fa, fb = same_scene
+    a, b = fa.reshape(-1, 64).clone(), fb.reshape(-1, 64)
+    b = torch.cat([b, b[100].expand(300, 64)])
+    a[::50] = b[100]
+    seen: list[tuple[int, int, int, int]] = []
+    resolved: list[int] = []
+    rank_exact, resolve = HalfSearch._rank_exact, HalfSearch._resolve
+
+    def spy(self, q, *args):  # type: ignore[no-untyped-def]
+        seen.append((self.cap_rows, q.shape[0], args[6], args[5]))
+        return rank_exact(self, q, *args)
+
+    def spy_resolve(self, q, *args):  # type: ignore[no-untyped-def]
+        resolved.append(q.shape[0])
+        return resolve(self, q, *args)
+
+    monkeypatch.setattr(HalfSearch, "_rank_exact", spy)
+    monkeypatch.setattr(HalfSearch, "_resolve", spy_resolve)
+    stats: dict[str, int] = {}
+    precision = Precision(half=torch.bfloat16, backend=kernel, candidates=8 * k)
+    tile_a = 196
+    with densematch.config_context(kernel=kernel):
+        _, got = engine.topk(
+            a, b, metric=metric, k=k, budget=2**26, precision=precision, stats=stats, tiles=(tile_a, 512)
+        )
+    assert stats["fallback"] > 0 and seen
+    for cap_rows, rows, cap, width in seen:
+        assert cap_rows == 8 * k and width < b.shape[0]  # (not the few rows' single product)
+        assert cap == min(b.shape[0], max(cap_rows, int(half._UNCAPPED_SHARE * tile_a * cap_rows) // rows))
+    assert any(cap > 8 * k for _, _, cap, _ in seen)
+    assert sum(resolved) >= len(range(0, a.shape[0], 50))  # the tied rows at least
+    assert_topk_exact(a, b, got, metric, k)
+    _, want = engine.topk(a, b, metric=metric, k=k, budget=2**26, precision=Precision(candidates=8 * k))
+    assert_same_up_to_ties(a, b, got, want, metric)
+
+
 @pytest.mark.parametrize("path", TORCH_PATHS)
 @pytest.mark.parametrize("metric", ["cosine", "dot"])
 def test_zero_query_rows_tie_every_reference(path, metric):

@@ -584,39 +584,42 @@ def test_the_default_cap_grows_with_the_references():
     assert Precision(candidates=4).cap(1, 10**6) == 8 and Precision(candidates=100).cap(1, 10) == 100
 
 
-def test_the_grown_cap_is_kept_unless_it_costs_more_tiles(monkeypatch) -> None:
-    # 2304 references of 1536 channels, k=8 under 256 MiB: the grown cap (2304 / 16) needs a
-    # slightly narrower query tile than the base cap (8 k); kept where the query tiles stay as
-    # many, the base cap where there would be more
+def test_the_grown_cap_is_kept_unless_it_costs_many_more_tiles(monkeypatch) -> None:
+    # k=8: the grown cap (nb / 16) needs narrower query tiles than the base cap (8 k) under the
+    # same budget; kept where its tile pairs are at most driver._GROWN_CAP_TILES times the base
+    # cap's (a row over the cap costs about two float32 product rows, a tile its step), the base
+    # cap where the budget binds so hard that it would take many more
     # (the rule at the strategy's own caps: the device's narrower ones left out)
     monkeypatch.setattr(HalfSearch, "narrower_caps", classmethod(lambda cls, *a: None))
 
-    def plan(na: int, candidates: int | None) -> tuple[int, engine.TilePlan]:
+    def plan(nb: int, c: int, budget: int, candidates: int | None) -> tuple[int, engine.TilePlan]:
         p = Precision(half=torch.bfloat16, candidates=candidates)
         dims, tiles = driver._plan(
-            HalfSearch, na, 2304, 1536, 8, 2**28, metric=get_metric("cosine"), device=torch.device("cpu"),
+            HalfSearch, nb, nb, c, 8, budget, metric=get_metric("cosine"), device=torch.device("cpu"),
             precision=p, in_dtype=torch.float32, tiles=None, reserved=0,
         )  # fmt: skip
         return dims.cap, tiles
 
-    grown, base = BF16.cap(8, 2304), BF16.cap(8, 0)
     kept = []
-    for na in (2304, 1270, 1900):
-        wide, narrow = plan(na, grown)[1], plan(na, base)[1]
-        assert wide.tile_a < narrow.tile_a
-        cheap = -(-na // wide.tile_a) <= -(-na // narrow.tile_a)
-        cap, chosen = plan(na, None)
+    for nb, c, budget in ((2304, 1536, 2**28), (9216, 64, 2**26), (9216, 64, 2**22), (6400, 256, 2**23)):
+        grown, base = BF16.cap(8, nb, c), BF16.cap(8, 0, c)
+        wide, narrow = plan(nb, c, budget, grown)[1], plan(nb, c, budget, base)[1]
+        assert wide.tile_a <= narrow.tile_a and grown > base
+        cheap = driver._tiles(nb, nb, wide) <= driver._GROWN_CAP_TILES * driver._tiles(nb, nb, narrow)
+        cap, chosen = plan(nb, c, budget, None)
         assert (cap, chosen) == ((grown, wide) if cheap else (base, narrow))
         kept.append(cheap)
-    assert kept == [True, False, False]
+    assert kept == [True, True, False, False]
+    assert driver._tiles(9216, 9216, plan(9216, 64, 2**26, BF16.cap(8, 9216, 64))[1]) > driver._tiles(
+        9216, 9216, plan(9216, 64, 2**26, BF16.cap(8, 0, 64))[1]
+    )  # (kept at more tiles)
 
 
 def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_tile(monkeypatch) -> None:
     # two workers split 2304 query rows into shares (HalfSearch.items_per_worker to a worker),
-    # under half the budget each: the grown cap's plan has more of its own tiles than the base
-    # cap's, but the shares, narrower than both, make the tiles searched as many, so the grown
-    # cap stays (it fell to the base cap before: at 48x48x1536 same-scene, 1-6% of the rows went
-    # over it)
+    # under half the budget each: tiles are counted as the shares cut them, so a query tile wider
+    # than a share costs the grown cap nothing (at 48x48x1536 same-scene, 1-6% of the rows went
+    # over the base cap before)
     from densematch.app.synthetic import same_scene_pair
     from densematch.threads import share_size
 
@@ -629,11 +632,12 @@ def test_the_grown_cap_is_kept_where_workers_take_shares_narrower_than_either_ti
         )  # fmt: skip
         return dims.cap, tiles
 
-    grown, base = BF16.cap(1, 2304), BF16.cap(1, 0)
+    grown = BF16.cap(1, 2304)
     share = share_size(2304, 2, HalfSearch.items_per_worker)
-    alone, shared = plan(64, None, 2**25), plan(64, share, 2**25)
-    assert alone[0] == base and -(-2304 // alone[1].tile_a) < -(-2304 // shared[1].tile_a)
+    shared = plan(64, share, 2**25)
     assert shared[0] == grown and shared[1].tile_a >= share
+    assert driver._tiles(2304, 2304, shared[1], share) == -(-2304 // share) * -(-2304 // shared[1].tile_b)
+    assert driver._tiles(2304, 2304, shared[1]) == -(-2304 // shared[1].tile_a) * -(-2304 // shared[1].tile_b)
     assert plan(1536, None, 2**27)[0] == plan(1536, share, 2**27)[0] == grown  # (2**28 shared by two)
     # and a search on two threads plans with its workers' share: 32 MiB each
     chosen = []
@@ -668,23 +672,24 @@ def test_the_half_search_takes_wider_cpu_tiles_and_fewer_query_tiles_a_worker(mo
     assert HalfSearch.tile_caps(gpu, 10**4, 10**4) == MAX_TILES["cuda"]
     assert (PlainSearch.items_per_worker, HalfSearch.items_per_worker) == (4, 2)
 
-    # where the wider reference tile would cost the grown cap of candidates, the device's caps
-    # (80x80x256, k=8, a worker's half of 256 MiB: base cap 64 at 1024 columns, 400 at 512)
-    def plan(budget: int, share: int | None, fallback: bool = True) -> tuple[int, engine.TilePlan]:
+    # the grown cap planned at the device's narrower caps too, and the fewer tiles of the two
+    # taken (2304x256, k=1 under 8 MiB: 105 tiles of 1024 columns, 85 of 512)
+    def plan(budget: int, fallback: bool = True) -> tuple[int, engine.TilePlan]:
         with monkeypatch.context() as m:
             if not fallback:
                 m.setattr(HalfSearch, "narrower_caps", classmethod(lambda cls, *a: None))
             dims, tiles = driver._plan(
-                HalfSearch, 6400, 6400, 256, 8, budget, metric=get_metric("l2"), device=cpu, precision=BF16,
-                in_dtype=torch.float32, tiles=None, reserved=0, share=share,
+                HalfSearch, 2304, 2304, 256, 1, budget, metric=get_metric("l2"), device=cpu, precision=BF16,
+                in_dtype=torch.float32, tiles=None, reserved=0,
             )  # fmt: skip
         return dims.cap, tiles
 
-    grown = BF16.cap(8, 6400, 256)
-    assert plan(2**27, 1600, fallback=False)[0] < grown  # the wide tile alone
-    got = plan(2**27, 1600)
-    assert got[0] == grown and got[1].tile_b == MAX_TILES["cpu"][1]
-    got = plan(2**28, None)
+    grown = BF16.cap(1, 2304, 256)
+    wide, got = plan(2**23, fallback=False), plan(2**23)
+    assert wide[0] == got[0] == grown and wide[1].tile_b == 2 * MAX_TILES["cpu"][1]
+    assert got[1].tile_b == MAX_TILES["cpu"][1]
+    assert driver._tiles(2304, 2304, got[1]) < driver._tiles(2304, 2304, wide[1])
+    got = plan(2**28)
     assert got[0] == grown and got[1].tile_b == 2 * MAX_TILES["cpu"][1]
     seen: dict[str, list[int]] = {"plain": [], "half": []}
     for name, cls in (("plain", PlainSearch), ("half", HalfSearch)):

@@ -38,6 +38,14 @@ def _item(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
+# The grown candidate cap is taken where it costs at most this many times the tile pairs of the
+# base cap: a row over the cap is searched again at the price of about two float32 product rows,
+# a tile pair costs its step's overhead. At two threads under the default memory, k=8, same-scene
+# features: 80x80x768 / 96x96x768 l2 / 128x128x384 the default search 0.87 / 0.86 / 0.85 of the
+# base cap's time (10-16% more tiles), random features 0.98-1.03 (BENCHMARKS.md, issue 39)
+_GROWN_CAP_TILES = 2.0
+
+
 def _plan(
     strategy: type[Strategy],
     na: int,
@@ -54,8 +62,9 @@ def _plan(
     reserved: int,
     share: int | None = None,
 ) -> tuple[Dims, TilePlan]:
-    """The dims and tile plan of a search, with the grown candidate cap where it costs no more
-    tiles (query tiles of at most ``share`` rows where workers take shares of them)."""
+    """The dims and tile plan of a search, with the grown candidate cap where it costs at most
+    :data:`_GROWN_CAP_TILES` times the tiles (query tiles of at most ``share`` rows where workers
+    take shares of them)."""
     grown, base = strategy.cap(precision, metric, k, nb, c), strategy.cap(precision, metric, k, 0, c)
 
     def planned(cap: int, caps: tuple[int, int]) -> tuple[Dims, TilePlan]:
@@ -82,28 +91,23 @@ def _plan(
         )
         return dims, plan
 
-    def with_cap(caps: tuple[int, int]) -> tuple[Dims, TilePlan]:
-        chosen = planned(base, caps)  # its ValueError, where even one tile does not fit, is the call's
-        if grown > base:
-            # a cap grown with the references saves searching rows again, but never at the price
-            # of more tiles or the references prepared per tile: where the budget binds, the base
-            # cap (a tile a few rows narrower that leaves the count alone costs nothing:
-            # 48x48x1536, k=8 under 256 MiB, 670 -> 648 rows)
+    # (its ValueError, where even one tile does not fit, is the call's)
+    chosen = planned(base, strategy.tile_caps(device, na, nb))
+    if grown > base:
+        # a cap grown with the references saves searching rows again, but not at the price of
+        # many more tiles or the references prepared per tile: where the budget binds hard, the
+        # base cap. Planned at the strategy's caps and, where it has them, at narrower ones (a
+        # wider reference tile holds more per query row); the fewer tiles of the two
+        limit = _GROWN_CAP_TILES * _tiles(na, nb, chosen[1], share)
+        options = [strategy.tile_caps(device, na, nb), strategy.narrower_caps(device, na, nb)]
+        for caps in options if tiles is None else options[:1]:
+            if caps is None:
+                continue
             with contextlib.suppress(ValueError):
                 wide = planned(grown, caps)
-                more = _tiles(na, nb, wide[1], share) > _tiles(na, nb, chosen[1], share)
-                if not more and wide[1].whole_b >= chosen[1].whole_b:
-                    chosen = wide
-        return chosen
-
-    chosen = with_cap(strategy.tile_caps(device, na, nb))
-    fallback = strategy.narrower_caps(device, na, nb)
-    if chosen[0].cap < grown and fallback is not None and tiles is None:
-        # the strategy's wider reference tiles are worth less than the grown cap (80x80x256, k=8
-        # at two threads: 10-16% of the rows over the base cap, searched again)
-        narrow = with_cap(fallback)
-        if narrow[0].cap == grown:
-            chosen = narrow
+                count = _tiles(na, nb, wide[1], share)
+                if count <= limit and wide[1].whole_b >= chosen[1].whole_b:
+                    chosen, limit = wide, count - 1
     return chosen
 
 

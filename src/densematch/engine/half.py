@@ -589,14 +589,18 @@ class HalfSearch(Strategy):
         never a direct score per pair inside the half-precision bound."""
         k, r = best_v.shape[1], redo.numel()
         rows, cols = self._resolve_shape(q.shape[0])
-        cap: int | None = None
-        if r * self.nb <= min(rows * cols, _UNCAPPED_SHARE * q.shape[0] * self.cap_rows):
+        room = int(_UNCAPPED_SHARE * q.shape[0] * self.cap_rows)
+        if r * self.nb <= min(rows * cols, room):
             # a few rows: every reference in one product, every candidate listed (no cap to
             # outgrow, so no second pass), within the bytes of the block and a share of the
             # tile's list
             group, width, cap = r, self.nb, self.nb
         else:
+            # the same share of the list among the group's rows: rows that outgrew the half
+            # bound's cap often outgrow float32's too (a smooth region's near-ties), and each
+            # one resolved costs a second float32 pass over every reference
             group, width = self._groups(q.shape[0], r)
+            cap = min(self.nb, max(self.cap_rows, room // group))
         block = torch.empty(group * width, dtype=self.dtype, device=q.device)
         for g in range(0, r, group):
             sel = redo[g : g + group]
