@@ -129,6 +129,34 @@ def test_centred_queries_send_fewer_same_scene_rows_over_the_cap(monkeypatch):
     assert over[True] < 0.5 * over[False]  # 117 and 998 of 2304 rows on an AMD EPYC
 
 
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_grouped_references_prepared_per_tile_are_bounded_by_their_grouped_rows(monkeypatch, metric):
+    # under a budget too small to prepare every reference once, each tile's bound terms are
+    # those of the rows the half product reads (less their group's centre). They were the rows'
+    # own, which the centre had been taken from: a bound as large as the centre, every row over
+    # the cap and searched again in float32 (the default 1.4x float32's time at 96x96x1536)
+    from densematch.app.synthetic import same_scene_pair
+
+    fa, fb = same_scene_pair(48, 48, 256)
+    a, b = fa.reshape(-1, 256), fb.reshape(-1, 256)
+    kept: list[bool] = []
+    group_centres = HalfSearch._group_centres
+
+    def spy(self, **kwargs):  # type: ignore[no-untyped-def]
+        kept.append(group_centres(self, **kwargs))
+        return kept[-1]
+
+    monkeypatch.setattr(HalfSearch, "_group_centres", spy)
+    budget = 2**22
+    plan = engine.plan_tiles(2304, 2304, 256, 1, budget, metric=metric, device=torch.device("cpu"), precision=BF16)
+    assert not plan.whole_b
+    stats: dict[str, int] = {}
+    _, got = engine.topk(a, b, metric=metric, k=1, budget=budget, precision=BF16, stats=stats)
+    assert kept == [True]
+    assert stats["fallback"] < 0.1 * stats["rows"] and stats["candidates"] > stats["rows"]  # (151 and 126 of 2304)
+    assert_topk_exact(a, b, got, metric, 1)
+
+
 def grouped_bounds(q, r, centre, centres, offset):
     """Every pair's lower and upper bounds (m, n) from the certified C step, for prepared rows
     ``q`` (m, C) and references ``r`` (n, C; rows ``offset`` onwards) whose half rows are centred

@@ -380,7 +380,10 @@ class HalfSearch(Strategy):
 
         def side(start: int, stop: int, rh: torch.Tensor) -> _Side:
             refs = self._prepare_refs(start, stop)
-            terms, bias = self._centred(refs, self._terms(refs, rh) if bound else None, centre)
+            # the terms of the rows rh rounds (less their group's centre where grouped); the
+            # centre's products of the rows themselves
+            terms = self._terms(self._grouped(refs, start), rh) if bound else None
+            terms, bias = self._centred(refs, terms, centre)
             return (terms.T.contiguous() if planes and terms is not None else terms), bias
 
         return side
