@@ -32,6 +32,50 @@ def test_match_stays_under_its_budget(n, mib, metric, mutual, half):
     assert extra <= mib * 2**20 + outputs, f"peak working memory {extra / 2**20:.1f} MiB"
 
 
+WIDE = """
+g = torch.Generator().manual_seed(0)
+a = torch.randn(64, 64, 512, generator=g)
+b = torch.randn(64, 64, 512, generator=g)
+def run(small):
+    x, y = (a[:20, :20], b[:20, :20]) if small else (a, b)
+    with densematch.config_context(half="{half}"):
+        densematch.match(x, y, metric="cosine", memory="{mib}MiB")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("half", ["bfloat16", "off"])
+def test_two_workers_share_the_references_prepared_once_within_the_budget(half):
+    # two workers, each with its own tiles, plan in the whole budget with the references
+    # prepared once counted once (they took half the budget each before: at 96 MiB the
+    # certified search then prepared them again for every query tile)
+    import torch
+
+    from densematch.engine import driver
+    from densematch.engine.half import HalfSearch
+    from densematch.engine.plain import PlainSearch
+    from densematch.metrics import get_metric
+    from densematch.precision import Precision
+
+    mib = 96
+    p = Precision(half=torch.bfloat16 if half == "bfloat16" else None)
+    strategy = HalfSearch if p.half is not None else PlainSearch
+
+    def plan(budget: int, workers: int) -> object:
+        return driver._plan(
+            strategy, 4096, 4096, 512, 1, budget, metric=get_metric("cosine"), device=torch.device("cpu"),
+            precision=p, in_dtype=torch.float32, tiles=None, reserved=0, workers=workers,
+        )[1]  # fmt: skip
+
+    shared, alone = plan(mib * 2**20, 2), plan(mib * 2**20, 1)
+    assert shared.whole_b and shared.bytes <= mib * 2**20
+    assert shared.tile_a < alone.tile_a  # (two workers' tiles beside the references)
+    if half == "bfloat16":
+        assert not plan(mib * 2**19, 1).whole_b  # (each worker's half alone, as before)
+    extra = peak_extra(WIDE.format(half=half, mib=mib))
+    assert extra <= mib * 2**20 + 64 * 64 * (8 + 16 + 4 + 1), f"peak working memory {extra / 2**20:.1f} MiB"
+
+
 TRAIN = """
 g = torch.Generator().manual_seed(0)
 x = torch.randn(4, {d}, 64, 64, generator=g, requires_grad=True)

@@ -61,10 +61,11 @@ def _plan(
     tiles: tuple[int | None, int | None] | None,
     reserved: int,
     share: int | None = None,
+    workers: int = 1,
 ) -> tuple[Dims, TilePlan]:
-    """The dims and tile plan of a search, with the grown candidate cap where it costs at most
-    :data:`_GROWN_CAP_TILES` times the tiles (query tiles of at most ``share`` rows where workers
-    take shares of them)."""
+    """The dims and tile plan of a search on ``workers`` threads, with the grown candidate cap
+    where it costs at most :data:`_GROWN_CAP_TILES` times the tiles (query tiles of at most
+    ``share`` rows where workers take shares of them)."""
     grown, base = strategy.cap(precision, metric, k, nb, c), strategy.cap(precision, metric, k, 0, c)
 
     def planned(cap: int, caps: tuple[int, int]) -> tuple[Dims, TilePlan]:
@@ -88,6 +89,7 @@ def _plan(
             narrowest_b=strategy.narrowest_b,
             tiles=tiles,
             reserved=reserved,
+            workers=workers,
         )
         return dims, plan
 
@@ -302,7 +304,7 @@ def topk(
         nb,
         a.shape[1],
         k,
-        budget if workers == 1 else max(1, (budget - reserved) // workers + reserved),
+        budget,
         metric=metric,
         device=device,
         precision=precision,
@@ -310,6 +312,7 @@ def topk(
         tiles=tiles,
         reserved=reserved,
         share=share_size(na, workers, strategy.items_per_worker) if workers > 1 else None,
+        workers=workers,
     )
     # with workers, the caller's own operators run on itself alone: its OpenMP threads, once
     # woken, spin on the cores the workers take (9% of a two-thread search's CPU at 96x96x64)

@@ -78,9 +78,11 @@ def fit_tiles(
     narrowest_b: int = 1,
     tiles: tuple[int | None, int | None] | None = None,
     reserved: int = 0,
+    workers: int = 1,
 ) -> TilePlan:
     """Choose tile sizes whose whole working set, ``working_set(d, ta, tb, whole_b)`` bytes,
-    fits in ``budget``.
+    fits in ``budget``; with ``workers`` threads, each holds its own tiles' working set, and the
+    references prepared whole (what ``whole_b`` adds to a working set of no tiles) once for all.
 
     References are tiled first at ``caps[1]`` rows, query tiles take what is left (at most
     ``caps[0]``), and the reference tile halves, down to ``narrowest_b``, while query tiles would
@@ -93,6 +95,8 @@ def fit_tiles(
         When even tiles of one row do not fit, naming the minimum budget. ``reserved`` bytes
         of the budget are already taken by the caller and count towards that minimum.
     """
+    if workers > 1:
+        working_set = _held_by(workers, working_set)
     fixed_a, fixed_b = tiles if tiles is not None else (None, None)
     cap_a = min(fixed_a or caps[0], d.na)
     cap_b = min(fixed_b or caps[1], d.nb)
@@ -123,6 +127,17 @@ def fit_tiles(
     if ta < 1:  # raises: not even one query row fits beside this reference tile
         chunk_rows(total, working_set(d, 1, tb, whole_b) + reserved, f"one tile of tile_b={tb}")
     return TilePlan(int(ta), int(tb), whole_b, working_set(d, int(ta), tb, whole_b))
+
+
+def _held_by(workers: int, working_set: WorkingSet) -> WorkingSet:
+    """The bytes ``workers`` threads hold at once, each with the working set of its own tiles,
+    the references prepared whole shared."""
+
+    def held(d: Dims, ta: int, tb: int, whole_b: bool) -> int:
+        shared = working_set(d, 0, 0, True) - working_set(d, 0, 0, False) if whole_b else 0
+        return workers * working_set(d, ta, tb, whole_b) - (workers - 1) * shared
+
+    return held
 
 
 def device_caps(device: torch.device) -> tuple[int, int]:
