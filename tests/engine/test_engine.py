@@ -177,11 +177,26 @@ def test_query_tiles_on_worker_threads_give_the_single_thread_answer(monkeypatch
         assert later == [2]
     assert sum(done) == 3000
     # two workers share the tiles; which of them takes how many is up to the scheduler
-    assert [(w, n > 1) for name, w, n in pools if name == "densematch-tiles"] == [(2, True)]
+    assert [(w, n > 1 and n % 2 == 0) for name, w, n in pools if name == "densematch-tiles"] == [(2, True)]
     # every tile of the threaded call ran on a worker, each worker on one thread
     assert threaded and all(n == 1 and name.startswith("densematch-tiles") for n, name in threaded)
     assert_same_up_to_ties(a, b, index, ref_i, metric)
     torch.testing.assert_close(value, ref_v, rtol=0, atol=tolerance(a, b, metric))
+
+
+@given(n=st.integers(1, 20000), most=st.integers(256, 2048), workers=st.integers(1, 4))
+@settings(max_examples=200, deadline=None)
+def test_query_tiles_are_even_and_as_many_as_a_multiple_of_the_workers(n, most, workers):
+    # the rule: no tile above the plan's, all of one size but the last, and (where there are at
+    # least as many tiles as workers) a whole number of tiles for each worker, so that no worker
+    # takes a whole tile more than another (72x72 rows in 1024s: five tiles and one of 64)
+    ta = engine.driver.even_tiles(n, most, workers)
+    count = -(-n // ta)
+    assert 1 <= ta <= most and 0 < n - (count - 1) * ta <= ta
+    if n > most * (workers - 1):
+        assert count % workers == 0
+    assert count <= -(-n // most) + workers - 1
+    assert engine.driver.even_tiles(5184, 1024, 2) == 864
 
 
 def test_an_error_in_a_worker_thread_reaches_the_caller(monkeypatch):

@@ -41,8 +41,8 @@ def _item(dtype: torch.dtype) -> int:
 # The grown candidate cap is taken where it costs at most this many times the tile pairs of the
 # base cap: a row over the cap is searched again at the price of about two float32 product rows,
 # a tile pair costs its step's overhead. At two threads under the default memory, k=8, same-scene
-# features: 80x80x768 / 96x96x768 l2 / 128x128x384 the default search 0.87 / 0.86 / 0.85 of the
-# base cap's time (10-16% more tiles), random features 0.98-1.03 (BENCHMARKS.md, issue 39)
+# features: 128x128x384 cosine / l2 the default search 0.84 / 0.65 of the base cap's time, 80x80x768
+# 0.87 (10-20% more tiles), random features 1.00-1.02 (BENCHMARKS.md, issue 39)
 _GROWN_CAP_TILES = 2.0
 
 
@@ -109,7 +109,7 @@ def _plan(
                 wide = planned(grown, caps)
                 count = _tiles(na, nb, wide[1], share)
                 if count <= limit and wide[1].whole_b >= chosen[1].whole_b:
-                    chosen, limit = wide, count - 1
+                    chosen, limit = wide, count - 1  # (the narrower caps only with fewer tiles)
     return chosen
 
 
@@ -330,7 +330,7 @@ def topk(
         search = strategy(inputs, plan)
         if workers > 1:
             # tiles small enough that a worker slowed by other processes leaves little behind
-            ta = min(plan.tile_a, share_size(na, workers, strategy.items_per_worker))
+            ta = even_tiles(na, min(plan.tile_a, share_size(na, workers, strategy.items_per_worker)), workers)
             _threaded(search, value, index, ta, workers, on_tile)
             return value, index
         ta = plan.tile_a
@@ -354,6 +354,16 @@ def topk(
                 on_tile(stop - start)
             start = stop
     return value, index
+
+
+def even_tiles(n: int, most: int, workers: int) -> int:
+    """Rows of each tile where ``n`` rows are cut into tiles of at most ``most`` for ``workers``
+    threads: as many tiles as a multiple of the workers, all of one size but the last, so that
+    none waits on a worker's last tile (72x72 rows in tiles of 1024 left five and a sixth of 64:
+    one worker had a whole tile more)."""
+    count = -(-n // max(1, most))
+    count = -(-count // workers) * workers
+    return max(1, -(-n // count))
 
 
 # Below this many query rows a search is too short to share out
