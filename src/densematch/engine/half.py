@@ -59,6 +59,8 @@ _GROUPS_WORTH = 0.75
 _UNCAPPED_SHARE = 0.5
 # a reference block's bound terms (n, 3) and the float32 bias of its half scores (n,), or None
 _Side = tuple[torch.Tensor | None, torch.Tensor | None]
+# and its half rows (n, C) before them
+_Tile = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class _QueryHalf(NamedTuple):
@@ -362,29 +364,33 @@ class HalfSearch(Strategy):
 
     def _sides(
         self, centre: torch.Tensor | None, *, bound: bool = True, planes: bool = False
-    ) -> Callable[[int, int, torch.Tensor], _Side]:
-        """``side(start, stop, half_refs)``: the bound terms of references start:stop (None
-        without ``bound``; rows (n, 3), or with ``planes`` three planes (3, n) with unit-stride
-        rows, as the C step reads them) and the float32 bias added to their half scores (the l2
-        column kept out of the product, plus ``centre . b`` for centred queries; None without
-        either), for a query tile centred on ``centre``. With every reference prepared, the terms
-        and bias of all of them are made once here."""
+    ) -> Callable[[int, int], _Tile]:
+        """``side(start, stop)``: the half rows of references start:stop as the product reads
+        them, their bound terms (None without ``bound``; rows (n, 3), or with ``planes`` three
+        planes (3, n) with unit-stride rows, as the C step reads them) and the float32 bias added
+        to their half scores (the l2 column kept out of the product, plus ``centre . b`` for
+        centred queries; None without either), for a query tile centred on ``centre``. With every
+        reference prepared, the terms and bias of all of them are made once here; else each tile
+        is prepared once for its half rows, terms and bias."""
         if self.whole is not None and (self.whole_t is not None or not bound):
             terms, bias = self._centred(self.whole, self.whole_t if bound else None, centre)
             if planes and terms is not None:
                 terms = terms.T.contiguous()
-            return lambda start, stop, rh: (
+            return lambda start, stop: (
+                self._half_refs(start, stop),
                 None if terms is None else terms[:, start:stop] if planes else terms[start:stop],
                 None if bias is None else bias[start:stop],
             )
 
-        def side(start: int, stop: int, rh: torch.Tensor) -> _Side:
+        def side(start: int, stop: int) -> _Tile:
             refs = self._prepare_refs(start, stop)
+            grouped = self._grouped(refs, start)
+            rh = self.whole_h[start:stop] if self.whole_h is not None else grouped.to(self.half)
             # the terms of the rows rh rounds (less their group's centre where grouped); the
             # centre's products of the rows themselves
-            terms = self._terms(self._grouped(refs, start), rh) if bound else None
+            terms = self._terms(grouped, rh) if bound else None
             terms, bias = self._centred(refs, terms, centre)
-            return (terms.T.contiguous() if planes and terms is not None else terms), bias
+            return rh, (terms.T.contiguous() if planes and terms is not None else terms), bias
 
         return side
 
@@ -417,12 +423,11 @@ class HalfSearch(Strategy):
         return terms, cross if bias is None else cross.add_(bias)
 
     def _block(
-        self, qh: torch.Tensor, j: int, n: int, out: torch.Tensor | None = None, *, sides: Callable[..., _Side]
+        self, qh: torch.Tensor, j: int, n: int, out: torch.Tensor | None = None, *, sides: Callable[[int, int], _Tile]
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The half scores of references j:j+n (into ``out``), their bound terms, and the
-        float32 bias to add (None without one), the last two from ``sides`` (:meth:`_sides`)."""
-        rh = self._half_refs(j, j + n)
-        terms, bias = sides(j, j + n, rh)
+        float32 bias to add (None without one), from ``sides`` (:meth:`_sides`)."""
+        rh, terms, bias = sides(j, j + n)
         c = qh.shape[1]
         return torch.mm(qh, (rh if rh.shape[1] == c else rh[:, :c]).T, out=out), terms, bias
 
@@ -513,7 +518,7 @@ class HalfSearch(Strategy):
         self,
         q: torch.Tensor,
         half: _QueryHalf,
-        sides: Callable[..., _Side],
+        sides: Callable[[int, int], _Tile],
         best_v: torch.Tensor,
         best_i: torch.Tensor,
         start: int,
