@@ -385,7 +385,7 @@ class HalfSearch(Strategy):
         def side(start: int, stop: int) -> _Tile:
             refs = self._prepare_refs(start, stop)
             grouped = self._grouped(refs, start)
-            rh = self.whole_h[start:stop] if self.whole_h is not None else grouped.to(self.half)
+            rh = grouped.to(self.half)  # (never prepared whole here: no whole_h either)
             # the terms of the rows rh rounds (less their group's centre where grouped); the
             # centre's products of the rows themselves
             terms = self._terms(grouped, rh) if bound else None
