@@ -79,8 +79,7 @@ def _tile_key(qh: torch.Tensor, j: int, n: int) -> tuple:
 def _timed_block(self, qh, j, n, out=None, **kw):  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
     if TILES["replay"]:  # _block's own steps, the product's tile copied in place of the product
-        rh = self._half_refs(j, j + n)
-        terms, bias = kw["sides"](j, j + n, rh)
+        _, terms, bias = kw["sides"](j, j + n)
         if TILES["keyed"]:
             made = TILES["by"][_tile_key(qh, j, n)]
         else:

@@ -452,6 +452,17 @@ class TestBuild:
             "    native.merge_certified(hb, 7, bv, bi, qt, rt, torch.randn(100, generator=g), 2**-8, listed, groups)\n"
             "    for t in (bv, bi, listed.over, *listed.reaching(torch.full((40,), -float('inf')))):\n"
             "        h.update(t.numpy().tobytes())\n"
+            # a wide tile: each row's first tile seeded from its chunks' lower bounds, and lanes
+            # listed a chunk at once (AVX-512) or one by one
+            "hb = (torch.randn(24, 700, generator=g) * 4).round().bfloat16()\n"
+            "qt, rt = torch.rand(24, 3, generator=g) * 1e-2, torch.rand(700, 3, generator=g) * 1e-2\n"
+            "for k in (1, 8):\n"
+            "    bv, bi = torch.full((24, k), -float('inf')), torch.full((24, k), -1, dtype=torch.int64)\n"
+            "    listed = native.Candidates(24, 200, torch.float32)\n"
+            "    for j in (0, 350):\n"
+            "        native.merge_certified(hb[:, j:j + 350], j, bv, bi, qt, rt[j:j + 350], None, 2**-8, listed)\n"
+            "    for t in (bv, bi, listed.over, *listed.reaching(torch.full((24,), -float('inf')))):\n"
+            "        h.update(t.numpy().tobytes())\n"
             "print(native.status()['level'], h.hexdigest())\n"
         )
         # the levels side by side: this CPU's own level loads the run-time build this process
@@ -651,8 +662,8 @@ def test_row_norms_equal_float64_and_torchs(n, c, with_u, strided, poisoned, see
 @given(
     m=st.integers(1, 9),
     n=st.integers(1, 200) | st.integers(260, 700),
-    k=st.integers(1, 5),
-    cap=st.integers(1, 12),
+    k=st.integers(1, 5) | st.integers(6, 20),
+    cap=st.integers(1, 12) | st.integers(13, 80),
     with_bias=st.booleans(),
     with_groups=st.booleans(),
     poisoned=st.booleans(),

@@ -326,7 +326,7 @@ class CertifiedStep:
             )
             _require(gp.dtype == gt.dtype == torch.float32, "groups must be float32")
             _require(_unit_stride(gp) and gt.is_contiguous(), "the groups' products need unit-stride rows")
-        size = 9 * (n // GROUP + 1)  # the C step's chunk test (native.c)
+        size = 10 * (n // GROUP + 1)  # the C step's chunk test and seeded floor (native.c)
         if self._scratch.numel() < size:
             self._scratch = torch.empty(size)
         gone = self._lib.dm_merge_certified_bf16(

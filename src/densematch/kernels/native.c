@@ -118,14 +118,19 @@ static inline void certified_bounds(uint16_t raw, int64_t c, float x, float z, f
     *low = ((h - e) + b) + gl;
 }
 
-/* a pair whose bounds may reach the row's floor: its lower bound merged, its upper one listed
- * (see below) */
-static inline void certified_take(float up, float low, int64_t idx, float *bv, int64_t *bi, int64_t k, int64_t cap,
-                                  int64_t *cc, float *cv, int *count, unsigned char *over, int *listing) {
-    if (up < bv[k - 1]) return; /* nor can its lower bound (<= up) enter the top k */
+/* the row's floor: its k-th lower bound, or the seed (seeded_floor) where higher */
+static inline float floor_of(const float *bv, int64_t k, float seed) { return bv[k - 1] > seed ? bv[k - 1] : seed; }
+
+/* a pair whose bounds may reach the row's floor (floor_of with seed): its lower bound merged,
+ * its upper one listed (see below) */
+static inline void certified_take(float up, float low, int64_t idx, float *bv, int64_t *bi, int64_t k, float seed,
+                                  int64_t cap, int64_t *cc, float *cv, int *count, unsigned char *over,
+                                  int *listing) {
+    const float floor = floor_of(bv, k, seed);
+    if (up < floor) return; /* nor can its lower bound (<= up) enter the top k */
     if (low != low) low = -INFINITY;
     if (up != up) up = INFINITY;
-    if (*listing) *listing = list_f32(cc, cv, count, cap, over, bv[k - 1], idx, up);
+    if (*listing) *listing = list_f32(cc, cv, count, cap, over, floor, idx, up);
     insert_f32(bv, bi, k, low, idx);
 }
 
@@ -171,14 +176,10 @@ static void chunk_terms(const float *ry, const float *rw, const float *rf, int64
     }
 }
 
-/* The chunk test where the pair loop runs eight lanes at a time (no AVX-512): there it costs about
- * a third of the pair loop's operations. The sixteen-lane loop has not been measured with it (a
- * prefilter of this kind saved nothing on an AVX-512 CPU, BENCHMARKS.md), so it runs as before. */
-#if defined(__AVX512F__)
-enum { CHUNK_TEST = 0 };
-#else
+/* The chunk test costs about a third of the pair loop's operations. The eight-lane loop runs it in
+ * passes of its own (chunk_pass); the sixteen-lane loop on the chunk's values it has just widened,
+ * ahead of the pair's own bounds (as a pass of its own it saved nothing on an AVX-512 CPU). */
 enum { CHUNK_TEST = 1 };
-#endif
 /* chunks tested in one pass (chunk_pass), against the floor at the pass's start */
 enum { CHUNK_PASS = 4 };
 
@@ -207,7 +208,49 @@ static inline unsigned chunk_pass(const uint16_t *row, const float *bias, const 
     return pass;
 }
 
-/* scratch: 9 (n / DM_GROUP + 1) floats (the chunks' largest terms and their groups' terms, one
+/* A floor for a row that has no k lower bounds yet (its first tile): the k-th largest of the
+ * whole chunks' largest lower bounds, formed lane by lane as the pair loops form them, -inf where
+ * fewer than k chunks or k above SEED_K. Those k pairs are among this tile's, so the row's final
+ * k-th lower bound is at least the seed: a pair whose upper bound is below it can neither enter
+ * the top k nor be listed, and a listed one below it can go. Without it, a row's first tile
+ * raised its floor pair by pair from -inf, k (1 + ln(n / k)) merges and as many listings in a
+ * random order, and most of the C step's merges and listings were its first tiles' (issue 39:
+ * 96x96x64 same-scene, l2 k=8: 757 of 1052 thousand pairs taken). */
+enum { SEED_K = 16 };
+static float seeded_floor(const uint16_t *row, const float *ry, const float *rw, const float *rf, const float *bias,
+                          const float *adds_low, int64_t chunks, float x, float z, float one, float rounding, int64_t k,
+                          float *largest) {
+    enum { CB = DM_GROUP, L = 8 };
+    if (k > SEED_K || chunks < k) return -INFINITY;
+    const vec_f32 vx = (vec_f32){} + x, vz = (vec_f32){} + z, vone = (vec_f32){} + one, vround = (vec_f32){} + rounding;
+    for (int64_t q = 0; q < chunks; q++) {
+        const int64_t c0 = q * CB;
+        const vec_f32 vgl = (vec_f32){} + adds_low[q];
+        vec_f32 most = (vec_f32){} - INFINITY;
+        for (int t = 0; t < CB; t += L) {
+            const int64_t c = c0 + t;
+            const vec_f32 v = widen_bf16(row + c);
+            const vec_f32 e = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
+                              vround * vabs_f32(v);
+            const vec_f32 low = ((v - e) + load_f32(bias + c)) + vgl;
+            most = pick_f32(low > most, low, most); /* NaN never is */
+        }
+        float m = -INFINITY;
+        for (int t = 0; t < L; t++) m = most[t] > m ? most[t] : m;
+        largest[q] = m;
+    }
+    /* the k-th largest: k passes, each taking the largest left */
+    float kth = -INFINITY;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t at = 0;
+        for (int64_t q = 1; q < chunks; q++) at = largest[q] > largest[at] ? q : at;
+        kth = largest[at];
+        largest[at] = -INFINITY;
+    }
+    return kth;
+}
+
+/* scratch: 10 (n / DM_GROUP + 1) floats (the chunks' largest terms and their groups' terms, one
  * plane each, then one row's shares and additions). Returns how many of the m rows are over. */
 int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias,
                              const float *gp, int64_t ldg, const float *gq, const float *gt, const float *qt,
@@ -222,6 +265,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
     float *restrict g0 = scratch + 3 * chunks, *restrict g1 = g0 + chunks, *restrict g2 = g1 + chunks;
     /* one row's: each chunk's share of the bound, and its group's additions to the bounds */
     float *restrict share = g2 + chunks, *restrict adds_up = share + chunks, *restrict adds_low = adds_up + chunks;
+    float *restrict largest = adds_low + chunks; /* one row's chunks' largest lower bounds (seeded_floor) */
     if (CHUNK_TEST) chunk_terms(ry, rw, rf, head, chunks, scratch);
     const int64_t base = (offset + head) / DM_GROUP - first; /* the first whole chunk's group */
     for (int64_t q = 0; gp && q < chunks; q++)
@@ -241,7 +285,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
     do {                                                                                             \
         float up_, low_;                                                                             \
         certified_bounds(row[c], c, x, z, one, ry, rw, rf, rounding, bias, gu, gl, &up_, &low_);      \
-        certified_take(up_, low_, offset + (c), bv, bi, k, cap, cc, cv, &counts[r], &over[r], &listing); \
+        certified_take(up_, low_, offset + (c), bv, bi, k, seed, cap, cc, cv, &counts[r], &over[r], &listing); \
     } while (0)
 #define DM_GROUP_AT(c) \
     if (rp) group_add(rp, rq, gt, (offset + (c)) / DM_GROUP - first, &gu, &gl)
@@ -263,6 +307,9 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
 #endif
         int listing = 1;
         int64_t c0 = head < n ? head : n;
+        const float seed = bv[k - 1] == -INFINITY ? seeded_floor(row + c0, ry + c0, rw + c0, rf + c0, bias + c0, adds_low,
+                                                                 chunks, x, z, one, rounding, k, largest)
+                                                   : -INFINITY;
         if (c0) DM_GROUP_AT(0);
         for (int64_t c = 0; c < c0; c++) DM_PAIR(c);
         /* whole chunks: the chunk test, CHUNK_PASS chunks at a time; in each chunk that passes it,
@@ -271,44 +318,100 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
          * merge and the listing. After the first tiles few do. */
         float ups[CB], lows[CB];
         const int64_t whole = c0;
+#if defined(__AVX512F__)
+        /* Sixteen lanes at a time, the floor kept in a register until a take moves it: each chunk
+         * its chunk test (as chunk_pass forms it), then where a lane passes, the pairs' own upper
+         * bounds. The common chunk, where none passes, costs one mask test (kortest): no stores
+         * and no mask moved to a general register, which with the stores of every chunk's bounds
+         * took about half the step's time on a Zen 4 (issue 39). The bounds are formed as in the
+         * loop below, in the same order: the same bits. */
+        const __m512 vx = _mm512_set1_ps(x), vz = _mm512_set1_ps(z), vone = _mm512_set1_ps(one);
+        const __m512 vr = _mm512_set1_ps(rounding);
+        __m512 vfloor = _mm512_set1_ps(floor_of(bv, k, seed));
+        for (int64_t q = 0; q < chunks; q++) {
+            const int64_t c = whole + q * CB;
+            __m512 hv[2], hr[2], e[2], up[2];
+            __mmask16 m[2];
+            const __m512 vgu = _mm512_set1_ps(adds_up[q]), vshare = _mm512_set1_ps(share[q]);
+            for (int t = 0; t < 2; t++) {
+                hv[t] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c + 16 * t))), 16));
+                hr[t] = _mm512_mul_ps(vr, _mm512_abs_ps(hv[t]));
+                const __m512 u = _mm512_add_ps(
+                    _mm512_add_ps(_mm512_add_ps(hv[t], _mm512_add_ps(vshare, hr[t])), _mm512_loadu_ps(bias + c + 16 * t)),
+                    vgu);
+                m[t] = _mm512_cmp_ps_mask(u, vfloor, _CMP_NLT_UQ);
+            }
+            if (_kortestz_mask16_u8(m[0], m[1])) continue;
+            for (int t = 0; t < 2; t++) {
+                const int64_t ct = c + 16 * t;
+                const __m512 xy = _mm512_mul_ps(vx, _mm512_loadu_ps(ry + ct));
+                const __m512 zw = _mm512_mul_ps(vz, _mm512_loadu_ps(rw + ct));
+                const __m512 of = _mm512_mul_ps(vone, _mm512_loadu_ps(rf + ct));
+                e[t] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(xy, zw), of), hr[t]);
+                up[t] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(hv[t], e[t]), _mm512_loadu_ps(bias + ct)), vgu);
+                m[t] = _mm512_cmp_ps_mask(up[t], vfloor, _CMP_NLT_UQ);
+            }
+            if (_kortestz_mask16_u8(m[0], m[1])) continue;
+            const __m512 vgl = _mm512_set1_ps(adds_low[q]);
+            __m512 low[2];
+            __mmask16 in[2];
+            for (int t = 0; t < 2; t++) {
+                const __m512 hb = _mm512_add_ps(_mm512_sub_ps(hv[t], e[t]), _mm512_loadu_ps(bias + c + 16 * t));
+                low[t] = _mm512_add_ps(hb, vgl);
+                in[t] = _mm512_cmp_ps_mask(low[t], vfloor, _CMP_GE_OQ);
+            }
+            uint32_t reach = (uint32_t)m[0] | (uint32_t)m[1] << 16;
+            const int more = __builtin_popcount(reach);
+            if (listing && _kortestz_mask16_u8(in[0], in[1]) && counts[r] + more <= cap) {
+                /* no lower bound can enter the top k, so the floor stays and every lane that
+                 * reaches it is listed, as the lane-by-lane takes below would list them, in
+                 * their order: at once, upper bounds NaN listed as +inf */
+                int at = counts[r];
+                const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+                for (int t = 0; t < 2; t++) {
+                    const __m512 u = _mm512_mask_mov_ps(up[t], _mm512_cmp_ps_mask(up[t], up[t], _CMP_UNORD_Q),
+                                                        _mm512_set1_ps(INFINITY));
+                    const int got = __builtin_popcount(m[t]);
+                    _mm512_mask_storeu_ps(cv + at, (__mmask16)((1u << got) - 1), _mm512_maskz_compress_ps(m[t], u));
+                    for (int half = 0; half < 2; half++) {
+                        const __mmask8 pick = (__mmask8)(m[t] >> (8 * half));
+                        const __m512i cols = _mm512_add_epi64(lanes, _mm512_set1_epi64(offset + c + 16 * t + 8 * half));
+                        const int n8 = __builtin_popcount(pick);
+                        _mm512_mask_storeu_epi64(cc + at, (__mmask8)((1u << n8) - 1), _mm512_maskz_compress_epi64(pick, cols));
+                        at += n8;
+                    }
+                }
+                counts[r] = at;
+                continue;
+            }
+            for (int t = 0; t < 2; t++) {
+                _mm512_storeu_ps(ups + 16 * t, up[t]);
+                _mm512_storeu_ps(lows + 16 * t, low[t]);
+            }
+            while (reach) { /* the few lanes that reach */
+                const int t = __builtin_ctz(reach);
+                reach &= reach - 1;
+                certified_take(ups[t], lows[t], offset + c + t, bv, bi, k, seed, cap, cc, cv, &counts[r], &over[r],
+                               &listing);
+            }
+            vfloor = _mm512_set1_ps(floor_of(bv, k, seed));
+        }
+#else
         for (int64_t q0 = 0; q0 < chunks; q0 += CHUNK_PASS) {
             const int64_t qn = chunks - q0 < CHUNK_PASS ? chunks - q0 : CHUNK_PASS;
             /* (a floor of -inf, a row's first chunks, passes every chunk) */
             unsigned pass = (1u << qn) - 1;
-            if (CHUNK_TEST && bv[k - 1] > -INFINITY)
+            if (CHUNK_TEST && floor_of(bv, k, seed) > -INFINITY)
                 pass = chunk_pass(row + whole + q0 * CB, bias + whole + q0 * CB, share + q0, adds_up + q0, qn,
-                                  bv[k - 1], vround);
+                                  floor_of(bv, k, seed), vround);
             while (pass) {
                 const int64_t q = q0 + __builtin_ctz(pass);
                 pass &= pass - 1;
                 c0 = whole + q * CB;
                 gu = adds_up[q], gl = adds_low[q];
                 uint32_t reach = 0;
-#if defined(__AVX512F__)
-                const __m512 floor = _mm512_set1_ps(bv[k - 1]), vgu = _mm512_set1_ps(gu);
-                __m512 v[CB / 16], e[CB / 16];
-                for (int t = 0; t < CB; t += 16) {
-                    const int64_t c = c0 + t;
-                    const __m512 h16 = _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c))), 16));
-                    const __m512 xy = _mm512_mul_ps(_mm512_set1_ps(x), _mm512_loadu_ps(ry + c));
-                    const __m512 zw = _mm512_mul_ps(_mm512_set1_ps(z), _mm512_loadu_ps(rw + c));
-                    const __m512 of = _mm512_mul_ps(_mm512_set1_ps(one), _mm512_loadu_ps(rf + c));
-                    const __m512 hv = _mm512_mul_ps(_mm512_set1_ps(rounding), _mm512_abs_ps(h16));
-                    v[t / 16] = h16;
-                    e[t / 16] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(xy, zw), of), hv);
-                    const __m512 up = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(h16, e[t / 16]), _mm512_loadu_ps(bias + c)), vgu);
-                    _mm512_storeu_ps(ups + t, up);
-                    reach |= (uint32_t)_mm512_cmp_ps_mask(up, floor, _CMP_NLT_UQ) << t;
-                }
-                if (!reach) continue;
-                const __m512 vgl = _mm512_set1_ps(gl);
-                for (int t = 0; t < CB; t += 16) {
-                    const __m512 hb = _mm512_add_ps(_mm512_sub_ps(v[t / 16], e[t / 16]), _mm512_loadu_ps(bias + c0 + t));
-                    _mm512_storeu_ps(lows + t, _mm512_add_ps(hb, vgl));
-                }
-#else
-                const vec_f32 floor = (vec_f32){} + bv[k - 1], vgu = (vec_f32){} + gu;
+                const vec_f32 floor = (vec_f32){} + floor_of(bv, k, seed), vgu = (vec_f32){} + gu;
                 vec_f32 v[CB / L], e[CB / L];
                 for (int t = 0; t < CB; t += L) {
                     const int64_t c = c0 + t;
@@ -325,15 +428,15 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
                     const vec_f32 low = ((v[t / L] - e[t / L]) + load_f32(bias + c0 + t)) + vgl;
                     memcpy(lows + t, &low, sizeof low);
                 }
-#endif
                 while (reach) { /* the few lanes that reach */
                     const int t = __builtin_ctz(reach);
                     reach &= reach - 1;
-                    certified_take(ups[t], lows[t], offset + c0 + t, bv, bi, k, cap, cc, cv, &counts[r], &over[r],
-                                   &listing);
+                    certified_take(ups[t], lows[t], offset + c0 + t, bv, bi, k, seed, cap, cc, cv, &counts[r],
+                                   &over[r], &listing);
                 }
             }
         }
+#endif
         c0 = whole + chunks * CB;
         if (c0 < n) DM_GROUP_AT(c0);
         for (int64_t c = c0; c < n; c++) DM_PAIR(c); /* the tail, within one group */
