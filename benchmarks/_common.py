@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+# where results/NAME.json go (DENSEMATCH_BENCH_RESULTS: elsewhere, as the scripts' smoke tests run them)
+RESULTS = Path(os.environ.get("DENSEMATCH_BENCH_RESULTS") or Path(__file__).parent / "results")
 
 
 def sync(device: torch.device | str | None = None) -> None:

@@ -134,6 +134,37 @@ static inline void certified_take(float up, float low, int64_t idx, float *bv, i
     insert_f32(bv, bi, k, low, idx);
 }
 
+/* The lanes of a chunk whose upper bounds reach the row's floor at the chunk's start (bit t of
+ * reach: column col + t, bounds ups[t] and lows[t]). Where the row still lists and its list holds
+ * them all, each is listed (its upper bound, NaN as +inf), in lane order, then each lower bound
+ * merged: no lane is listed against a floor that a lane before it raised, which lists a few pairs
+ * more than lane by lane and keeps the same top k (those pairs are dropped against the final
+ * floor). Else lane by lane (certified_take), the list pruned as it fills. Every level takes a
+ * chunk this way, so all list the same pairs; the sixteen-lane loop lists with two compress
+ * instructions. Most of a search's takes are in chunks that need no pruning (issue 39). */
+static inline void take_chunk(uint32_t reach, const float *ups, const float *lows, int64_t col, float *bv, int64_t *bi,
+                              int64_t k, float seed, int64_t cap, int64_t *cc, float *cv, int *count,
+                              unsigned char *over, int *listing) {
+    if (*listing && *count + __builtin_popcount(reach) <= cap) {
+        int at = *count;
+        for (uint32_t b = reach; b; b &= b - 1, at++) {
+            const int t = __builtin_ctz(b);
+            cc[at] = col + t;
+            cv[at] = ups[t] != ups[t] ? INFINITY : ups[t];
+        }
+        *count = at;
+        for (uint32_t b = reach; b; b &= b - 1) {
+            const int t = __builtin_ctz(b);
+            insert_f32(bv, bi, k, lows[t] != lows[t] ? -INFINITY : lows[t], col + t);
+        }
+        return;
+    }
+    for (; reach; reach &= reach - 1) {
+        const int t = __builtin_ctz(reach);
+        certified_take(ups[t], lows[t], col + t, bv, bi, k, seed, cap, cc, cv, count, over, listing);
+    }
+}
+
 /* Groups: where the references' half rows are centred per group of DM_GROUP consecutive
  * references of the whole set (group g: the columns whose index offset + c lies in [32 g,
  * 32 g + 32)), each query row's float32 product with its group's centre, p = gp[r * ldg + g']
@@ -355,20 +386,18 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
             if (_kortestz_mask16_u8(m[0], m[1])) continue;
             const __m512 vgl = _mm512_set1_ps(adds_low[q]);
             __m512 low[2];
-            __mmask16 in[2];
             for (int t = 0; t < 2; t++) {
                 const __m512 hb = _mm512_add_ps(_mm512_sub_ps(hv[t], e[t]), _mm512_loadu_ps(bias + c + 16 * t));
                 low[t] = _mm512_add_ps(hb, vgl);
-                in[t] = _mm512_cmp_ps_mask(low[t], vfloor, _CMP_GE_OQ);
             }
             uint32_t reach = (uint32_t)m[0] | (uint32_t)m[1] << 16;
-            const int more = __builtin_popcount(reach);
-            if (listing && _kortestz_mask16_u8(in[0], in[1]) && counts[r] + more <= cap) {
-                /* no lower bound can enter the top k, so the floor stays and every lane that
-                 * reaches it is listed, as the lane-by-lane takes below would list them, in
-                 * their order: at once, upper bounds NaN listed as +inf */
+            if (listing && counts[r] + __builtin_popcount(reach) <= cap) {
+                /* take_chunk's first form: the lanes listed by two compresses, then the lower
+                 * bounds that may enter the top k (at least its k-th at the chunk's start) merged */
                 int at = counts[r];
                 const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+                const __m512 kth = _mm512_set1_ps(bv[k - 1]);
+                uint32_t in = 0;
                 for (int t = 0; t < 2; t++) {
                     const __m512 u = _mm512_mask_mov_ps(up[t], _mm512_cmp_ps_mask(up[t], up[t], _CMP_UNORD_Q),
                                                         _mm512_set1_ps(INFINITY));
@@ -381,19 +410,22 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
                         _mm512_mask_storeu_epi64(cc + at, (__mmask8)((1u << n8) - 1), _mm512_maskz_compress_epi64(pick, cols));
                         at += n8;
                     }
+                    in |= (uint32_t)_mm512_mask_cmp_ps_mask(m[t], low[t], kth, _CMP_GE_OQ) << (16 * t);
                 }
                 counts[r] = at;
-                continue;
-            }
-            for (int t = 0; t < 2; t++) {
-                _mm512_storeu_ps(ups + 16 * t, up[t]);
-                _mm512_storeu_ps(lows + 16 * t, low[t]);
-            }
-            while (reach) { /* the few lanes that reach */
-                const int t = __builtin_ctz(reach);
-                reach &= reach - 1;
-                certified_take(ups[t], lows[t], offset + c + t, bv, bi, k, seed, cap, cc, cv, &counts[r], &over[r],
-                               &listing);
+                if (in) {
+                    for (int t = 0; t < 2; t++) _mm512_storeu_ps(lows + 16 * t, low[t]);
+                    for (; in; in &= in - 1) {
+                        const int t = __builtin_ctz(in);
+                        insert_f32(bv, bi, k, lows[t], offset + c + t);
+                    }
+                }
+            } else {
+                for (int t = 0; t < 2; t++) {
+                    _mm512_storeu_ps(ups + 16 * t, up[t]);
+                    _mm512_storeu_ps(lows + 16 * t, low[t]);
+                }
+                take_chunk(reach, ups, lows, offset + c, bv, bi, k, seed, cap, cc, cv, &counts[r], &over[r], &listing);
             }
             vfloor = _mm512_set1_ps(floor_of(bv, k, seed));
         }
@@ -428,12 +460,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
                     const vec_f32 low = ((v[t / L] - e[t / L]) + load_f32(bias + c0 + t)) + vgl;
                     memcpy(lows + t, &low, sizeof low);
                 }
-                while (reach) { /* the few lanes that reach */
-                    const int t = __builtin_ctz(reach);
-                    reach &= reach - 1;
-                    certified_take(ups[t], lows[t], offset + c0 + t, bv, bi, k, seed, cap, cc, cv, &counts[r],
-                                   &over[r], &listing);
-                }
+                take_chunk(reach, ups, lows, offset + c0, bv, bi, k, seed, cap, cc, cv, &counts[r], &over[r], &listing);
             }
         }
 #endif
