@@ -66,8 +66,10 @@ static inline int local_inside(int64_t qy, int64_t qx, int64_t H, int64_t W, con
  * three, the references' in three planes of n, ldr apart), its lower
  * and upper bounds h - e and h + e (plus bias[c], the l2 column kept out of the product, and the
  * row's group terms, DM_GROUP below), the lower bounds merged into the running top-k (equal values to the lower column) and
- * every pair whose upper bound reaches its row's running k-th lower bound listed as dm_merge lists
- * (a row whose listed pairs all still reach its floor when cap are listed is marked over). NaN
+ * every pair whose upper bound reaches its row's floor (its running k-th lower bound, or in its
+ * first tile a seed: seeded_floor) listed as dm_merge lists (a row whose listed pairs all still
+ * reach its floor when cap are listed is marked over; a chunk's lanes are listed together against
+ * the floor at its start: take_chunk). NaN
  * bounds (products past a half type's range) prove nothing: a lower bound of -inf, an upper of
  * +inf. One pass over the tile instead of torch's passes for the bound, |h|, both bounds and the
  * merge. A row already over is skipped whole: the engine searches it again in float32, so
