@@ -210,10 +210,9 @@ static void chunk_terms(const float *ry, const float *rw, const float *rf, int64
 }
 
 /* The chunk test costs about a third of the pair loop's operations. The eight-lane loop runs it in
- * passes of its own (chunk_pass); the sixteen-lane loop on the chunk's values it has just widened,
- * ahead of the pair's own bounds (as a pass of its own it saved nothing on an AVX-512 CPU). */
-enum { CHUNK_TEST = 1 };
-/* chunks tested in one pass (chunk_pass), against the floor at the pass's start */
+ * passes of its own (chunk_pass), CHUNK_PASS chunks a pass against the floor at the pass's start;
+ * the sixteen-lane loop on the chunk's values it has just widened, ahead of the pairs' own bounds
+ * (as a pass of its own it saved nothing on an AVX-512 CPU). */
 enum { CHUNK_PASS = 4 };
 
 /* Which of the qn (<= CHUNK_PASS) whole chunks from row's column 0 may reach floor (bit q for
@@ -299,7 +298,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
     /* one row's: each chunk's share of the bound, and its group's additions to the bounds */
     float *restrict share = g2 + chunks, *restrict adds_up = share + chunks, *restrict adds_low = adds_up + chunks;
     float *restrict largest = adds_low + chunks; /* one row's chunks' largest lower bounds (seeded_floor) */
-    if (CHUNK_TEST) chunk_terms(ry, rw, rf, head, chunks, scratch);
+    chunk_terms(ry, rw, rf, head, chunks, scratch);
     const int64_t base = (offset + head) / DM_GROUP - first; /* the first whole chunk's group */
     for (int64_t q = 0; gp && q < chunks; q++)
         g0[q] = gt[3 * (base + q)], g1[q] = gt[3 * (base + q) + 1], g2[q] = gt[3 * (base + q) + 2];
@@ -323,7 +322,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
 #define DM_GROUP_AT(c) \
     if (rp) group_add(rp, rq, gt, (offset + (c)) / DM_GROUP - first, &gu, &gl)
         /* (formed as group_add and the pair loop form them) */
-        for (int64_t q = 0; CHUNK_TEST && q < chunks; q++) share[q] = (x * my[q] + z * mw[q]) + one * mf[q];
+        for (int64_t q = 0; q < chunks; q++) share[q] = (x * my[q] + z * mw[q]) + one * mf[q];
         if (rp) {
             const float *restrict p = rp + base;
             const float terms[5] = {rq[0], rq[1], rq[2], rq[3], rq[4]};
@@ -436,7 +435,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
             const int64_t qn = chunks - q0 < CHUNK_PASS ? chunks - q0 : CHUNK_PASS;
             /* (a floor of -inf, a row's first chunks, passes every chunk) */
             unsigned pass = (1u << qn) - 1;
-            if (CHUNK_TEST && floor_of(bv, k, seed) > -INFINITY)
+            if (floor_of(bv, k, seed) > -INFINITY)
                 pass = chunk_pass(row + whole + q0 * CB, bias + whole + q0 * CB, share + q0, adds_up + q0, qn,
                                   floor_of(bv, k, seed), vround);
             while (pass) {
