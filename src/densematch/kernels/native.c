@@ -271,15 +271,17 @@ static float seeded_floor(const uint16_t *row, const float *ry, const float *rw,
         for (int t = 0; t < L; t++) m = most[t] > m ? most[t] : m;
         largest[q] = m;
     }
-    /* the k-th largest: k passes, each taking the largest left */
-    float kth = -INFINITY;
-    for (int64_t j = 0; j < k; j++) {
-        int64_t at = 0;
-        for (int64_t q = 1; q < chunks; q++) at = largest[q] > largest[at] ? q : at;
-        kth = largest[at];
-        largest[at] = -INFINITY;
+    /* the k-th largest: the k largest kept in order, most chunks turned away by one compare */
+    float top[SEED_K];
+    for (int64_t j = 0; j < k; j++) top[j] = -INFINITY;
+    for (int64_t q = 0; q < chunks; q++) {
+        const float v = largest[q];
+        if (!(v > top[k - 1])) continue;
+        int64_t j = k - 1;
+        for (; j > 0 && v > top[j - 1]; j--) top[j] = top[j - 1];
+        top[j] = v;
     }
-    return kth;
+    return top[k - 1];
 }
 
 /* scratch: 10 (n / DM_GROUP + 1) floats (the chunks' largest terms and their groups' terms, one
