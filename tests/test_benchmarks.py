@@ -33,6 +33,7 @@ SCRIPTS = {
         "smoke",
     ),
     "cap_bounds": ("studies/cap_bounds.py", [*TINY, "--metrics", "l2", "--ks", "1"], "smoke"),
+    "c_step_replay": ("studies/c_step_replay.py", ["--cases", "24x24x64:l2:8", "--repeats", "1"], "smoke"),
     "exact_goals": (
         "suites/exact_goals.py",
         "--threads 1 --cases 24x24x64 --ks 1 --metrics cosine --features same-scene --rounds 1".split(),
