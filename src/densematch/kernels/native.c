@@ -120,6 +120,13 @@ static inline void certified_bounds(uint16_t raw, int64_t c, float x, float z, f
     *low = ((h - e) + b) + gl;
 }
 
+/* certified_bounds' e for eight lanes: the scores v (widened) and the references' terms at column
+ * c, as every eight-lane loop forms them (the pair loop's and the seed's: the same bits) */
+static inline vec_f32 bound8(vec_f32 v, int64_t c, vec_f32 vx, vec_f32 vz, vec_f32 vone, const float *ry,
+                             const float *rw, const float *rf, vec_f32 vround) {
+    return ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) + vround * vabs_f32(v);
+}
+
 /* the row's floor: its k-th lower bound, or the seed (seeded_floor) where higher */
 static inline float floor_of(const float *bv, int64_t k, float seed) { return bv[k - 1] > seed ? bv[k - 1] : seed; }
 
@@ -261,9 +268,7 @@ static float seeded_floor(const uint16_t *row, const float *ry, const float *rw,
         vec_f32 most = (vec_f32){} - INFINITY;
         for (int t = 0; t < CB; t += L) {
             const int64_t c = c0 + t;
-            const vec_f32 v = widen_bf16(row + c);
-            const vec_f32 e = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
-                              vround * vabs_f32(v);
+            const vec_f32 v = widen_bf16(row + c), e = bound8(v, c, vx, vz, vone, ry, rw, rf, vround);
             const vec_f32 low = ((v - e) + load_f32(bias + c)) + vgl;
             most = pick_f32(low > most, low, most); /* NaN never is */
         }
@@ -451,8 +456,7 @@ int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64
                 for (int t = 0; t < CB; t += L) {
                     const int64_t c = c0 + t;
                     v[t / L] = widen_bf16(row + c);
-                    e[t / L] = ((vx * load_f32(ry + c) + vz * load_f32(rw + c)) + vone * load_f32(rf + c)) +
-                               vround * vabs_f32(v[t / L]);
+                    e[t / L] = bound8(v[t / L], c, vx, vz, vone, ry, rw, rf, vround);
                     const vec_f32 up = ((v[t / L] + e[t / L]) + load_f32(bias + c)) + vgu;
                     memcpy(ups + t, &up, sizeof up);
                     reach |= lanes_set(~(up < floor)) << t;
