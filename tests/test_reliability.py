@@ -13,6 +13,7 @@ import densematch
 from densematch.engine.strategy import Strategy
 
 from ._reference import assert_same_up_to_ties, assert_topk_exact, reference_scores, reported
+from ._threads import torch_threads as _torch_threads
 
 
 class TestInputs:
@@ -166,6 +167,49 @@ class TestNoProcessWideState:
         torch.add(torch.zeros(4), 2, out=outside)
         assert outside.tolist() == [2.0] * 4 and not outside.is_inference()
         densematch.threads._buffers.__dict__["store"].pop(name)
+
+    @pytest.mark.parametrize(
+        "call",
+        [
+            lambda a, b: densematch.match(a, b),
+            lambda a, b: densematch.match(a, b, precision="float32", k=8, mutual=True, ratio=0.9),
+            lambda a, b: densematch.knn(a.reshape(-1, 8), b.reshape(-1, 8), k=8),
+            lambda a, b: densematch.nearest_prototype(a.permute(2, 0, 1)[None], b[0, :40], k=8),
+        ],
+        ids=["match", "match-float32-mutual-ratio", "knn", "nearest_prototype"],
+    )
+    def test_a_threaded_search_wakes_none_of_the_callers_openmp_threads(self, monkeypatch, call):
+        # Where a CPU search shares its tiles out over worker threads, an operator the caller
+        # runs on its OpenMP team (before the search: the input checks; after: the results' own
+        # passes) leaves that team spinning on the cores the workers take, about 7 ms a wake-up
+        # on a 2-core Zen 4 (benchmarks/history). Every kernel over at::internal::GRAIN_SIZE
+        # elements on the calling thread must run with one intra-op thread.
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        grain = 32768
+        caller = threading.current_thread()
+        seen: list[str] = []
+
+        class CallerKernels(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if threading.current_thread() is caller and torch.get_num_threads() > 1 and not func.is_view:
+                    flat = [*args, *(out if isinstance(out, (tuple, list)) else [out])]
+                    size = max((t.numel() for t in flat if isinstance(t, torch.Tensor)), default=0)
+                    if size >= grain and not func.name().startswith(("aten::empty", "aten::new_empty", "aten::unbind")):
+                        seen.append(f"{func.name()} over {size}")
+                return out
+
+        # 4096 query rows (past the rows a CPU search shares out), k=8: results of GRAIN_SIZE
+        a = torch.rand(64, 64, 8)
+        b = a + 0.01 * torch.rand(64, 64, 8)
+        call(a, b)
+        # (the mode is this thread's alone; densematch would take it for a trace and run unthreaded)
+        monkeypatch.setattr(densematch._oprules, "is_in_torch_dispatch_mode", lambda: False)
+        with _torch_threads(2), CallerKernels():
+            assert densematch.engine.driver.tile_workers(a.device, 4096) == 2
+            call(a, b)
+        assert seen == []
 
 
 def _match_in_a_child() -> bool:

@@ -14,6 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ._oprules import recording
+from .threads import share_out, share_size, workers_for
 
 __all__ = [
     "as_tensor",
@@ -36,8 +37,10 @@ _SHAPES = {
     "chw": ("(C, H, W)", "(B, C, H, W)"),
     "flat": ("(N, C)", "(B, N, C)"),
 }
-# Elements checked per step for NaN/Inf, so the check's own temporaries stay small.
+# Elements checked per step for NaN/Inf, so the check's own temporaries stay small; on a CPU
+# with several threads, steps of at least _FINITE_SHARE elements go to worker threads
 _FINITE_CHUNK = 1 << 22
+_FINITE_SHARE = 1 << 18
 
 
 def as_tensor(x: Any, name: str) -> torch.Tensor:
@@ -118,10 +121,17 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
         ok = torch.isfinite(x) if mask is None else torch.isfinite(x).all(1) | ~mask
         torch._assert_async(ok.all(), message)
         return
-    per_slice = max(1, x.numel() // x.shape[0])
+    # cut along the rows of each leading slice (an unbatched map is one slice of all its rows)
+    blocks = list(x.unbind(0)) if x.dim() >= 3 else [x]
+    per_slice = max(1, blocks[0].numel() // blocks[0].shape[0])
     step = max(1, _FINITE_CHUNK // per_slice)
-    for start in range(0, x.shape[0], step):
-        chunk = x if step >= x.shape[0] else x[start : start + step]
+    workers = workers_for(x.device)
+    if workers > 1:
+        step = min(step, max(_FINITE_SHARE // per_slice, share_size(x.shape[0] * blocks[0].shape[0], workers)))
+
+    def check(item: tuple[torch.Tensor, int]) -> None:
+        block, start = item
+        chunk = block[start : start + step]
         if mask is None:
             # NaN propagates through both extremes and Inf is one: one fused pass, 10x faster
             # than isfinite(...).all() here, with no boolean temporary
@@ -134,6 +144,11 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
             finite = bool((torch.isfinite(chunk).all(1) | ~mask[start : start + step]).all())
         if not finite:
             raise ValueError(message)
+
+    # on worker threads, not the caller's OpenMP team: woken here, its threads would spin on the
+    # cores a threaded search takes next (threads.own_thread)
+    items = [(block, start) for block in blocks for start in range(0, block.shape[0], step)]
+    share_out(items, check, workers, name="densematch-check")
 
 
 def check_features(

@@ -60,7 +60,10 @@ def share_size(total: int, workers: int, items: int | None = None) -> int:
 @contextlib.contextmanager
 def own_thread() -> Iterator[None]:
     """torch's CPU operators inside run on the calling thread alone; the caller's count comes
-    back on exit."""
+    back on exit. Nothing while :func:`traced` (a graph being made holds no threads)."""
+    if traced():
+        yield
+        return
     threads = torch.get_num_threads()
     if threads == 1:
         yield

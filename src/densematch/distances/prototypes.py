@@ -23,6 +23,7 @@ from ..choices import MetricName, PrecisionName
 from ..config import kernel_setting, resolve_memory
 from ..metrics import Metric, get_metric
 from ..precision import RANKINGS, Precision, resolve_precision
+from ..threads import own_thread
 from . import tiles
 
 __all__ = ["Nearest", "PrototypeDistance", "nearest_prototype", "pairwise_distance"]
@@ -328,11 +329,11 @@ def nearest_values(task: NearestTask, prepared: engine.Prepared | None = None) -
         for i in range(n):
             rows = x[i].detach().flatten(1).T  # (HW, D), a view
             if prepared is None:
-                value[i], index[i] = engine.search(rows, pd, metric=m, k=k, budget=budget, precision=prec)
+                found = engine.search(rows, pd, metric=m, k=k, budget=budget, precision=prec)
             else:
-                value[i], index[i] = engine.topk(
-                    rows, pd, metric=m, k=k, budget=budget, precision=prec, prepared=prepared
-                )
+                found = engine.topk(rows, pd, metric=m, k=k, budget=budget, precision=prec, prepared=prepared)
+            with own_thread():  # no OpenMP team woken to spin after a threaded search
+                value[i], index[i] = found
     return value, index
 
 

@@ -291,13 +291,17 @@ def topk(
     nb = b.shape[0] if rows_b is None else rows_b.numel()
     device = a.device
     strategy = choose(precision, metric, k, device)
-    value = torch.full((na, k), math.nan, dtype=precision.dtype, device=device)
-    index = torch.full((na, k), -1, dtype=torch.int64, device=device)
+    workers = tile_workers(device, na)
+    # with workers, the caller's own operators run on itself alone: its OpenMP threads, once
+    # woken, spin on the cores the workers take (9% of a two-thread search's CPU at 96x96x64)
+    alone = own_thread if workers > 1 else contextlib.nullcontext
+    with alone():
+        value = torch.full((na, k), math.nan, dtype=precision.dtype, device=device)
+        index = torch.full((na, k), -1, dtype=torch.int64, device=device)
     if stats is not None:
         stats.update(rows=na, candidates=0, most=0, fallback=0)
     if na == 0 or nb == 0:
         return value, index
-    workers = tile_workers(device, na)
     dims, plan = _plan(
         strategy,
         na,
@@ -314,10 +318,7 @@ def topk(
         share=share_size(na, workers, strategy.items_per_worker) if workers > 1 else None,
         workers=workers,
     )
-    # with workers, the caller's own operators run on itself alone: its OpenMP threads, once
-    # woken, spin on the cores the workers take (9% of a two-thread search's CPU at 96x96x64)
-    alone = own_thread() if workers > 1 else contextlib.nullcontext()
-    with torch.inference_mode(), strict_products(device), alone:
+    with torch.inference_mode(), strict_products(device), alone():
         top_a = peak(a, rows_a, plan.tile_a, workers)
         if prepared is not None:
             scale = common_scale(max(top_a, prepared.peak))

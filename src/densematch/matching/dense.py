@@ -26,6 +26,7 @@ from ..config import resolve_memory
 from ..metrics import Metric, get_metric
 from ..precision import Precision, resolve_precision
 from ..progress import progress_bar
+from ..threads import own_thread
 from .options import MatchOptions
 from .subpixel import refine_positions
 
@@ -431,32 +432,37 @@ def solve(task: Task, forward: Forward, backward: Backward) -> Matches:
     a row that may not be chosen). The filters and the packing are the same however those two
     are computed (one process, or shards of a sharded search)."""
     nbatch, na, k = task.nbatch, task.na, task.k
-    index = torch.full((nbatch, na, k), -1, dtype=torch.int64, device=task.ra.device)
-    score = torch.full((nbatch, na, k), float("nan"), dtype=task.precision.dtype, device=task.ra.device)
-    valid = torch.zeros((nbatch, na, k), dtype=torch.bool, device=task.ra.device)
+    # the results' own passes over (na, k) run on this thread alone, so that they wake no OpenMP
+    # team to spin on the cores a threaded search takes (threads.own_thread)
+    with own_thread():
+        index = torch.full((nbatch, na, k), -1, dtype=torch.int64, device=task.ra.device)
+        score = torch.full((nbatch, na, k), float("nan"), dtype=task.precision.dtype, device=task.ra.device)
+        valid = torch.zeros((nbatch, na, k), dtype=torch.bool, device=task.ra.device)
     for i in range(nbatch):
         rows_a = task.rows(0, i)
         v, idx = forward(i, rows_a, task.k_rank)
-        ok = idx >= 0
-        if task.ratio is not None:
-            pair_v, pair_i = (v[:, :2], idx[:, :2]) if task.exclude_radius is None else _runner_up(v, idx, task)
-            ok &= _passes_ratio(task.metric.ratio_distance(pair_v), pair_i, task.ratio)[:, None]
-        v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
-        if task.mutual:
-            owner = backward(i, rows_a)
-            me = torch.arange(na, device=idx.device) if rows_a is None else rows_a
-            ok &= owner[idx.clamp_min(0)] == me[:, None]
-        target = slice(None) if rows_a is None else rows_a
-        index[i, target] = idx
-        score[i, target] = v
-        valid[i, target] = ok
+        owner = backward(i, rows_a) if task.mutual else None
+        with own_thread():
+            ok = idx >= 0
+            if task.ratio is not None:
+                pair_v, pair_i = (v[:, :2], idx[:, :2]) if task.exclude_radius is None else _runner_up(v, idx, task)
+                ok &= _passes_ratio(task.metric.ratio_distance(pair_v), pair_i, task.ratio)[:, None]
+            v, idx, ok = v[:, :k], idx[:, :k], ok[:, :k]
+            if owner is not None:
+                me = torch.arange(na, device=idx.device) if rows_a is None else rows_a
+                ok &= owner[idx.clamp_min(0)] == me[:, None]
+            target = slice(None) if rows_a is None else rows_a
+            index[i, target] = idx
+            score[i, target] = v
+            valid[i, target] = ok
     shape = (*((nbatch,) if task.batched else ()), *task.grid_a, *((k,) if k > 1 else ()))
     index, score, valid = (t.reshape(shape) for t in (index, score, valid))
     coords = None
     if task.layout != "flat":
         width = task.grid_b[1]
-        coords = torch.stack((index.div(width, rounding_mode="floor"), index.remainder(width)), dim=-1)
-        coords = torch.where(index[..., None] >= 0, coords, -1)
+        with own_thread():
+            coords = torch.stack((index.div(width, rounding_mode="floor"), index.remainder(width)), dim=-1)
+            coords = torch.where(index[..., None] >= 0, coords, -1)
     return Matches(index=index, coords=coords, score=score, valid=valid)
 
 
