@@ -7,7 +7,6 @@ so exact ties and near-ties are settled by the direct form as in the plain searc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -78,20 +77,19 @@ class KernelSearch(HalfSearch):
         """The re-scoring chunk's bytes (the kernel needs no score block)."""
         return torch.empty(ta * rescore_bytes(self.a.shape[1]), dtype=torch.uint8, device=self.a.device)
 
-    def _run(
-        self, q: torch.Tensor, refs: Callable[[int, int], torch.Tensor], k: int, cert: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel over every reference tile: (m, slots) running scores and int32 indices."""
+    def _run(self, q: torch.Tensor, k: int, cert: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel over every reference tile: (m, slots) running scores and int32 indices.
+        Each tile's half rows and (certified) bound terms come from one preparation
+        (:meth:`HalfSearch._sides`: no centre, no bias here)."""
         m = q.shape[0]
         slots = max(2, 1 << (k - 1).bit_length())
         val = torch.full((m, slots), -math.inf, dtype=torch.float32, device=q.device)
         idx = torch.full((m, slots), -1, dtype=torch.int32, device=q.device)
         from ..kernels.topk import topk_launch
 
+        side = self._sides(None, bound=bool(cert))
         for j in range(0, self.nb, self.tile_b):
-            stop = min(j + self.tile_b, self.nb)
-            r = refs(j, stop)
-            terms = self._ref_terms(j, stop, r) if cert else None
+            r, terms, _ = side(j, min(j + self.tile_b, self.nb))
             topk_launch(q, r, val, idx, k=k, offset=j, bias=self.metric.extra_columns == 1, ref_terms=terms, **cert)
         return val, idx
 
@@ -106,7 +104,7 @@ class KernelSearch(HalfSearch):
                 "count": torch.zeros(m, dtype=torch.int32, device=q.device),
                 "cand": torch.full((m, self.cap_rows), -1, dtype=torch.int32, device=q.device),
             }
-        val, idx = self._run(qh, self._half_refs, k, cert)
+        val, idx = self._run(qh, k, cert)
         if not self.cap_rows:
             best_v.copy_(val[:, :k])
             best_i.copy_(idx[:, :k])

@@ -302,11 +302,6 @@ class HalfSearch(Strategy):
             return self.whole_h[start:stop]
         return self._grouped(self._prepare_refs(start, stop), start).to(self.half)
 
-    def _ref_terms(self, start: int, stop: int, half_refs: torch.Tensor) -> torch.Tensor:
-        if self.whole_t is not None:
-            return self.whole_t[start:stop]
-        return self._terms(self._grouped(self._prepare_refs(start, stop), start), half_refs)
-
     def _norms(self, x: torch.Tensor, h: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`densematch.precision.row_norms` of ``(x, h, u)``: in one C pass for bfloat16
         half rows on a CPU with the C kernels (at C=1536, 4-5 passes of torch's over the rows
