@@ -40,6 +40,12 @@ SCRIPTS = {
         "smoke",
     ),
     "gpu, on the CPU": ("suites/gpu.py", ["--small", "--device", "cpu"], None),
+    # the A/B of two revisions, on its smallest same-scene case at two threads, against HEAD
+    "bench_versions": (
+        "suites/bench_versions.py",
+        ["--against", "HEAD", "--only", "same-scene 96x96x64 cosine", *"--rounds 1 --repeats 1 --threads 2".split()],
+        "smoke",
+    ),
 }
 
 

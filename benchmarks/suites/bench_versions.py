@@ -1,6 +1,6 @@
 """This checkout against an earlier revision, side by side: the match and distance tables.
 
-Run: python benchmarks/suites/bench_versions.py --against REV [--rounds 3] [--repeats 5]
+Run: python benchmarks/suites/bench_versions.py --against REV [--rounds 3] [--repeats 5] [--threads T]
 
 REV's src/ is exported with ``git archive`` into a temporary folder. Every (case, version) runs
 in its own subprocess with its own ``src`` first on ``sys.path``, so each imports its own
@@ -8,6 +8,9 @@ densematch; the versions alternate within each round (A B, then B A) so that dri
 machine falls on both. A subprocess times ``repeats`` calls after a warm-up call; the table
 gives, per case, the median over rounds of those medians, and the ratio this / REV (below 1:
 this checkout is faster). Only the public API is called, so any two revisions compare.
+"scene" cases match two overlapping crops of one photograph
+(:func:`densematch.app.synthetic.same_scene_pair`: the hard case for the certified search) with
+``match``'s defaults; ``--threads`` sets torch's thread count in each subprocess (default: torch's).
 """
 
 from __future__ import annotations
@@ -34,13 +37,20 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {src!r})
     import torch, densematch
     assert densematch.__file__.startswith({src!r}), densematch.__file__
-    kind, args, repeats = {kind!r}, {args!r}, {repeats}
+    kind, args, repeats, threads = {kind!r}, {args!r}, {repeats}, {threads}
+    if threads:
+        torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     wrong = None
     if kind == "match":
         h, w, c, metric, k, mutual = args
         a, b = torch.randn(h, w, c, generator=g), torch.randn(h, w, c, generator=g)
         run = lambda: densematch.match(a, b, metric=metric, k=k, mutual=mutual)
+    elif kind == "scene":
+        from densematch.app.synthetic import same_scene_pair
+        h, w, c, metric, k = args
+        a, b = same_scene_pair(h, w, c)
+        run = lambda: densematch.match(a, b, metric=metric, k=k)
     elif kind == "rows":
         # flat rows of a kind (noise, photo patches, clusters far from the mean, small integers)
         # and the rows whose picks score worse than the float64 direct form's k-th best
@@ -102,6 +112,13 @@ MATCH = [
     ("match", (96, 96, 32, "l1", 1, False)),
     ("match", (160, 160, 64, "l1", 1, False)),
 ]
+# same-scene features (raw colour patches of two overlapping crops), match's defaults
+SCENE = [
+    ("scene", (96, 96, 64, "cosine", 1)),
+    ("scene", (96, 96, 64, "l2", 8)),
+    ("scene", (80, 80, 256, "l2", 8)),
+    ("scene", (56, 56, 768, "cosine", 8)),
+]
 # flat rows through match(precision="float32"), with the rows answered wrongly: ordinary inputs,
 # and those whose candidates outgrow the near-tie cap (issue 27)
 ROWS = [
@@ -134,8 +151,8 @@ def export(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def run_case(src: Path, kind: str, args: tuple, repeats: int) -> dict:
-    code = CHILD.format(src=str(src), kind=kind, args=args, repeats=repeats)
+def run_case(src: Path, kind: str, args: tuple, repeats: int, threads: int = 0) -> dict:
+    code = CHILD.format(src=str(src), kind=kind, args=args, repeats=repeats, threads=threads)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir()
@@ -149,6 +166,9 @@ def describe(kind: str, args: tuple) -> str:
     if kind == "match":
         h, w, c, metric, k, mutual = args
         return f"match {h}x{w}x{c} {metric} k={k}" + (" mutual" if mutual else "")
+    if kind == "scene":
+        h, w, c, metric, k = args
+        return f"match same-scene {h}x{w}x{c} {metric} k={k}"
     if kind == "rows":
         data, na, nb, c, metric, k = args
         return f"rows {data} {na}x{nb}x{c} {metric} k={k} float32"
@@ -165,9 +185,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="one match and one distance case")
     p.add_argument("--only", default="", help="only the cases whose name contains this")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in each subprocess (0: torch's default)")
     p.add_argument("--name", default="versions")
     args = p.parse_args()
-    cases = [MATCH[0], DISTANCE[0]] if args.quick else MATCH + ROWS + DISTANCE
+    cases = [MATCH[0], DISTANCE[0]] if args.quick else MATCH + SCENE + ROWS + DISTANCE
     cases = [(kind, case) for kind, case in cases if args.only in describe(kind, case)]
     this = ROOT / "src"
     rows = []
@@ -179,7 +200,7 @@ def main() -> None:
             for r in range(args.rounds):
                 order = [("this", this), ("old", old)] if r % 2 == 0 else [("old", old), ("this", this)]
                 for label, src in order:
-                    got = run_case(src, kind, case, args.repeats)
+                    got = run_case(src, kind, case, args.repeats, args.threads)
                     times[label].append(got["seconds"])
                     wrong[label] = got["wrong"]
             new_s, old_s = statistics.median(times["this"]), statistics.median(times["old"])
@@ -191,6 +212,8 @@ def main() -> None:
                 f"wrong rows {wrong['this']} / {wrong['old']}"
             )
     info = machine()
+    if args.threads:
+        info["torch_threads"] = args.threads
     path = save(args.name, {"machine": info, "command": " ".join(sys.argv), "against": args.against, "rows": rows})
     print(f"\nmachine: {info}\nsaved {path}")
     print(
