@@ -11,6 +11,8 @@ from densematch.alignment.search import _best_shifts, candidate_rule, pick_candi
 from densematch.app.synthetic import PHOTOS, SIZES, alignment_cases, reference_warp
 from densematch.kernels import native, ops_for
 
+from .._threads import torch_threads
+
 needs_c = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 
 
@@ -222,6 +224,40 @@ class TestAlign:
             t[:, None].expand(3, 3, 100, 100), x[:, None].expand(3, 3, 125, 125), template_mask=torch.ones(3, 100, 100)
         )
         assert torch.allclose(rgb.scale_w, a.scale_w, atol=1e-4) and rgb.warped.shape == (3, 3, 100, 100)
+
+    @pytest.mark.parametrize("kernel", ["auto", "torch"])
+    def test_a_batch_shared_over_threads_is_searched_as_one_as_on_one_thread(self, kernel, monkeypatch):
+        # a smooth photograph's template alone takes a coarser pyramid than a noise texture's;
+        # shared out one pair a worker, each share once took its own, and their landscapes (9 x 9
+        # and 15 x 15 scales) could not be joined. The noise pair, 8x brighter, also has its own
+        # unit amplitude (torch's path searches a share at one unit: now the batch's)
+        from skimage import data
+
+        from densematch.alignment import api
+        from densematch.alignment.api import _levels
+
+        cam = torch.as_tensor(data.camera(), dtype=torch.float32)[None, None] / 255
+        noise = 8 * torch.rand(1, 1, 160, 160, generator=torch.Generator().manual_seed(0))
+        img = torch.cat([cam[:, :, 100:260, 100:260], noise])
+        tpl = img[:, :, 30:130, 40:140].clone()
+        assert _levels(tpl[:1], None) != _levels(tpl[1:], None)
+        units = []
+        centred = api._centred
+
+        def spy(t4, x4, unit=None):
+            out = centred(t4, x4, unit)
+            units.append(out[3])
+            return out
+
+        monkeypatch.setattr(api, "_centred", spy)
+        with config_context(kernel=kernel):
+            with torch_threads(2):
+                two = align(tpl, img)
+            assert len(set(units)) == 1, units  # (where torch's steps search: C's own is each pair's)
+            with torch_threads(1):
+                one = align(tpl, img)
+        for field in ("scale_h", "scale_w", "shift_y", "shift_x", "error", "landscape", "warped"):
+            assert torch.equal(getattr(two, field), getattr(one, field)), field
 
     def test_memory_bounds_the_search_in_chunks(self):
         from densematch.alignment.search import downsample, grid_search, scale_grid

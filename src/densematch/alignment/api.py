@@ -271,16 +271,19 @@ def _check_pair_finite(t: torch.Tensor, x: torch.Tensor, *, template: bool = Tru
         check_finite(t, "template")
 
 
-def _centred(t4: torch.Tensor, x4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+def _centred(
+    t4: torch.Tensor, x4: torch.Tensor, unit: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """``t4`` and ``x4`` less the image's mean level (B, C, 1, 1), both at unit amplitude, with
     that level and the unit. Every objective is blind to a level both share (a bilinear sample
     of a constant is that constant), and the grid's expanded sums (T^2 - 2 T S + S^2, window
     sums of S and S^2) would lose a texture of 0.01 on a level of 500 to float32's rounding.
     The unit is a power of two, so exact: the search's and the refinement's fixed epsilons then
-    mean the same for images of any amplitude or dtype."""
+    mean the same for images of any amplitude or dtype. ``unit``: the one to use (a whole batch's)."""
     level = x4.mean((2, 3), keepdim=True)
     t4, x4 = t4 - level, x4 - level
-    unit = _unit_scale(t4, x4)
+    if unit is None:
+        unit = _unit_scale(t4, x4)
     return t4 * unit, x4 * unit, level, unit
 
 
@@ -638,10 +641,16 @@ def _search_pairs(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
     step = share_size(b, workers) if workers > 1 else b
     starts = range(0, b, step)
     parts: dict[int, _Found] = {}
+    # what the pairs share is the whole batch's, so that every share searches the same grids at
+    # the same amplitude and no answer depends on the thread count: the pyramid (its coarsest
+    # level suits every template: a share's own could be coarser, and its grid smaller) and the
+    # unit that torch's steps search at (:func:`_centred`)
+    levels = _levels(t, None if settings.uniform else mask, settings.in_c)
+    unit = None if len(starts) == 1 else _centred(t, x)[3]
 
     def search(i: int) -> None:
         part = slice(starts[i], starts[i] + step)
-        parts[i] = _search(t[part], x[part], mask[part], settings)
+        parts[i] = _search(t[part], x[part], mask[part], settings, levels, unit)
 
     share_out(range(len(starts)), search, workers, name="densematch-align")
     if len(starts) == 1:
@@ -733,13 +742,21 @@ def _band_dft(h: int, w: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(rows), torch.from_numpy(cols)
 
 
-def _search(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
+def _search(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    settings: _Settings,
+    levels: list[int] | None = None,
+    unit: float | None = None,
+) -> _Found:
     """The pairs' search, in their own units: in C where it runs (:func:`_search_c`), else step by
-    step in torch at unit amplitude (:func:`_centred`, :func:`_search_steps`)."""
+    step in torch at unit amplitude (:func:`_centred`, :func:`_search_steps`). ``levels`` and
+    ``unit``: the pyramid's and the amplitude's, where the pairs are a share of a batch's."""
     if settings.in_c:
-        return _search_c(t, x, mask, settings)
-    tu, xu, level, unit = _centred(t, x)
-    return _own_units(_search_steps(tu, xu, mask, settings), level, unit, settings.objective)
+        return _search_c(t, x, mask, settings, levels, unit)
+    tu, xu, level, unit = _centred(t, x, unit)
+    return _own_units(_search_steps(tu, xu, mask, settings, levels), level, unit, settings.objective)
 
 
 def _own_units(found: _Found, level: torch.Tensor, unit: float, objective: str) -> _Found:
@@ -755,11 +772,15 @@ def _own_units(found: _Found, level: torch.Tensor, unit: float, objective: str) 
     return found
 
 
-def _search_steps(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
+def _search_steps(
+    t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings, levels: list[int] | None = None
+) -> _Found:
     """align's search step by step, in torch (``settings.in_c``: the grid and the refinements
-    in C, each a call of its own, as :func:`_search_c` takes them in one)."""
+    in C, each a call of its own, as :func:`_search_c` takes them in one); ``levels``: the
+    pyramid's (:func:`_levels`, by default of these pairs)."""
     b, c, h, w = t.shape
-    levels = _levels(t, None if settings.uniform else mask, settings.in_c)
+    if levels is None:
+        levels = _levels(t, None if settings.uniform else mask, settings.in_c)
     pyramid = {1: (t, x, mask)}
     for f in levels[-2::-1]:  # 2, 4, ...: each level halves the one below it
         tb, xb, mb = pyramid[f // 2]
@@ -801,13 +822,22 @@ def _search_steps(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings
     return _Found(sh, sw, sy, sx, err[pick], warped, landscape, shifts * coarse, grid_h, grid_w)
 
 
-def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _Settings) -> _Found:
+def _search_c(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    settings: _Settings,
+    levels: list[int] | None = None,
+    unit: float | None = None,
+) -> _Found:
     """:func:`_search_steps` in one call of C (:func:`densematch.kernels.native.align_search`: the
     same steps from the pyramid to the warp, pair by pair, each at unit amplitude), in the pairs'
     own units; the grid too for uniform weights where its products cost less than transforms,
-    else the minima of torch's chunks at unit amplitude (:func:`grid_minima`)."""
+    else the minima of torch's chunks at unit amplitude (:func:`grid_minima`). ``levels`` and
+    ``unit`` as :func:`_search` takes them."""
     b, c, h, w = t.shape
-    levels = _levels(t, None if settings.uniform else mask, True)  # blind to a level and an amplitude
+    if levels is None:  # (blind to a level and an amplitude)
+        levels = _levels(t, None if settings.uniform else mask, True)
     coarse = levels[0]
     small = (b, c, h // coarse, w // coarse)  # the coarsest level: each halving floors
     small_x = (b, c, x.shape[-2] // coarse, x.shape[-1] // coarse)
@@ -818,7 +848,7 @@ def _search_c(t: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, settings: _S
     given, back = None, None
     if setup.grid.taps is None:  # the grid's minima from torch's chunks, at unit amplitude as C searches
         _check_pair_finite(t, x)  # before torch's steps, where C would have checked them first
-        t, x, level, unit = _centred(t, x)
+        t, x, level, unit = _centred(t, x, unit)
         back = (level, unit)
         tc, xc = downsample(t, coarse), downsample(x, coarse)
         mc = None if weights is None else downsample(_distinct(mask), coarse)
