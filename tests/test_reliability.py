@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import contextvars
+import math
 import multiprocessing
 import threading
 
@@ -40,6 +41,26 @@ class TestInputs:
     def test_complex_masks_are_refused(self):
         with pytest.raises(TypeError, match="mask_a must be a boolean mask"):
             densematch.match(torch.randn(3, 3, 2), torch.randn(3, 3, 2), mask_a=torch.ones(3, 3, dtype=torch.complex64))
+
+    @pytest.mark.parametrize("shape", [(70000, 8), (1, 70000, 8), (3, 30000, 8), (2, 4, 300, 300)])
+    def test_a_nan_or_inf_anywhere_is_found_by_the_checks_shared_out_chunks(self, shape):
+        # on two threads check_finite cuts each leading slice's rows into shares for the workers
+        # (at least 2^18 values each): the first value, the last, and one at a share's edge
+        from densematch.checks import check_finite
+
+        x = torch.zeros(shape)
+        flat = x.view(-1)
+        with _torch_threads(2):
+            check_finite(x, "x")
+            for at in (0, flat.numel() - 1, 2**18, flat.numel() // 2 + 1):
+                for bad in (math.nan, math.inf):
+                    flat[at] = bad
+                    with pytest.raises(ValueError, match="x must hold only finite values"):
+                        check_finite(x, "x")
+                    rows = x.reshape(-1, shape[-1])
+                    keep = torch.ones(rows.shape[0], dtype=torch.bool)
+                    check_finite(rows, "x", mask=keep.index_fill(0, torch.tensor([at // shape[-1]]), False))
+                    flat[at] = 0.0
 
     def test_nan_under_a_mask_is_never_read(self):
         # ragged batches padded with NaN under a mask: only the kept pixels must be finite

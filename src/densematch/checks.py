@@ -127,7 +127,7 @@ def check_finite(x: torch.Tensor, name: str, mask: torch.Tensor | None = None) -
     step = max(1, _FINITE_CHUNK // per_slice)
     workers = workers_for(x.device)
     if workers > 1:
-        step = min(step, max(_FINITE_SHARE // per_slice, share_size(x.shape[0] * blocks[0].shape[0], workers)))
+        step = min(step, max(_FINITE_SHARE // per_slice, share_size(len(blocks) * blocks[0].shape[0], workers)))
 
     def check(item: tuple[torch.Tensor, int]) -> None:
         block, start = item
