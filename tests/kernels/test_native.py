@@ -463,6 +463,11 @@ class TestBuild:
             "        native.merge_certified(hb[:, j:j + 350], j, bv, bi, qt, rt[j:j + 350], None, 2**-8, listed)\n"
             "    for t in (bv, bi, listed.over, *listed.reaching(torch.full((24,), -float('inf')))):\n"
             "        h.update(t.numpy().tobytes())\n"
+            # the references' groups in one pass: a short last group, an extra column, a tail of columns
+            "rr = torch.randn(75, 21, generator=g) * 3 + 10\n"
+            "hh = torch.empty(75, 21, dtype=torch.bfloat16)\n"
+            "for t in (*native.group_rows(rr, 20, hh), hh.view(torch.int16)):\n"
+            "    h.update(t.numpy().tobytes())\n"
             "print(native.status()['level'], h.hexdigest())\n"
         )
         # the levels side by side: this CPU's own level loads the run-time build this process
@@ -655,6 +660,45 @@ def test_row_norms_equal_float64_and_torchs(n, c, with_u, strided, poisoned, see
     close = dict(rtol=2.0**-22, atol=0.0)
     assert torch.allclose(got.double()[finite], want[finite], **close)
     assert torch.allclose(torch_form.double()[finite], want[finite], rtol=2.0**-20, atol=0.0)
+
+
+@needs_library
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 100),
+    c=st.integers(1, 40),
+    extra=st.integers(0, 1),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_group_rows_are_the_torch_forms_of_their_own_centres(n, c, extra, strided, seed):
+    # one C pass for the certified search's reference groups: the centres are the groups' means
+    # (float64's, within float32's summation), and given those centres, the half rows are torch's
+    # rounding of the rows less them, the norms native.row_norms' of them (the bound's terms), and
+    # the body's norms float64's; a short last group, an extra (l2) column, strided rows
+    from densematch.kernels.c_engine import GROUP
+
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(n, c + extra + 2, generator=g) * 3 + torch.randn(1, c + extra + 2, generator=g) * 20
+    r = wide[:, 1 : c + extra + 1] if strided else wide[:, : c + extra].contiguous()
+    halves = torch.empty(n, c + extra, dtype=torch.bfloat16)
+    centres, norms, both = native.group_rows(r, c, halves)
+    body = r[:, :c]
+    groups = -(-n // GROUP)
+    owner = torch.arange(n) // GROUP
+    want = torch.stack([body[owner == i].double().mean(0) for i in range(groups)])
+    assert centres.shape == (groups, c)
+    assert torch.allclose(centres.double(), want, rtol=0, atol=float(GROUP * 2.0**-23 * body.abs().max()))
+    d = body - centres[owner]  # in float32, as the C pass and torch's _grouped make it
+    assert torch.equal(halves[:, :c].view(torch.int16), d.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(halves[:, c:].view(torch.int16), r[:, c:].to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(norms, native.row_norms(d, halves[:, :c].contiguous()))
+    assert torch.equal(both[:, 1], norms[:, 0])
+    assert torch.allclose(both[:, 0].double(), body.double().norm(dim=1), rtol=2.0**-22, atol=0)
+    # a row that overflows its norm, or a NaN: no groups from C (torch's form takes the rows)
+    r2 = r.clone()
+    r2[n // 2, 0] = math.inf if seed % 2 else math.nan
+    assert native.group_rows(r2, c, halves) is None
 
 
 @needs_library

@@ -234,6 +234,19 @@ class HalfSearch(Strategy):
         def block(j: int) -> None:  # references j:j + step, a whole number of groups from j
             refs = self._prepare_refs(j, min(j + step, self.nb))
             body = self._body(refs)
+            if halves is not None and self.ops.c:
+                # one C pass leaves the centres, the half rows and every norm, where torch's
+                # operators make seven passes over the block (issue 39: most of the set-up)
+                h = halves[j : j + refs.shape[0]]
+                made = native.group_rows(refs, body.shape[1], h)
+                if made is not None:
+                    t, norms, norm_pairs = made
+                    both = norm_pairs.new_zeros(t.shape[0] * size, 2)
+                    both[: body.shape[0]] = norm_pairs
+                    parts[j] = t, both.view(t.shape[0], size, 2).amax(1), norm_pairs[:, 0]
+                    if terms is not None:
+                        terms[j : j + refs.shape[0]] = self._terms(refs, h, norms)
+                    return
             t = group_centres(body, size)
             both = torch.zeros(t.shape[0] * size, 2, dtype=body.dtype, device=body.device)
             torch.linalg.vector_norm(body, dim=1, out=both[: body.shape[0], 0])
@@ -310,14 +323,15 @@ class HalfSearch(Strategy):
             return native.row_norms(x, h, u)
         return row_norms(x, h, u)
 
-    def _terms(self, refs: torch.Tensor, half_refs: torch.Tensor) -> torch.Tensor:
+    def _terms(self, refs: torch.Tensor, half_refs: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
         """The references' bound terms: of every column, or with the l2 bias apart, of the body
-        columns plus the float32 rounding of adding the bias (in the per-reference term)."""
+        columns plus the float32 rounding of adding the bias (in the per-reference term).
+        ``norms``: the body columns' :meth:`_norms`, where made already."""
         if not self.split:
-            return ref_terms(refs, half_refs, norms=self._norms(refs, half_refs))
+            return ref_terms(refs, half_refs, norms=self._norms(refs, half_refs) if norms is None else norms)
         c = refs.shape[1] - 1
         body, half_body = refs[:, :c], half_refs[:, :c]
-        terms = ref_terms(body, half_body, norms=self._norms(body, half_body))
+        terms = ref_terms(body, half_body, norms=self._norms(body, half_body) if norms is None else norms)
         terms[:, 2] += _BIAS_ROUNDING * refs[:, c].abs()
         return terms
 

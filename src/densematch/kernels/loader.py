@@ -59,7 +59,7 @@ SOURCES = kernel_build.SOURCES
 HEADER = kernel_build.HEADER
 # the dm_abi.h these bindings were written against (DM_ABI_VERSION); a library built from other
 # declarations is refused
-ABI_VERSION = 8
+ABI_VERSION = 9
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _status: dict[str, str] = {}  # why the library could not be loaded, once it was tried
 

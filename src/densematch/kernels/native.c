@@ -540,6 +540,85 @@ void dm_row_norms_bf16(const float *x, int64_t ldx, const uint16_t *h, int64_t l
     }
 }
 
+/* float32 to bfloat16, rounded to nearest even as torch rounds (NaN to its one quiet NaN) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The certified search's reference groups in one pass over the references' rows
+ * (densematch.engine.half: HalfSearch._group_centres), where torch's operators make seven: rows
+ * r (n x c body columns, row stride ldr, then `extra` columns) in groups of `size` consecutive
+ * rows from row 0 (the last may be shorter). centres (G x c): each group's mean, its rows added
+ * in order in float32 and the sum divided by their count. halves (n x (c + extra), row stride
+ * ldh): each body row less its group's centre (fl(b - t)) and the extra columns as they are,
+ * rounded to bfloat16 as torch rounds. norms (n x 4): |d|, |h|, |h - d| and 0 of the body
+ * columns of d = b - t and h, as dm_row_norms_bf16 makes them; both (n x 2): |b| and |d|. Each
+ * group's rows are read again from the cache it has just filled. The same bits on every level (the
+ * sums go in row order, column by column; the norms as dm_row_norms_bf16's). Returns 1 where a
+ * centre or a norm is not finite (the caller's torch form then takes the rows), 2 where its
+ * scratch cannot be allocated, else 0. */
+int dm_group_bf16(const float *r, int64_t ldr, int64_t n, int64_t c, int64_t extra, int64_t size, float *centres,
+                  uint16_t *halves, int64_t ldh, float *norms, float *both) {
+    float *d = malloc(sizeof(float) * (size_t)(c > 0 ? c : 1));
+    if (!d) return 2;
+    int bad = 0;
+    for (int64_t g0 = 0, gi = 0; g0 < n; g0 += size, gi++) {
+        const int64_t rows = n - g0 < size ? n - g0 : size;
+        float *t = centres + gi * c;
+        for (int64_t j = 0; j < c; j++) t[j] = 0.0f;
+        for (int64_t i = 0; i < rows; i++) {
+            const float *b = r + (g0 + i) * ldr;
+            for (int64_t j = 0; j < c; j++) t[j] += b[j];
+        }
+        const float count = (float)rows;
+        for (int64_t j = 0; j < c; j++) {
+            t[j] /= count;
+            bad |= !isfinite(t[j]);
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t row = g0 + i;
+            const float *b = r + row * ldr;
+            uint16_t *h = halves + row * ldh;
+            dm_v4d ab[2] = {{0}}, ad[2] = {{0}}, ah[2] = {{0}}, aw[2] = {{0}};
+            double tb[8] = {0}, td[8] = {0}, th[8] = {0}, tw[8] = {0}; /* the last columns' lanes */
+            for (int64_t j = 0; j < c; j++) {
+                d[j] = b[j] - t[j];
+                h[j] = f32_to_bf16(d[j]);
+            }
+            for (int64_t j = c; j < c + extra; j++) h[j] = f32_to_bf16(b[j]);
+            int64_t j = 0;
+            for (; j + 8 <= c; j += 8) {
+                float hv[8], wv[8];
+                const vec_f32 w = widen_bf16(h + j), dw = w - load_f32(d + j); /* in float32, as torch's form */
+                memcpy(hv, &w, sizeof hv);
+                memcpy(wv, &dw, sizeof wv);
+                add_squares8(ab, b + j);
+                add_squares8(ad, d + j);
+                add_squares8(ah, hv);
+                add_squares8(aw, wv);
+            }
+            for (; j < c; j++) {
+                const float w = bf16_to_f32(h[j]);
+                const double x = b[j], y = d[j], z = w, e = w - d[j];
+                tb[j % 8] += x * x, td[j % 8] += y * y, th[j % 8] += z * z, tw[j % 8] += e * e;
+            }
+            float *out = norms + 4 * row;
+            out[0] = norm_of_lanes(ad, td);
+            out[1] = norm_of_lanes(ah, th);
+            out[2] = norm_of_lanes(aw, tw);
+            out[3] = 0.0f;
+            both[2 * row] = norm_of_lanes(ab, tb);
+            both[2 * row + 1] = out[0];
+            bad |= !isfinite(both[2 * row]) || !isfinite(out[0]) || !isfinite(out[1]) || !isfinite(out[2]);
+        }
+    }
+    free(d);
+    return bad;
+}
+
 /* A bfloat16 score tile (m x n, row stride lds) merged into a float32 running top-k, as dm_merge
  * does (equal scores to the lower column, in any tile order), for precision="fast": chunks of 32
  * scores widened to float32 (a shift each), plus bias[c] where given (the l2 column and the
