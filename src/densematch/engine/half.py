@@ -234,7 +234,7 @@ class HalfSearch(Strategy):
         def block(j: int) -> None:  # references j:j + step, a whole number of groups from j
             refs = self._prepare_refs(j, min(j + step, self.nb))
             body = self._body(refs)
-            if halves is not None and self.ops.c:
+            if halves is not None:  # (grouping runs where the C kernels do)
                 # one C pass leaves the centres, the half rows and every norm, where torch's
                 # operators make seven passes over the block (issue 39: most of the set-up)
                 h = halves[j : j + refs.shape[0]]
