@@ -235,7 +235,6 @@ def test_group_centres_skip_rows_that_are_not_finite():
 
 
 @pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="needs the C kernels")
-@pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32), reason="needs the C kernels")
 def test_references_are_grouped_only_where_their_neighbours_look_alike(monkeypatch):
     from densematch.app.synthetic import same_scene_pair
 
@@ -252,26 +251,33 @@ def test_references_are_grouped_only_where_their_neighbours_look_alike(monkeypat
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_grouping_blocks_leave_the_grouped_references_half_rows_and_terms(monkeypatch, threads):
+@pytest.mark.parametrize("in_c", [True, False])
+def test_the_grouping_blocks_leave_the_grouped_references_half_rows_and_terms(monkeypatch, threads, in_c):
     # each worker's block of grouped references leaves its bfloat16 rows and bound terms; they
     # are the ones made from every grouped reference at once (the certificate would stay exact
-    # with others, only looser: this checks the blocks themselves)
+    # with others, only looser: this checks the blocks themselves), by the one C pass
+    # (native.group_rows) or, where it declines a block (not finite), by torch's operators
     from densematch.app.synthetic import same_scene_pair
 
-    searches = []
+    searches, passes = [], []
     real = HalfSearch.__init__
+    group_rows = native.group_rows
 
     def spy(self, *args):
         real(self, *args)
         searches.append(self)
 
     monkeypatch.setattr(HalfSearch, "__init__", spy)
+    monkeypatch.setattr(native, "group_rows", lambda *a: passes.append(1) or (group_rows(*a) if in_c else None))
     fa, fb = same_scene_pair(48, 48, 64)
     a, b = fa.reshape(-1, 64), fb.reshape(-1, 64)
     with torch_threads(threads):
         engine.topk(a, b, metric="l2", k=1, budget=2**28, precision=BF16)
     (search,) = searches
     assert search.inputs.workers == threads and search.centres is not None and search.whole is not None
+    assert passes  # every block offered to the C pass
+    if not in_c:
+        assert torch.equal(search.centres, precision.group_centres(search._body(search.whole), native.GROUP))
     grouped = search._grouped(search.whole, 0)
     want_h = grouped.to(torch.bfloat16)
     assert torch.equal(search.whole_h, want_h)
