@@ -240,10 +240,10 @@ class HalfSearch(Strategy):
                 h = halves[j : j + refs.shape[0]]
                 made = native.group_rows(refs, body.shape[1], h)
                 if made is not None:
-                    t, norms, norm_pairs = made
-                    both = norm_pairs.new_zeros(t.shape[0] * size, 2)
-                    both[: body.shape[0]] = norm_pairs
-                    parts[j] = t, both.view(t.shape[0], size, 2).amax(1), norm_pairs[:, 0]
+                    t, norms = made  # |d|, |h|, |h - d|, |b|
+                    both = norms.new_zeros(t.shape[0] * size, 2)
+                    both[: body.shape[0]] = norms[:, [3, 0]]
+                    parts[j] = t, both.view(t.shape[0], size, 2).amax(1), norms[:, 3]
                     if terms is not None:
                         terms[j : j + refs.shape[0]] = self._terms(refs, h, norms)
                     return

@@ -381,13 +381,14 @@ def row_norms(x: torch.Tensor, h: torch.Tensor, u: torch.Tensor | None = None) -
     return out
 
 
-def group_rows(r: torch.Tensor, c: int, halves: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def group_rows(r: torch.Tensor, c: int, halves: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The certified search's reference groups of :data:`GROUP` rows of ``r`` (n, C + extra)
     float32 in one pass: their centres (G, c) (each group's mean of its first ``c`` columns), the
     rows less their group's centre (the extra columns as they are) written to ``halves`` (n, C +
-    extra) in bfloat16, their norms (n, 4) as :func:`row_norms` makes them of the centred body
-    columns and their half copies, and (n, 2) ``|b|`` and ``|b - t|`` of the body columns. None
-    where a centre or a norm is not finite (torch's form handles such rows). On this thread."""
+    extra) in bfloat16, and the norms (n, 4) ``|d|``, ``|h|``, ``|h - d|``, ``|b|`` of the body
+    columns ``b``, ``d = b - t`` and its half copy ``h``, as :func:`row_norms` makes them of
+    ``(d, h, b)``. None where a centre or a norm is not finite (torch's form handles such rows).
+    On this thread."""
     lib = _loaded("group_rows", r, halves)
     _require(r.dtype == torch.float32 and halves.dtype == torch.bfloat16, "r must be float32, halves bfloat16")
     _require(r.dim() == 2 and halves.shape == r.shape and 0 <= c <= r.shape[1], "r and halves: (n, C) of one shape")
@@ -396,14 +397,13 @@ def group_rows(r: torch.Tensor, c: int, halves: torch.Tensor) -> tuple[torch.Ten
     n = r.shape[0]
     centres = torch.empty((-(-n // GROUP), c), dtype=torch.float32)
     norms = torch.empty((n, 4), dtype=torch.float32)
-    both = torch.empty((n, 2), dtype=torch.float32)
     code = lib.dm_group_bf16(
         r.data_ptr(), r.stride(0), n, c, r.shape[1] - c, GROUP, centres.data_ptr(), halves.data_ptr(),
-        halves.stride(0), norms.data_ptr(), both.data_ptr(),
+        halves.stride(0), norms.data_ptr(),
     )  # fmt: skip
     if code == 2:
         raise MemoryError(f"the grouping kernel could not allocate a row of {c} values")
-    return None if code else (centres, norms, both)
+    return None if code else (centres, norms)
 
 
 PAIR_KINDS = {"dot": 0, "sqdiff": 1, "absdiff": 2, "maxabs": 3, "cosine": 4}

@@ -33,7 +33,7 @@ int64_t dm_list_reaching_f64(const int64_t *cols, const double *vals, const int 
 int64_t dm_merge_certified_bf16(const uint16_t *h, int64_t ldh, int64_t m, int64_t n, int64_t offset, const float *bias, const float *gp, int64_t ldg, const float *gq, const float *gt, const float *qt, const float *rt, int64_t ldr, float rounding, float *best_v, int64_t *best_i, int64_t k, int64_t cap, int64_t *cand_cols, float *cand_vals, int *counts, unsigned char *over, float *scratch);
 void dm_merge_bf16(const uint16_t *s, int64_t lds, int64_t m, int64_t n, int64_t offset, float *best_v, int64_t *best_i, int64_t k, const float *bias);
 void dm_row_norms_bf16(const float *x, int64_t ldx, const uint16_t *h, int64_t ldh, const float *u, int64_t ldu, int64_t n, int64_t c, float *out);
-int dm_group_bf16(const float *r, int64_t ldr, int64_t n, int64_t c, int64_t extra, int64_t size, float *centres, uint16_t *halves, int64_t ldh, float *norms, float *both);
+int dm_group_bf16(const float *r, int64_t ldr, int64_t n, int64_t c, int64_t extra, int64_t size, float *centres, uint16_t *halves, int64_t ldh, float *norms);
 void dm_cosine_terms_f32(const float *x, int64_t ldx, int64_t m, int64_t C, float *out);
 void dm_pair_values_f32(const float *q, int64_t ldq, const int64_t *qidx, const float *r, int64_t ldr, const int64_t *idx, int64_t m, int64_t k, int64_t C, int kind, const float *rterms, float *out);
 void dm_cosine_terms_f64(const double *x, int64_t ldx, int64_t m, int64_t C, double *out);

@@ -507,37 +507,38 @@ static inline float norm_of_lanes(const dm_v4d *acc, const double *tail) {
     return (float)sqrt(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
 }
 
+/* one row's norms: out = |x|, |h|, |h - x| and |u| (u NULL: 0) of c columns */
+static inline void row_norms4(const float *x, const uint16_t *h, const float *u, int64_t c, float *out) {
+    dm_v4d ax[2] = {{0}}, ah[2] = {{0}}, ad[2] = {{0}}, au[2] = {{0}};
+    double tx[8] = {0}, th[8] = {0}, td[8] = {0}, tu[8] = {0}; /* the last columns' lanes */
+    int64_t j = 0;
+    for (; j + 8 <= c; j += 8) {
+        float hv[8], dv[8];
+        const vec_f32 w = widen_bf16(h + j), d = w - load_f32(x + j); /* in float32, as torch's form */
+        memcpy(hv, &w, sizeof hv);
+        memcpy(dv, &d, sizeof dv);
+        add_squares8(ax, x + j);
+        add_squares8(ah, hv);
+        add_squares8(ad, dv);
+    }
+    for (int64_t t = j; t < c; t++) {
+        const float w = bf16_to_f32(h[t]);
+        const double a = x[t], b = w, d = w - x[t]; /* (the difference in float32, as above) */
+        tx[t % 8] += a * a, th[t % 8] += b * b, td[t % 8] += d * d;
+    }
+    if (u) {
+        for (j = 0; j + 8 <= c; j += 8) add_squares8(au, u + j);
+        for (int64_t t = j; t < c; t++) tu[t % 8] += (double)u[t] * u[t];
+    }
+    out[0] = norm_of_lanes(ax, tx);
+    out[1] = norm_of_lanes(ah, th);
+    out[2] = norm_of_lanes(ad, td);
+    out[3] = norm_of_lanes(au, tu);
+}
+
 void dm_row_norms_bf16(const float *x, int64_t ldx, const uint16_t *h, int64_t ldh, const float *u, int64_t ldu,
                        int64_t n, int64_t c, float *out) {
-    for (int64_t r = 0; r < n; r++) {
-        const float *xr = x + r * ldx, *ur = u ? u + r * ldu : NULL;
-        const uint16_t *hr = h + r * ldh;
-        dm_v4d ax[2] = {{0}}, ah[2] = {{0}}, ad[2] = {{0}}, au[2] = {{0}};
-        double tx[8] = {0}, th[8] = {0}, td[8] = {0}, tu[8] = {0}; /* the last columns' lanes */
-        int64_t j = 0;
-        for (; j + 8 <= c; j += 8) {
-            float hv[8], dv[8];
-            const vec_f32 w = widen_bf16(hr + j), d = w - load_f32(xr + j); /* in float32, as torch's form */
-            memcpy(hv, &w, sizeof hv);
-            memcpy(dv, &d, sizeof dv);
-            add_squares8(ax, xr + j);
-            add_squares8(ah, hv);
-            add_squares8(ad, dv);
-        }
-        for (int64_t t = j; t < c; t++) {
-            const float w = bf16_to_f32(hr[t]);
-            const double a = xr[t], b = w, d = w - xr[t]; /* (the difference in float32, as above) */
-            tx[t % 8] += a * a, th[t % 8] += b * b, td[t % 8] += d * d;
-        }
-        if (ur) {
-            for (j = 0; j + 8 <= c; j += 8) add_squares8(au, ur + j);
-            for (int64_t t = j; t < c; t++) tu[t % 8] += (double)ur[t] * ur[t];
-        }
-        out[4 * r] = norm_of_lanes(ax, tx);
-        out[4 * r + 1] = norm_of_lanes(ah, th);
-        out[4 * r + 2] = norm_of_lanes(ad, td);
-        out[4 * r + 3] = norm_of_lanes(au, tu);
-    }
+    for (int64_t r = 0; r < n; r++) row_norms4(x + r * ldx, h + r * ldh, u ? u + r * ldu : NULL, c, out + 4 * r);
 }
 
 /* float32 to bfloat16, rounded to nearest even as torch rounds (NaN to its one quiet NaN) */
@@ -554,14 +555,14 @@ static inline uint16_t f32_to_bf16(float f) {
  * rows from row 0 (the last may be shorter). centres (G x c): each group's mean, its rows added
  * in order in float32 and the sum divided by their count. halves (n x (c + extra), row stride
  * ldh): each body row less its group's centre (fl(b - t)) and the extra columns as they are,
- * rounded to bfloat16 as torch rounds. norms (n x 4): |d|, |h|, |h - d| and 0 of the body
- * columns of d = b - t and h, as dm_row_norms_bf16 makes them; both (n x 2): |b| and |d|. Each
- * group's rows are read again from the cache it has just filled. The same bits on every level (the
- * sums go in row order, column by column; the norms as dm_row_norms_bf16's). Returns 1 where a
+ * rounded to bfloat16 as torch rounds. norms (n x 4): |d|, |h|, |h - d| and |b| of the body
+ * columns of d = b - t and h, as dm_row_norms_bf16 makes them of (d, h, b). Each group's rows
+ * are read again from the cache it has just filled. The same bits on every level (the sums go in
+ * row order, column by column; the norms as dm_row_norms_bf16's). Returns 1 where a
  * centre or a norm is not finite (the caller's torch form then takes the rows), 2 where its
  * scratch cannot be allocated, else 0. */
 int dm_group_bf16(const float *r, int64_t ldr, int64_t n, int64_t c, int64_t extra, int64_t size, float *centres,
-                  uint16_t *halves, int64_t ldh, float *norms, float *both) {
+                  uint16_t *halves, int64_t ldh, float *norms) {
     float *d = malloc(sizeof(float) * (size_t)(c > 0 ? c : 1));
     if (!d) return 2;
     int bad = 0;
@@ -582,37 +583,14 @@ int dm_group_bf16(const float *r, int64_t ldr, int64_t n, int64_t c, int64_t ext
             const int64_t row = g0 + i;
             const float *b = r + row * ldr;
             uint16_t *h = halves + row * ldh;
-            dm_v4d ab[2] = {{0}}, ad[2] = {{0}}, ah[2] = {{0}}, aw[2] = {{0}};
-            double tb[8] = {0}, td[8] = {0}, th[8] = {0}, tw[8] = {0}; /* the last columns' lanes */
             for (int64_t j = 0; j < c; j++) {
                 d[j] = b[j] - t[j];
                 h[j] = f32_to_bf16(d[j]);
             }
             for (int64_t j = c; j < c + extra; j++) h[j] = f32_to_bf16(b[j]);
-            int64_t j = 0;
-            for (; j + 8 <= c; j += 8) {
-                float hv[8], wv[8];
-                const vec_f32 w = widen_bf16(h + j), dw = w - load_f32(d + j); /* in float32, as torch's form */
-                memcpy(hv, &w, sizeof hv);
-                memcpy(wv, &dw, sizeof wv);
-                add_squares8(ab, b + j);
-                add_squares8(ad, d + j);
-                add_squares8(ah, hv);
-                add_squares8(aw, wv);
-            }
-            for (; j < c; j++) {
-                const float w = bf16_to_f32(h[j]);
-                const double x = b[j], y = d[j], z = w, e = w - d[j];
-                tb[j % 8] += x * x, td[j % 8] += y * y, th[j % 8] += z * z, tw[j % 8] += e * e;
-            }
             float *out = norms + 4 * row;
-            out[0] = norm_of_lanes(ad, td);
-            out[1] = norm_of_lanes(ah, th);
-            out[2] = norm_of_lanes(aw, tw);
-            out[3] = 0.0f;
-            both[2 * row] = norm_of_lanes(ab, tb);
-            both[2 * row + 1] = out[0];
-            bad |= !isfinite(both[2 * row]) || !isfinite(out[0]) || !isfinite(out[1]) || !isfinite(out[2]);
+            row_norms4(d, h, b, c, out);
+            bad |= !isfinite(out[0]) || !isfinite(out[1]) || !isfinite(out[2]) || !isfinite(out[3]);
         }
     }
     free(d);
