@@ -520,15 +520,13 @@ static inline void row_norms4(const float *x, const uint16_t *h, const float *u,
         add_squares8(ax, x + j);
         add_squares8(ah, hv);
         add_squares8(ad, dv);
+        if (u) add_squares8(au, u + j); /* (each lane's sums in column order however interleaved) */
     }
     for (int64_t t = j; t < c; t++) {
         const float w = bf16_to_f32(h[t]);
         const double a = x[t], b = w, d = w - x[t]; /* (the difference in float32, as above) */
         tx[t % 8] += a * a, th[t % 8] += b * b, td[t % 8] += d * d;
-    }
-    if (u) {
-        for (j = 0; j + 8 <= c; j += 8) add_squares8(au, u + j);
-        for (int64_t t = j; t < c; t++) tu[t % 8] += (double)u[t] * u[t];
+        if (u) tu[t % 8] += (double)u[t] * u[t];
     }
     out[0] = norm_of_lanes(ax, tx);
     out[1] = norm_of_lanes(ah, th);
