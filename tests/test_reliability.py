@@ -202,8 +202,8 @@ class TestNoProcessWideState:
     def test_a_threaded_search_wakes_none_of_the_callers_openmp_threads(self, monkeypatch, call):
         # Where a CPU search shares its tiles out over worker threads, an operator the caller
         # runs on its OpenMP team (before the search: the input checks; after: the results' own
-        # passes) leaves that team spinning on the cores the workers take, about 7 ms a wake-up
-        # on a 2-core Zen 4 (benchmarks/history). Every kernel over at::internal::GRAIN_SIZE
+        # passes) leaves that team spinning on the cores the workers take, about 10 ms of CPU a
+        # call on a 2-core Zen 4 (benchmarks/history). Every kernel over at::internal::GRAIN_SIZE
         # elements on the calling thread must run with one intra-op thread.
         from torch.utils._python_dispatch import TorchDispatchMode
 
